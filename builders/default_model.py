@@ -1,0 +1,613 @@
+"""Build the project's default model: a tiny, seeded, random-weight Qwen2-VL checkpoint.
+
+The checkpoint has the real Qwen2-VL architecture (vision tower + merger + Qwen2 LM with
+M-RoPE), a real byte-level BPE tokenizer with the family's special tokens and chat template,
+and processor configs, so transformers and vLLM load it exactly like a hub download. Weights
+are random, so text is meaningless, but greedy decoding is deterministic: every serving mode
+must produce the same tokens from it.
+
+Everything is generated offline from this file and ``builders/data/corpus.txt``; the same
+seed gives byte-identical files. Weights are saved in the key layout of hub checkpoints
+(``visual.*``, ``model.*``, ``lm_head.*``) as two shards: one holding only the vision weights,
+one only the LM weights, so an encoder process can load just its shard.
+
+CLI: ``python -m builders.default_model [--out DIR] [--seed 0] [--force]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # heavy imports stay lazy: resolve_model runs in every serving process
+    import torch
+    from tokenizers import Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "build" / "models" / "tiny-qwen2-vl"
+CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+# The stamp records a digest of this file and the corpus, so any change to the recipe
+# (sizes, tokenizer, init, file layout) makes existing builds stale without a manual bump.
+STAMP_FILE = "build_stamp.json"
+
+VISION_SHARD = "model-00001-of-00002.safetensors"
+LANGUAGE_SHARD = "model-00002-of-00002.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# The Qwen2-VL family's added tokens, in the family's id order (151643..151656 there,
+# directly after our BPE vocabulary here).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2's pre-tokenizer split (GPT-4 style, digits one by one), as in its tokenizer.json.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen2-VL-Instruct's chat template, verbatim.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# CLIP normalisation, as in Qwen2-VL's preprocessor_config.json.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class ModelDirError(ValueError):
+    """A model directory is not a usable Qwen2-VL checkpoint; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of the default model: small enough for 2 CPU cores, shaped so vLLM accepts it."""
+
+    # 1074 BPE tokens + 14 special tokens = 1088 = 17 * 64: the embedding needs no padding
+    # rows. Padding rows (as real checkpoints have) would be untrained ids that random
+    # weights happily generate and the tokenizer cannot decode. The corpus supports ~1320.
+    bpe_vocab_size: int = 1074
+    hidden_size: int = 128
+    num_attention_heads: int = 2  # head_dim 64: vLLM's CPU attention rejects 16
+    num_key_value_heads: int = 1  # keeps GQA in the picture, as in Qwen2-VL-2B
+    num_hidden_layers: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    mrope_section: tuple[int, int, int] = (16, 8, 8)  # sums to head_dim / 2
+    vision_depth: int = 2
+    vision_embed_dim: int = 128
+    vision_num_heads: int = 2  # vision head_dim 64 too, for the same CPU kernels
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448  # at most 256 image tokens per image on CPU
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(corpus: str, spec: TinySpec) -> Tokenizer:
+    """Train Qwen2's tokenizer pipeline (NFC, regex split, byte-level BPE) on ``corpus``.
+
+    The trainer breaks ties deterministically, so the same corpus gives the same merges in
+    every process. Special tokens are added after training so that they take the ids right
+    after the BPE vocabulary, in the family's order.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tokenizer = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=spec.bpe_vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        # all 256 bytes, so any text (any language, emoji) still encodes
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tokenizer.train_from_iterator([corpus], trainer=trainer)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise RuntimeError(f"tokenizer lacks special tokens {missing}")
+    return ids  # type: ignore[return-value]
+
+
+def tokenizer_config(ids: dict[str, int], spec: TinySpec) -> dict[str, Any]:
+    """tokenizer_config.json as Qwen2-VL-Instruct ships it (eos <|im_end|>, pad <|endoftext|>)."""
+    added = {
+        str(ids[token]): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token in SPECIAL_TOKENS
+    }
+    return {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": spec.max_position_embeddings,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and processor configs
+# ---------------------------------------------------------------------------------------------
+
+
+def model_config(spec: TinySpec, ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
+    """config.json in the flat layout of hub Qwen2-VL checkpoints (what real downloads have)."""
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if sum(spec.mrope_section) * 2 != head_dim:
+        raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "max_window_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": {"type": "mrope", "mrope_section": list(spec.mrope_section)},
+        "sliding_window": spec.max_position_embeddings,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",  # CPU serving; hub configs still use this key
+        "use_cache": True,
+        "vocab_size": vocab_size,
+        "vision_config": {
+            "depth": spec.vision_depth,
+            "embed_dim": spec.vision_embed_dim,
+            "hidden_act": "quick_gelu",
+            "hidden_size": spec.hidden_size,  # the merger projects into the LM's width
+            "in_channels": 3,
+            "mlp_ratio": 4,
+            "num_heads": spec.vision_num_heads,
+            "patch_size": spec.patch_size,
+            "spatial_merge_size": spec.spatial_merge_size,
+            "temporal_patch_size": spec.temporal_patch_size,
+        },
+    }
+
+
+def generation_config(ids: dict[str, int]) -> dict[str, Any]:
+    # transformers generates greedily with this. vLLM ignores do_sample (it takes only
+    # temperature/top_k/top_p/... from here), so greedy there means temperature=0 in the
+    # request. We set no sampling defaults on purpose: hub Qwen2-VL-Instruct ships top_k=1,
+    # which vLLM merges into every request and silently turns sampling into greedy.
+    return {
+        "bos_token_id": ids["<|endoftext|>"],
+        "do_sample": False,
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def _vision_processing(spec: TinySpec) -> dict[str, Any]:
+    # Both spellings of the pixel budget, as recent hub configs carry them: transformers 5
+    # reads size.shortest_edge/longest_edge, older code and qwen-vl-utils min/max_pixels.
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+        "merge_size": spec.spatial_merge_size,
+        "min_pixels": spec.min_pixels,
+        "max_pixels": spec.max_pixels,
+        "patch_size": spec.patch_size,
+        "resample": 3,  # bicubic
+        "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        "temporal_patch_size": spec.temporal_patch_size,
+    }
+
+
+def preprocessor_config(spec: TinySpec) -> dict[str, Any]:
+    return {
+        **_vision_processing(spec),
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+    }
+
+
+def video_preprocessor_config(spec: TinySpec) -> dict[str, Any]:
+    # Without this file transformers builds the video processor from preprocessor_config.json;
+    # writing it keeps video settings explicit and the class unambiguous.
+    return {
+        **_vision_processing(spec),
+        # Bound a video's total pixels the way qwen-vl-utils does (transformers 5.19 warns
+        # until this is chosen; 5.22 makes it the default), against our context length.
+        "cap_pixels_per_frame": True,
+        "max_video_tokens": spec.max_position_embeddings,
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen2VLProcessor",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def hub_key(transformers_key: str) -> str:
+    """Map a transformers 5 parameter name to the hub checkpoint layout.
+
+    transformers 5 nests modules as ``model.visual`` / ``model.language_model``; hub checkpoints
+    (and transformers' own save_pretrained, which reverts its load-time renaming) use
+    ``visual.*`` and ``model.*``. Both transformers and vLLM load the hub layout.
+    """
+    for prefix, replacement in (("model.visual.", "visual."), ("model.language_model.", "model.")):
+        if transformers_key.startswith(prefix):
+            return replacement + transformers_key[len(prefix) :]
+    if transformers_key.startswith("lm_head."):
+        return transformers_key
+    raise ValueError(f"unexpected parameter {transformers_key!r} in Qwen2-VL model")
+
+
+def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names (hub layout) and shapes of every saved tensor, read off transformers' own model.
+
+    The model is built on the meta device: no memory, no RNG use, just the module tree, so
+    the checkpoint always has exactly the tensors transformers expects.
+    """
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    hf_config = Qwen2VLConfig(**config)
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(hf_config)
+    return {hub_key(name): tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Seeded init, ours rather than transformers' so weights don't move with its version.
+
+    Matrices get N(0, 1/fan_in) (variance-preserving), unlike the usual N(0, 0.02): with
+    0.02 a 2-layer random model barely mixes positions, and its greedy tokens would ignore
+    the image and prompt, which would make cross-mode token comparisons prove nothing.
+    Norm weights are 1, biases 0, as in any fresh model.
+    """
+    import torch
+
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.float32)
+    if len(shape) == 1:  # LayerNorm / RMSNorm weights
+        return torch.ones(shape, dtype=torch.float32)
+    fan_in = 1
+    for dim in shape[1:]:
+        fan_in *= dim
+    std = 1.0 if name.endswith("embed_tokens.weight") else fan_in**-0.5
+    return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+
+def init_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    # Sorted names fix the order in which random numbers are drawn.
+    return {name: init_tensor(name, shapes[name], generator) for name in sorted(shapes)}
+
+
+def is_vision_key(name: str) -> bool:
+    return name.startswith("visual.")
+
+
+def save_shards(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Write the vision shard, the LM shard and a standard index that maps every key."""
+    from safetensors.torch import save_file
+
+    shards = {
+        VISION_SHARD: {k: v for k, v in weights.items() if is_vision_key(k)},
+        LANGUAGE_SHARD: {k: v for k, v in weights.items() if not is_vision_key(k)},
+    }
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for filename, tensors in shards.items():
+        # Fixed metadata only: safetensors writes no timestamps, so files are reproducible.
+        save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
+        weight_map.update({k: filename for k in tensors})
+        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {
+        "metadata": {
+            "total_size": total_size,
+            # Informative only; real checkpoints lack it, so loaders go by weight_map.
+            "shards": {"vision": VISION_SHARD, "language": LANGUAGE_SHARD},
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    write_json(out_dir / INDEX_FILE, index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build, stamp, resolve
+# ---------------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, data: Any) -> None:
+    # Key order comes from the dicts we build, so the same inputs give the same bytes.
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checkpoint(out_dir: Path, seed: int, spec: TinySpec) -> None:
+    """Write every file of the checkpoint (except the stamp) into an existing empty dir."""
+    tokenizer = train_tokenizer(CORPUS_PATH.read_text(encoding="utf-8"), spec)
+    ids = special_token_ids(tokenizer)
+    vocab_size = tokenizer.get_vocab_size()  # every model id is a token the tokenizer decodes
+
+    tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
+    tokenizer.model.save(str(out_dir))  # vocab.json + merges.txt, as hub checkpoints ship
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config(ids, spec))
+    # transformers 5 reads chat_template.jinja for processors; tokenizer_config has it too
+    # for readers (vLLM, older transformers) that only look there.
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    write_json(out_dir / "preprocessor_config.json", preprocessor_config(spec))
+    write_json(out_dir / "video_preprocessor_config.json", video_preprocessor_config(spec))
+
+    config = model_config(spec, ids, vocab_size)
+    write_json(out_dir / "config.json", config)
+    write_json(out_dir / "generation_config.json", generation_config(ids))
+    save_shards(init_weights(parameter_shapes(config), seed), out_dir)
+
+
+def builder_digest() -> str:
+    """sha256 over the inputs that define a build: this module's source and the corpus."""
+    digest = hashlib.sha256()
+    for path in (Path(__file__).resolve(), CORPUS_PATH):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def expected_stamp(seed: int) -> dict[str, Any]:
+    return {"builder": "builders.default_model", "builder_digest": builder_digest(), "seed": seed}
+
+
+def stamp_for(out_dir: Path, seed: int) -> dict[str, Any]:
+    files = sorted(p.name for p in out_dir.iterdir() if p.is_file() and p.name != STAMP_FILE)
+    return {**expected_stamp(seed), "files": {name: sha256_file(out_dir / name) for name in files}}
+
+
+def is_complete_build(out_dir: Path, seed: int) -> bool:
+    """True if ``out_dir`` holds an intact build of this exact recipe for ``seed``.
+
+    Hashing the few MB of files is cheap and catches half-written or edited builds.
+    """
+    stamp_path = out_dir / STAMP_FILE
+    try:
+        stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if {k: stamp.get(k) for k in expected_stamp(seed)} != expected_stamp(seed):
+        return False
+    files = stamp.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    try:
+        return all(sha256_file(out_dir / name) == digest for name, digest in files.items())
+    except OSError:
+        return False
+
+
+def _make_readable(directory: Path) -> None:
+    # mkdtemp makes the dir 0700 and safetensors writes 0600 files; serving processes may run
+    # as another user (containers), so give the usual world-readable modes.
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
+
+
+def build_default_model(out_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0, force: bool = False) -> Path:
+    """Build the tiny checkpoint into ``out_dir`` and return it; reuse an intact build.
+
+    The files are written into a temporary sibling directory and renamed into place, so a
+    crash or a concurrent builder never leaves a half-written checkpoint at ``out_dir``.
+    A non-empty ``out_dir`` that is not one of our builds is never deleted.
+    """
+    out_dir = Path(out_dir).resolve()
+    if not force and is_complete_build(out_dir, seed):
+        return out_dir
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelDirError(f"{out_dir} exists and is not a directory; choose another --out")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / STAMP_FILE).exists():
+        raise ModelDirError(
+            f"{out_dir} is not empty and was not written by builders.default_model; "
+            "choose another --out directory or empty it first"
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write_checkpoint(tmp_dir, seed, TinySpec())
+        write_json(tmp_dir / STAMP_FILE, stamp_for(tmp_dir, seed))
+        _make_readable(tmp_dir)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # one of our builds (checked above): stale or forced
+        try:
+            os.replace(tmp_dir, out_dir)
+        except OSError:
+            # Another builder renamed its copy in first; the same seed means the same bytes.
+            if not is_complete_build(out_dir, seed):
+                raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _missing_weights(model_dir: Path) -> str | None:
+    """Describe what is wrong with the weight files, or None if they are all there."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"{INDEX_FILE} is unreadable ({exc})"
+        absent = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        return f"shards listed in {INDEX_FILE} are missing: {absent}" if absent else None
+    if (model_dir / "model.safetensors").is_file():
+        return None
+    return f"no model.safetensors or {INDEX_FILE} (weights must be safetensors)"
+
+
+def validate_checkpoint(model_dir: Path) -> None:
+    """Raise ModelDirError unless ``model_dir`` looks like a complete Qwen2-VL checkpoint."""
+    if not model_dir.is_dir():
+        raise ModelDirError(f"model directory {model_dir} does not exist or is not a directory")
+    config_path = model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelDirError(f"{model_dir} has no config.json; is it a Hugging Face checkpoint?") from None
+    except ValueError as exc:
+        raise ModelDirError(f"{config_path} is not valid JSON: {exc}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "qwen2_vl":
+        raise ModelDirError(
+            f"{model_dir} holds model_type {model_type!r}; this server needs a Qwen2-VL checkpoint "
+            "(model_type 'qwen2_vl'), e.g. Qwen/Qwen2-VL-2B-Instruct, or no path for the tiny default"
+        )
+    problems: list[str] = []
+    if not (model_dir / "tokenizer.json").is_file() and not (
+        (model_dir / "vocab.json").is_file() and (model_dir / "merges.txt").is_file()
+    ):
+        problems.append("no tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+    if not (model_dir / "tokenizer_config.json").is_file():
+        problems.append("no tokenizer_config.json")
+    if not (model_dir / "preprocessor_config.json").is_file() and not (
+        model_dir / "processor_config.json"
+    ).is_file():
+        problems.append("no image processor config (preprocessor_config.json)")
+    if (weights_problem := _missing_weights(model_dir)) is not None:
+        problems.append(weights_problem)
+    if problems:
+        raise ModelDirError(f"{model_dir} is not a complete Qwen2-VL checkpoint: " + "; ".join(problems))
+
+
+def resolve_model(path_or_none: str | os.PathLike[str] | None) -> Path:
+    """Return the checkpoint directory to serve: the given one (validated) or the default.
+
+    ``None`` (or an empty string, as an unset config parameter arrives) means the tiny default
+    model, built on first use.
+    """
+    if path_or_none is None or str(path_or_none) == "":
+        model_dir = build_default_model(DEFAULT_MODEL_DIR)
+    else:
+        model_dir = Path(path_or_none).expanduser().resolve()
+    validate_checkpoint(model_dir)
+    return model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m builders.default_model",
+        description="Build the tiny random-weight Qwen2-VL checkpoint used by default.",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if an intact build exists")
+    args = parser.parse_args(argv)
+    reused = not args.force and is_complete_build(args.out.resolve(), args.seed)
+    try:
+        out_dir = build_default_model(args.out, seed=args.seed, force=args.force)
+    except ModelDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    action = "reused intact build" if reused else "wrote"
+    print(f"{action}: tiny Qwen2-VL checkpoint (seed {args.seed}) at {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""``triton-epd-client``: send a prompt and images to a running triton-epd server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from client.epd_client import DEFAULT_MODEL, ClientError, GrpcClient, HttpClient, chat_prompt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("prompt", help="the question or instruction")
+    parser.add_argument("--image", action="append", type=Path, default=[], help="image file (repeatable)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="llm, ensemble or epd")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--url", help="host:port (default localhost:8001 for gRPC, localhost:8000 for HTTP)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sampling", default="{}", help='extra sampling parameters as JSON, e.g. {"temperature": 0}')
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat format")
+    parser.add_argument("--show-tokens", action="store_true", help="also print token ids and counts")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        images = [path.read_bytes() for path in args.image]
+        sampling = {"max_tokens": args.max_tokens, **json.loads(args.sampling)}
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.raw else chat_prompt(args.prompt, len(images))
+    try:
+        if args.protocol == "grpc":
+            client = GrpcClient(args.url or "localhost:8001", args.model)
+            client.check_ready()
+            result = client.generate(prompt, images, sampling, on_text=lambda t: print(t, end="", flush=True))
+            print()
+        else:
+            client = HttpClient(args.url or "localhost:8000", args.model)
+            client.check_ready()
+            result = client.generate(prompt, images, sampling)
+            print(result.text)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.show_tokens:
+        print(
+            f"[{result.num_input_tokens} input tokens, {result.num_output_tokens} output tokens, "
+            f"finish_reason={result.finish_reason}] token_ids={result.token_ids}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Talk to triton-epd's user-facing models (``llm``, ``ensemble``, ``epd``) over gRPC or HTTP.
+
+The interface mirrors Triton's vllm_backend: ``text_input``, ``image`` (encoded
+images, one per element), ``stream``, ``sampling_parameters`` (JSON) and
+``exclude_input_in_output``. gRPC streams tokens as they are generated; HTTP returns
+the whole answer in one response.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import requests
+
+DEFAULT_MODEL = "llm"
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+class ClientError(RuntimeError):
+    """A failure the user can act on (server down, model missing, request rejected)."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def chat_prompt(text: str, num_images: int) -> str:
+    """Qwen2-VL's chat format for one user turn with ``num_images`` images first."""
+    vision = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
+    return (
+        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>user\n{vision}{text}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def _as_text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class GenerateResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str = ""
+    # Arrival time (time.perf_counter) of each response, for TTFT/ITL measurements.
+    chunk_times: list[float] = field(default_factory=list)
+    started_at: float = 0.0
+
+    def add(self, outputs: dict[str, np.ndarray]) -> None:
+        self.chunk_times.append(time.perf_counter())
+        if "text_output" in outputs:
+            self.text += "".join(_as_text(x) for x in outputs["text_output"].reshape(-1))
+        if "output_token_ids" in outputs:
+            self.token_ids.extend(int(t) for t in outputs["output_token_ids"].reshape(-1))
+        if "num_input_tokens" in outputs:
+            self.num_input_tokens = int(outputs["num_input_tokens"].reshape(-1)[0])
+        if "num_output_tokens" in outputs:
+            self.num_output_tokens = int(outputs["num_output_tokens"].reshape(-1)[0])
+        if "finish_reason" in outputs:
+            reason = _as_text(outputs["finish_reason"].reshape(-1)[0])
+            self.finish_reason = reason or self.finish_reason
+
+
+OUTPUT_NAMES = ("text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason")
+
+
+def _inputs(
+    module: Any,
+    prompt: str,
+    images: Sequence[bytes],
+    stream: bool,
+    sampling: dict[str, Any] | None,
+    exclude_input_in_output: bool | None,
+) -> list[Any]:
+    def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
+        item = module.InferInput(name, list(array.shape), dtype)
+        item.set_data_from_numpy(array)
+        return item
+
+    inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
+    if images:
+        inputs.append(tensor("image", np.array(list(images), dtype=np.object_), "BYTES"))
+    inputs.append(tensor("stream", np.array([stream]), "BOOL"))
+    if sampling:
+        payload = json.dumps(sampling).encode("utf-8")
+        inputs.append(tensor("sampling_parameters", np.array([payload], dtype=np.object_), "BYTES"))
+    if exclude_input_in_output is not None:
+        inputs.append(tensor("exclude_input_in_output", np.array([exclude_input_in_output]), "BOOL"))
+    return inputs
+
+
+def _server_down(url: str, protocol: str, exc: Exception) -> ClientError:
+    return ClientError(
+        f"cannot reach Triton at {url} ({protocol}): {exc}. Is the server running? "
+        "Start it with `make serve` (or `triton-epd-serve`)."
+    )
+
+
+class GrpcClient:
+    """Streaming gRPC client: ``generate`` calls ``on_text`` with each new piece of text."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = DEFAULT_MODEL) -> None:
+        import tritonclient.grpc as grpcclient  # noqa: PLC0415 - keep CLI start fast
+
+        self._module = grpcclient
+        self.url = url
+        self.model = model
+        self._client = grpcclient.InferenceServerClient(url)
+
+    def check_ready(self) -> None:
+        try:
+            ready = self._client.is_model_ready(self.model)
+        except Exception as exc:
+            raise _server_down(self.url, "gRPC", exc) from None
+        if not ready:
+            raise ClientError(f"model '{self.model}' is not ready on {self.url}")
+
+    def generate(
+        self,
+        prompt: str,
+        images: Sequence[bytes] = (),
+        sampling: dict[str, Any] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel_after_chunks: int | None = None,
+        timeout_s: float = 600.0,
+    ) -> GenerateResult:
+        """One streaming request; raises ClientError with Triton's status on failure.
+
+        ``cancel_after_chunks`` cancels the request after that many responses (used to
+        test that cancellation frees everything on the server).
+        """
+        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        result = GenerateResult(started_at=time.perf_counter())
+        try:
+            self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        except Exception as exc:
+            raise _server_down(self.url, "gRPC", exc) from None
+        try:
+            self._client.async_stream_infer(
+                self.model,
+                _inputs(self._module, prompt, images, True, sampling, None),
+                outputs=[self._module.InferRequestedOutput(n) for n in OUTPUT_NAMES],
+                enable_empty_final_response=True,
+            )
+            while True:
+                try:
+                    response, error = responses.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise ClientError(f"no response from '{self.model}' in {timeout_s:.0f} s") from None
+                if error is not None:
+                    raise ClientError(error.message(), error.status())
+                outputs = {n: response.as_numpy(n) for n in OUTPUT_NAMES if response.as_numpy(n) is not None}
+                if outputs:
+                    before = len(result.text)
+                    result.add(outputs)
+                    if on_text is not None:
+                        on_text(result.text[before:])
+                final = response.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    return result
+                if cancel_after_chunks is not None and len(result.chunk_times) >= cancel_after_chunks:
+                    self._client.stop_stream(cancel_requests=True)
+                    return result
+        finally:
+            self._client.stop_stream()
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class HttpClient:
+    """HTTP client on Triton's generate extension (``/v2/models/<model>/generate``).
+
+    Triton's plain HTTP ``infer`` refuses decoupled models, so HTTP goes through the
+    generate endpoint: JSON in, JSON out, images as base64 strings.
+    """
+
+    def __init__(self, url: str = "localhost:8000", model: str = DEFAULT_MODEL, timeout_s: float = 600.0) -> None:
+        self.url = url
+        self.model = model
+        self.timeout_s = timeout_s
+        self._session = requests.Session()
+
+    def _base(self) -> str:
+        return f"http://{self.url}/v2/models/{self.model}"
+
+    def check_ready(self) -> None:
+        try:
+            response = self._session.get(f"{self._base()}/ready", timeout=10)
+        except requests.RequestException as exc:
+            raise _server_down(self.url, "HTTP", exc) from None
+        if response.status_code != 200:
+            raise ClientError(f"model '{self.model}' is not ready on {self.url}")
+
+    def generate(
+        self,
+        prompt: str,
+        images: Sequence[bytes] = (),
+        sampling: dict[str, Any] | None = None,
+        exclude_input_in_output: bool = True,
+    ) -> GenerateResult:
+        body: dict[str, Any] = {
+            "text_input": prompt,
+            "stream": False,
+            "exclude_input_in_output": exclude_input_in_output,
+        }
+        if images:
+            body["image"] = [base64.b64encode(image).decode("ascii") for image in images]
+        if sampling:
+            body["sampling_parameters"] = json.dumps(sampling)
+        result = GenerateResult(started_at=time.perf_counter())
+        try:
+            response = self._session.post(f"{self._base()}/generate", json=body, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            raise _server_down(self.url, "HTTP", exc) from None
+        payload = response.json()
+        if response.status_code != 200:
+            raise ClientError(payload.get("error", response.text), str(response.status_code))
+        result.add({
+            name: np.array(value if isinstance(value, list) else [value], dtype=_HTTP_DTYPES[name])
+            for name, value in payload.items()
+            if name in _HTTP_DTYPES
+        })
+        return result
+
+    def close(self) -> None:
+        self._session.close()
+
+
+# The generate endpoint returns JSON values; give them the dtypes gRPC returns.
+_HTTP_DTYPES = {
+    "text_output": np.object_,
+    "output_token_ids": np.int64,
+    "num_input_tokens": np.uint32,
+    "num_output_tokens": np.uint32,
+    "finish_reason": np.object_,
+}

@@ -1,0 +1,70 @@
+"""`llm`: one colocated vLLM engine that takes raw encoded images (the baseline).
+
+Thin by design: settings are read in initialize, requests are parsed by
+python_backends.generate_request and served by python_backends.llm_engine.
+"""
+
+import os
+import uuid
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from python_backends.errors import EpdError
+from python_backends.event_loop import EventLoopThread
+from python_backends.generate_request import RequestLimits, parse_generate_request
+from python_backends.llm_engine import LlmEngine, load_engine_args
+from python_backends.media import ImageLimits, decode_images
+from python_backends.model_params import ModelParameters
+from python_backends.triton_edge import FINAL, chunk_response, error_response, read_inputs
+
+INPUT_NAMES = ("text_input", "image", "stream", "sampling_parameters", "exclude_input_in_output")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = ModelParameters.from_model_config(args["model_config"])
+        self.limits = RequestLimits(
+            images=ImageLimits(
+                max_images=params.integer("max_images", 4, minimum=0),
+                max_image_bytes=params.integer("max_image_bytes", 20 << 20, minimum=1),
+                max_image_pixels=params.integer("max_image_pixels", 4096 * 4096, minimum=1),
+            ),
+            max_tokens_limit=params.integer("max_tokens_limit", 4096, minimum=1),
+        )
+        os.environ.update(params.vllm_environment())
+        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        self.loop = EventLoopThread()
+        self.engine = self.loop.run(LlmEngine.start(engine_args))
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = parse_generate_request(read_inputs(request, INPUT_NAMES), self.limits)
+                images = decode_images(parsed.images, self.limits.images)
+            except EpdError as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            self.loop.submit(self._serve(parsed, images, sender))
+        return None
+
+    async def _serve(self, parsed, images, sender):
+        request_id = uuid.uuid4().hex
+        stream = self.engine.generate(parsed, images, request_id)
+        try:
+            async for chunk in stream:
+                if sender.is_cancelled():
+                    await self.engine.abort(request_id)
+                    sender.send(flags=FINAL)
+                    return
+                sender.send(chunk_response(chunk), flags=FINAL if chunk.finished else 0)
+        except Exception as exc:  # every failure reaches the client as one coded error
+            pb_utils.Logger.log_warn(f"llm request {request_id} failed: {exc}")
+            sender.send(error_response(exc), flags=FINAL)
+        finally:
+            await stream.aclose()
+
+    def finalize(self):
+        self.loop.stop()
+        self.engine.shutdown()

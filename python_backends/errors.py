@@ -1,0 +1,32 @@
+"""Errors that the serving code raises and the Triton edge maps to error codes.
+
+Plain Python on purpose: the logic under ``python_backends`` never imports Triton.
+A ``model.py`` turns an :class:`EpdError` into ``pb_utils.TritonError(message, code)``
+so that clients get a code and a message, never a traceback.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    # Names match pb_utils.TritonError's code attributes.
+    INVALID_ARG = "INVALID_ARG"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+
+
+class EpdError(Exception):
+    """An error whose message is safe and useful to show to the client."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_ARG) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+
+
+def invalid_arg(message: str) -> EpdError:
+    return EpdError(message, ErrorCode.INVALID_ARG)

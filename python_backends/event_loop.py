@@ -1,0 +1,63 @@
+"""An asyncio event loop on a background thread, for Triton python models.
+
+Triton calls ``execute`` on the stub's main thread; vLLM's AsyncLLM and our pipelines
+are asyncio. Every coroutine submitted here is tracked until it finishes, so no future
+is lost and ``stop`` can wait for (or cancel) what is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class EventLoopThread:
+    def __init__(self, name: str = "epd-event-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (for initialize/finalize)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Fire-and-track: the coroutine must report its own errors to its client."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            log.error("request task failed", exc_info=future.exception())
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.cancel()
+        concurrent.futures.wait(pending, timeout=timeout_s)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)

@@ -1,0 +1,136 @@
+"""The user-facing request shared by ``llm``, ``ensemble`` and ``epd``.
+
+Inputs follow Triton's vllm_backend so its users feel at home: ``text_input``,
+``image`` (one or more encoded images), ``stream``, ``sampling_parameters`` (JSON),
+``exclude_input_in_output``. Parsing is plain numpy -> dataclass so it is unit-tested
+without Triton; ``model.py`` only reads the tensors and maps errors to codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from python_backends.errors import invalid_arg
+from python_backends.media import ImageLimits, image_bytes
+from python_backends.sampling import parse_sampling_parameters
+
+IMAGE_PAD = "<|image_pad|>"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    images: ImageLimits = field(default_factory=ImageLimits)
+    max_tokens_limit: int = 4096
+    max_prompt_chars: int = 200_000
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str  # with one image placeholder per image, in order
+    images: list[bytes]  # encoded images (not decoded yet)
+    stream: bool
+    sampling: dict[str, Any]  # keyword arguments for vllm.SamplingParams
+    exclude_input_in_output: bool
+
+
+def _scalar(inputs: Mapping[str, np.ndarray], name: str) -> Any | None:
+    array = inputs.get(name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise invalid_arg(f"input '{name}' must hold exactly one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _bool(inputs: Mapping[str, np.ndarray], name: str) -> bool | None:
+    value = _scalar(inputs, name)
+    if value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise invalid_arg(f"input '{name}' must be BOOL")
+    return bool(value)
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise invalid_arg(f"input '{name}' is not valid UTF-8") from None
+    if isinstance(value, str):
+        return value
+    raise invalid_arg(f"input '{name}' must be BYTES (a UTF-8 string)")
+
+
+def with_image_placeholders(text: str, num_images: int) -> str:
+    """The prompt for vLLM: placeholders as the client wrote them, or prepended.
+
+    A client that formats its own (chat) prompt writes one
+    ``<|vision_start|><|image_pad|><|vision_end|>`` per image where it wants it; a plain
+    text prompt gets them in front, in image order.
+    """
+    written = text.count(IMAGE_PAD)
+    if written == num_images:
+        return text
+    if written == 0:
+        return IMAGE_PLACEHOLDER * num_images + text
+    raise invalid_arg(
+        f"text_input has {written} {IMAGE_PAD} placeholders but the request has "
+        f"{num_images} images; write one per image or none"
+    )
+
+
+def parse_generate_request(
+    inputs: Mapping[str, np.ndarray], limits: RequestLimits
+) -> GenerateRequest:
+    text_value = _scalar(inputs, "text_input")
+    if text_value is None:
+        raise invalid_arg("missing required input 'text_input'")
+    text = _text(text_value, "text_input")
+    if len(text) > limits.max_prompt_chars:
+        raise invalid_arg(
+            f"text_input has {len(text)} characters, above the limit of {limits.max_prompt_chars}"
+        )
+
+    image_array = inputs.get("image")
+    raw_images: list[bytes] = []
+    if image_array is not None:
+        if image_array.dtype != np.object_:
+            raise invalid_arg("input 'image' must be BYTES (encoded images)")
+        raw_images = [
+            bytes(item) if isinstance(item, (bytes, np.bytes_)) else b""
+            for item in image_array.reshape(-1)
+        ]
+    if len(raw_images) > limits.images.max_images:
+        raise invalid_arg(
+            f"request has {len(raw_images)} images, above the limit of "
+            f"{limits.images.max_images} (max_images)"
+        )
+    images = [image_bytes(item, i) for i, item in enumerate(raw_images)]
+    if not text and not images:
+        raise invalid_arg("text_input is empty and no image was given")
+
+    stream = bool(_bool(inputs, "stream"))
+    exclude = _bool(inputs, "exclude_input_in_output")
+    if exclude is None:
+        exclude = stream  # as vllm_backend: full text when not streaming, deltas when streaming
+    if stream and not exclude:
+        raise invalid_arg("exclude_input_in_output=false is not allowed when streaming")
+
+    sampling_raw = _scalar(inputs, "sampling_parameters")
+    sampling = parse_sampling_parameters(
+        None if sampling_raw is None else _text(sampling_raw, "sampling_parameters"),
+        limits.max_tokens_limit,
+    )
+    return GenerateRequest(
+        prompt=with_image_placeholders(text, len(images)),
+        images=images,
+        stream=stream,
+        sampling=sampling,
+        exclude_input_in_output=exclude,
+    )

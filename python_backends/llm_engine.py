@@ -1,0 +1,119 @@
+"""The colocated vLLM engine behind the ``llm`` model (the baseline of every mode).
+
+Triton-free: takes a :class:`GenerateRequest` and decoded images, yields
+:class:`GenerationChunk`s. ``model.py`` turns chunks into Triton responses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from python_backends.errors import ErrorCode, EpdError, invalid_arg
+from python_backends.generate_request import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationChunk:
+    text: str  # new text since the previous chunk (all of it when not streaming)
+    token_ids: list[int]  # new token ids since the previous chunk
+    num_input_tokens: int
+    num_output_tokens: int  # total so far
+    finish_reason: str | None
+    finished: bool
+
+
+def load_engine_args(path: Path) -> dict[str, Any]:
+    """Engine args (vLLM's AsyncEngineArgs fields) from the JSON file beside the model."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: generate the repository with `python -m builders.repository`"
+        )
+    args = json.loads(path.read_text())
+    if not isinstance(args, dict) or "model" not in args:
+        raise ValueError(f"{path} must be a JSON object with at least a 'model' field")
+    if not Path(args["model"]).is_dir():
+        raise FileNotFoundError(
+            f"model directory {args['model']} (from {path}) does not exist: build the "
+            "default model with `python -m builders.default_model` or point 'model' at a "
+            "Qwen2-VL checkpoint"
+        )
+    return args
+
+
+@dataclass
+class LlmEngine:
+    """Owns one vLLM AsyncLLM. All methods run on the event loop thread."""
+
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    active_requests: set[str] = field(default_factory=set)
+
+    @classmethod
+    async def start(cls, engine_args: dict[str, Any]) -> "LlmEngine":
+        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 - heavy import
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        return cls(engine)
+
+    def sampling_params(self, request: GenerateRequest) -> Any:
+        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        try:
+            return SamplingParams(**request.sampling, output_kind=kind)
+        except (ValueError, TypeError) as exc:  # vLLM's own cross-field checks
+            raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
+
+    async def generate(
+        self, request: GenerateRequest, images: list[Image.Image], request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        prompt: dict[str, Any] = {"prompt": request.prompt}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        params = self.sampling_params(request)
+        self.active_requests.add(request_id)
+        produced = 0
+        first = True
+        try:
+            async for output in self.engine.generate(prompt, params, request_id):
+                completion = output.outputs[0]
+                produced += len(completion.token_ids)
+                text = completion.text
+                if first and not request.exclude_input_in_output:
+                    text = (output.prompt or "") + text
+                first = False
+                yield GenerationChunk(
+                    text=text,
+                    token_ids=list(completion.token_ids),
+                    num_input_tokens=len(output.prompt_token_ids or []),
+                    num_output_tokens=produced,
+                    finish_reason=completion.finish_reason,
+                    finished=output.finished,
+                )
+        except EpdError:
+            raise
+        except ValueError as exc:
+            # vLLM rejects inputs it cannot serve (prompt too long, bad image) this way.
+            raise invalid_arg(f"request rejected by the engine: {exc}") from None
+        except Exception as exc:
+            log.exception("vLLM generation failed")
+            raise EpdError(f"generation failed: {type(exc).__name__}", ErrorCode.INTERNAL) from None
+        finally:
+            self.active_requests.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+        self.active_requests.discard(request_id)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

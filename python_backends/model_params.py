@@ -1,0 +1,62 @@
+"""The one place that reads ``parameters`` from a model's config.pbtxt.
+
+Triton hands the config to ``initialize`` as JSON; parameters are strings there. Every
+value is checked at load, with a message that says which model and key to fix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelParameters:
+    model_name: str
+    values: dict[str, str]
+
+    @classmethod
+    def from_model_config(cls, model_config: str | dict[str, Any]) -> "ModelParameters":
+        config = json.loads(model_config) if isinstance(model_config, str) else model_config
+        raw = config.get("parameters") or {}
+        values = {key: str(entry.get("string_value", "")) for key, entry in raw.items()}
+        return cls(config.get("name", "?"), values)
+
+    def _fail(self, key: str, problem: str) -> ValueError:
+        return ValueError(
+            f"model '{self.model_name}': parameter '{key}' {problem}; set it in the model's "
+            "target description under builders/ and regenerate the repository"
+        )
+
+    def string(self, key: str, default: str | None = None) -> str:
+        value = self.values.get(key, default)
+        if value is None or value == "":
+            raise self._fail(key, "is required")
+        return value
+
+    def integer(self, key: str, default: int, minimum: int = 0) -> int:
+        text = self.values.get(key)
+        if text is None or text == "":
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise self._fail(key, f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise self._fail(key, f"must be >= {minimum}, got {value}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        text = self.values.get(key)
+        if text is None or text == "":
+            return default
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise self._fail(key, f"must be true or false, got {text!r}")
+
+    def vllm_environment(self) -> dict[str, str]:
+        """``VLLM_*`` parameters: process environment for a vLLM engine started here."""
+        return {key: value for key, value in self.values.items() if key.startswith("VLLM_")}

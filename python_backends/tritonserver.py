@@ -1,0 +1,220 @@
+"""Find, configure, start and stop a real ``tritonserver`` process.
+
+Used by the launcher (``triton-epd-serve``), the server tests and the benchmarks, so
+that all of them start Triton the same way. Two installations are supported:
+
+* the NGC Triton image: ``tritonserver`` on PATH, backends in /opt/tritonserver/backends;
+* the ``nvidia-pytriton`` wheel (these CPU machines): its bundled binary, with a backend
+  folder we assemble under ``build/`` because the python backend needs the stub built
+  for *our* interpreter, and the loader needs the interpreter's libpython first on
+  ``LD_LIBRARY_PATH`` (otherwise the stub picks up the system libpython and stdlib
+  extensions fail with ``undefined symbol: _PyModule_Add``; see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> "Ports":
+        """Three ports the OS says are free now (for tests that run beside a server)."""
+        return cls(*(_free_port() for _ in range(3)))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_tritonserver(build_dir: Path = REPO_ROOT / "build") -> TritonInstall:
+    """Prefer a system tritonserver (NGC image); fall back to the pytriton wheel's."""
+    system_binary = shutil.which("tritonserver")
+    if system_binary and NGC_BACKEND_DIR.is_dir():
+        return TritonInstall(Path(system_binary), NGC_BACKEND_DIR, dict(os.environ))
+    return _pytriton_install(build_dir)
+
+
+def _pytriton_install(build_dir: Path) -> TritonInstall:
+    # Locate the wheel without importing it: we only need its files, not its Python API.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "No tritonserver found: neither on PATH (NGC image) nor the nvidia-pytriton "
+            "wheel in this Python. Run `make setup` first."
+        )
+    wheel_root = Path(spec.origin).resolve().parent / "tritonserver"
+    libs_dir = wheel_root.parent.parent / "nvidia_pytriton.libs"
+    backend_dir = _assemble_backend_dir(wheel_root, build_dir / "triton_backends")
+
+    env = dict(os.environ)
+    libpython_dir = str(sysconfig.get_config_var("LIBDIR"))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (libpython_dir, str(libs_dir), env.get("LD_LIBRARY_PATH", "")) if p
+    )
+    # The stub runs model.py with the interpreter it embeds; make our venv's packages
+    # (and the project itself, for `python_backends`) importable there.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    env.setdefault("VIRTUAL_ENV", sys.prefix)
+    return TritonInstall(wheel_root / "bin" / "tritonserver", backend_dir, env)
+
+
+def _assemble_backend_dir(wheel_root: Path, target: Path) -> Path:
+    """backends/python with the stub for this interpreter's version (cheap, idempotent)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = wheel_root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"The pytriton wheel has no python backend stub for Python {version}")
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    wheel_python = wheel_root / "backends" / "python"
+    for source in (*wheel_python.iterdir(), stub):
+        if source.is_dir():
+            continue
+        dest = python_dir / source.name
+        if not dest.exists() or dest.stat().st_size != source.stat().st_size:
+            shutil.copy2(source, dest)
+    return target
+
+
+@dataclass
+class ServerOptions:
+    model_repository: Path
+    ports: Ports = field(default_factory=Ports)
+    log_verbose: int = 0
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class TritonServer:
+    """A tritonserver child process: ``with TritonServer(opts) as server: ...``.
+
+    Callers own the lifetime; ``stop()`` sends SIGINT (Triton unloads models, which lets
+    python models shut vLLM down), then SIGKILLs the process group if it hangs.
+    """
+
+    def __init__(self, options: ServerOptions, log_path: Path | None = None) -> None:
+        self.options = options
+        self.install = find_tritonserver()
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.options.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.options.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.options.ports.metrics}/metrics"
+
+    def command(self) -> list[str]:
+        opts = self.options
+        return [
+            str(self.install.binary),
+            f"--model-repository={opts.model_repository}",
+            f"--backend-directory={self.install.backend_dir}",
+            f"--http-port={opts.ports.http}",
+            f"--grpc-port={opts.ports.grpc}",
+            f"--metrics-port={opts.ports.metrics}",
+            f"--log-verbose={opts.log_verbose}",
+            # A failing model must fail the server start, not leave it half-ready.
+            "--exit-on-error=true",
+            *opts.extra_args,
+        ]
+
+    def start(self) -> "TritonServer":
+        env = {**self.install.env, **self.options.extra_env}
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.command(),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,  # its own process group: stop() reaches stubs and vLLM
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Block until /v2/health/ready answers 200; returns seconds waited."""
+        started = time.monotonic()
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() - started < timeout_s:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with code {self.process.returncode} before it "
+                    f"was ready. {self._log_hint()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return time.monotonic() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s. {self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        tail = self.log_path.read_text(errors="replace").splitlines()[-40:]
+        return "Last log lines:\n" + "\n".join(tail)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Stub and vLLM engine processes live in the same group; never leave them behind.
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,148 @@
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from python_backends.errors import ErrorCode, EpdError
+from python_backends.generate_request import (
+    IMAGE_PLACEHOLDER,
+    RequestLimits,
+    parse_generate_request,
+    with_image_placeholders,
+)
+from python_backends.media import ImageLimits, check_image_header, decode_images, image_bytes
+from python_backends.sampling import DEFAULT_MAX_TOKENS, parse_sampling_parameters
+
+
+def png(width: int = 32, height: int = 24, mode: str = "RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (width, height)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def images(*items: bytes) -> np.ndarray:
+    return np.array(list(items), dtype=np.object_)
+
+
+LIMITS = RequestLimits(images=ImageLimits(max_images=2, max_image_bytes=1 << 20, max_image_pixels=1000 * 1000))
+
+
+def invalid(call) -> str:
+    with pytest.raises(EpdError) as info:
+        call()
+    assert info.value.code is ErrorCode.INVALID_ARG
+    return info.value.message
+
+
+def test_plain_prompt_gets_one_placeholder_per_image_in_front():
+    req = parse_generate_request({"text_input": text("hi"), "image": images(png(), png())}, LIMITS)
+    assert req.prompt == IMAGE_PLACEHOLDER * 2 + "hi"
+    assert len(req.images) == 2
+    assert req.stream is False and req.exclude_input_in_output is False
+    assert req.sampling == {"max_tokens": DEFAULT_MAX_TOKENS}
+
+
+def test_placeholders_written_by_the_client_are_kept():
+    prompt = f"a {IMAGE_PLACEHOLDER} b"
+    assert with_image_placeholders(prompt, 1) == prompt
+    assert "placeholders" in invalid(lambda: with_image_placeholders(prompt, 2))
+
+
+def test_base64_image_is_accepted():
+    req = parse_generate_request({"text_input": text("x"), "image": images(base64.b64encode(png()))}, LIMITS)
+    assert req.images == [png()]
+
+
+def test_streaming_defaults_to_deltas_and_rejects_prepending_input():
+    req = parse_generate_request({"text_input": text("x"), "stream": np.array([True])}, LIMITS)
+    assert req.stream and req.exclude_input_in_output
+    msg = invalid(lambda: parse_generate_request(
+        {"text_input": text("x"), "stream": np.array([True]), "exclude_input_in_output": np.array([False])}, LIMITS))
+    assert "streaming" in msg
+
+
+@pytest.mark.parametrize(
+    "inputs, fragment",
+    [
+        ({}, "missing required input 'text_input'"),
+        ({"text_input": text("")}, "empty"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one element"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "UTF-8"),
+        ({"text_input": text("x"), "image": images(png(), png(), png())}, "above the limit of 2 (max_images)"),
+        ({"text_input": text("x"), "image": images(b"")}, "image[0] is empty"),
+        ({"text_input": text("x"), "image": images(b"not an image at all")}, "neither an encoded image"),
+        ({"text_input": text("x"), "image": np.array([1.0])}, "must be BYTES"),
+        ({"text_input": text("x"), "stream": np.array([1], dtype=np.int32)}, "'stream' must be BOOL"),
+        ({"text_input": text("x"), "sampling_parameters": text("{bad json")}, "not valid JSON"),
+    ],
+)
+def test_bad_requests_say_what_is_wrong(inputs, fragment):
+    assert fragment in invalid(lambda: parse_generate_request(inputs, LIMITS))
+
+
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ({"temprature": 0.5}, "unknown sampling parameter 'temprature'"),
+        ({"max_tokens": "8"}, "'max_tokens' must be a integer"),
+        ({"max_tokens": 0}, "'max_tokens' must be >= 1"),
+        ({"max_tokens": 10_000}, "above this model's limit"),
+        ({"temperature": -1}, "'temperature' must be >= 0"),
+        ({"top_p": 0}, "'top_p' must be in (0, 1]"),
+        ({"ignore_eos": 1}, "'ignore_eos' must be a boolean"),
+        ({"stop": [1, 2]}, "'stop' must be a string or list of strings"),
+    ],
+)
+def test_bad_sampling_parameters(params, fragment):
+    assert fragment in invalid(lambda: parse_sampling_parameters(json.dumps(params), 4096))
+
+
+def test_sampling_parameters_pass_through():
+    params = {"max_tokens": 8, "temperature": 0, "top_k": -1, "stop": ["x"], "ignore_eos": True, "seed": 3}
+    assert parse_sampling_parameters(json.dumps(params), 4096) == params
+    assert "JSON object" in invalid(lambda: parse_sampling_parameters("[1]", 4096))
+
+
+def test_image_limits_are_checked_from_the_header():
+    limits = ImageLimits(max_images=1, max_image_bytes=1 << 20, max_image_pixels=100 * 100)
+    assert check_image_header(png(100, 100), 0, limits) == (100, 100)
+    assert "max_image_pixels" in invalid(lambda: check_image_header(png(101, 100), 0, limits))
+    assert "max_image_bytes" in invalid(lambda: check_image_header(png(), 0, ImageLimits(max_image_bytes=10)))
+
+
+def test_decompression_bomb_is_rejected_without_decoding():
+    # A 30000x30000 PNG header: PIL's lazy open reads only the header.
+    bomb = _png_header_only(30000, 30000)
+    assert "max_image_pixels" in invalid(lambda: check_image_header(bomb, 0, ImageLimits()))
+
+
+def test_truncated_and_corrupt_images_fail_at_decode():
+    data = png(64, 64)
+    assert "cannot" in invalid(lambda: decode_images([data[: len(data) // 2]], ImageLimits()))
+    corrupt = b"\xff\xd8\xff" + b"\x00" * 100
+    assert "cannot" in invalid(lambda: decode_images([corrupt], ImageLimits()))
+
+
+def test_modes_are_converted_to_rgb():
+    decoded = decode_images([png(8, 8, "L"), png(8, 8, "RGBA")], ImageLimits())
+    assert [img.mode for img in decoded] == ["RGB", "RGB"]
+    assert image_bytes(png(), 0) == png()
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    # A few bytes of IDAT: the header promises 2.7 GB of pixels, the file has none.
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
