@@ -111,6 +111,10 @@ class LlmEngine:
         finally:
             self.active_requests.discard(request_id)
 
+    def unfinished_requests(self) -> int:
+        """Requests vLLM still tracks; zero when idle, so a leak after cancel shows here."""
+        return int(self.engine.output_processor.get_num_unfinished_requests())
+
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
         self.active_requests.discard(request_id)

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from python_backends.errors import invalid_arg
 
@@ -77,6 +77,8 @@ def check_image_header(data: bytes, index: int, limits: ImageLimits) -> tuple[in
             f"image[{index}] is above the limit of {limits.max_image_pixels} pixels "
             f"(max_image_pixels): {_short(exc)}"
         ) from None
+    except UnidentifiedImageError:
+        raise invalid_arg(f"image[{index}] cannot be read: unknown format or corrupt header") from None
     except Exception as exc:  # PIL raises many types for bad headers
         raise invalid_arg(f"image[{index}] cannot be read: {_short(exc)}") from None
     if width <= 0 or height <= 0:

@@ -36,6 +36,14 @@ class TritonPythonModel:
         engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
         self.loop = EventLoopThread()
         self.engine = self.loop.run(LlmEngine.start(engine_args))
+        # Scraped by tests and operators: must return to 0 after cancelled streams.
+        # The family must outlive its metrics (Triton deletes them in that order).
+        self.metric_family = pb_utils.MetricFamily(
+            name="epd_llm_unfinished_requests",
+            description="Requests the llm model's vLLM engine is still tracking",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.unfinished = self.metric_family.Metric(labels={"model": args["model_name"]})
 
     def execute(self, requests):
         for request in requests:
@@ -64,6 +72,7 @@ class TritonPythonModel:
             sender.send(error_response(exc), flags=FINAL)
         finally:
             await stream.aclose()
+            self.unfinished.set(self.engine.unfinished_requests())
 
     def finalize(self):
         self.loop.stop()

@@ -1,0 +1,562 @@
+"""Build the ``vit_encoder`` artefacts from a Qwen2-VL checkpoint: ONNX (both targets) and a
+TensorRT plan (GPU target, where ``tensorrt`` imports).
+
+Steps, each a small function:
+
+1. :func:`load_vision_weights` reads only the safetensors shards that hold vision weights
+   (``visual.*`` in hub checkpoints, ``model.visual.*`` as transformers 5 names them), using
+   ``model.safetensors.index.json`` when there is one, else the single ``model.safetensors``.
+2. :func:`load_vision_tower` builds transformers' own vision model + merger from those weights.
+3. :func:`export_onnx` exports :class:`ExportableVisionTower`: the data-dependent pieces
+   (rotary position ids, ``cu_seqlens``) are graph inputs computed outside by
+   ``python_backends.vit_onnx``; attention inside is masked block-diagonally from
+   ``cu_seqlens``, so one graph serves any patch count and any number of images (DESIGN.md).
+4. :func:`validate_onnx` checks ONNX Runtime against the transformers module over many grids.
+5. :func:`build_tensorrt_plan` (GPU only) and :func:`tensorrt_plan_config` (pure, testable
+   anywhere) give the ``tensorrt_plan`` model and its config.pbtxt.
+
+CLI: ``python -m builders.encoder --model DIR --out DIR/vit_encoder/1 [--tensorrt fp16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from python_backends.vit_onnx import (
+    INPUT_NAMES,
+    META_HIDDEN_SIZE,
+    META_MERGE_SIZE,
+    META_PATCH_DIM,
+    OUTPUT_NAME,
+    OnnxVisionEncoder,
+    encoder_inputs,
+)
+
+if TYPE_CHECKING:  # transformers loads lazily: the config helpers below do not need it
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+        VisionAttention,
+    )
+
+LOGGER = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Hub layout first; transformers 5 save_pretrained may keep its load-time names.
+VISION_PREFIXES: tuple[str, ...] = ("visual.", "model.visual.")
+ONNX_FILE = "model.onnx"
+PLAN_FILE = "model.plan"
+ONNX_OPSET = 18
+# Above this, weights go to an external data file (protobuf's hard limit is 2 GiB).
+EXTERNAL_DATA_BYTES = 1 << 30
+PARITY_TOLERANCE = 1e-4
+
+Precision = Literal["fp16", "fp32"]
+
+
+class EncoderBuildError(RuntimeError):
+    """The checkpoint or environment cannot give a vision encoder; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Vision weights only
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VisionWeights:
+    """Vision tensors keyed as the vision model names them (prefix removed)."""
+
+    tensors: dict[str, torch.Tensor]
+    shard_files_read: tuple[str, ...]
+    shard_files_total: int
+    seconds: float
+
+
+def _vision_suffix(key: str) -> str | None:
+    for prefix in VISION_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return None
+
+
+def vision_shard_plan(model_dir: Path) -> tuple[dict[str, list[str]], int]:
+    """{shard file: [its vision keys]} and the total number of shard files."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        plan: dict[str, list[str]] = {}
+        for key, filename in weight_map.items():
+            if _vision_suffix(key) is not None:
+                plan.setdefault(filename, []).append(key)
+        return plan, len(set(weight_map.values()))
+    if (model_dir / SINGLE_FILE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(model_dir / SINGLE_FILE), framework="pt") as handle:
+            keys = [key for key in handle.keys() if _vision_suffix(key) is not None]
+        return ({SINGLE_FILE: keys} if keys else {}), 1
+    raise EncoderBuildError(f"{model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def load_vision_weights(model_dir: str | Path) -> VisionWeights:
+    """Open only the shard files that hold vision tensors, and read only those tensors."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    started = time.perf_counter()
+    plan, total = vision_shard_plan(model_dir)
+    if not plan:
+        raise EncoderBuildError(f"no vision weights ({' or '.join(VISION_PREFIXES)}*) in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for filename, keys in sorted(plan.items()):
+        with safe_open(str(model_dir / filename), framework="pt") as handle:
+            for key in keys:
+                tensors[_vision_suffix(key) or key] = handle.get_tensor(key)
+    seconds = time.perf_counter() - started
+    LOGGER.info(
+        "read %d vision tensors from %d of %d shard files in %.2f s",
+        len(tensors), len(plan), total, seconds,
+    )
+    return VisionWeights(tensors, tuple(sorted(plan)), total, seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The transformers vision tower
+# ---------------------------------------------------------------------------------------------
+
+
+def load_vision_tower(model_dir: str | Path, weights: VisionWeights | None = None) -> Qwen2VisionTransformerPretrainedModel:
+    """transformers' Qwen2-VL vision model + merger, float32, eval mode, vision weights only."""
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+        Qwen2VLVisionRotaryEmbedding,
+    )
+
+    model_dir = Path(model_dir)
+    weights = weights or load_vision_weights(model_dir)
+    vision_config = Qwen2VLConfig.from_pretrained(str(model_dir)).vision_config
+    vision_config._attn_implementation = "eager"  # the reference: no fused kernels
+    with torch.device("meta"):  # no memory and no random init for weights we overwrite
+        tower = Qwen2VisionTransformerPretrainedModel(vision_config)
+    state = {name: tensor.to(torch.float32) for name, tensor in weights.tensors.items()}
+    tower.load_state_dict(state, strict=True, assign=True)
+    # Non-persistent buffers (rotary inverse frequencies) are not in checkpoints: rebuild.
+    tower.rotary_pos_emb = Qwen2VLVisionRotaryEmbedding(vision_config)
+    return tower.eval()
+
+
+def tower_dims(tower: Qwen2VisionTransformerPretrainedModel) -> dict[str, int]:
+    config = tower.config
+    return {
+        "merge_size": int(config.spatial_merge_size),
+        "patch_dim": int(config.in_channels * config.temporal_patch_size * config.patch_size**2),
+        "hidden_size": int(config.hidden_size),
+    }
+
+
+def torch_reference(
+    tower: Qwen2VisionTransformerPretrainedModel, pixel_values: np.ndarray, image_grid_thw: np.ndarray
+) -> np.ndarray:
+    """transformers' own forward (per-image attention loop): the ground truth."""
+    with torch.inference_mode():
+        output = tower(torch.from_numpy(pixel_values), grid_thw=torch.from_numpy(np.asarray(image_grid_thw)))
+    return output.pooler_output.numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Export
+# ---------------------------------------------------------------------------------------------
+
+
+class ExportableVisionTower(torch.nn.Module):
+    """The tower with data-dependent work moved out: same weights, same maths, static graph."""
+
+    def __init__(self, tower: Qwen2VisionTransformerPretrainedModel) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def forward(self, pixel_values: torch.Tensor, rotary_pos_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        tower = self.tower
+        hidden = tower.patch_embed(pixel_values)
+        cos, sin = tower.rotary_pos_emb(hidden, rotary_pos_ids)
+        same_frame = block_diagonal_mask(cu_seqlens, hidden.shape[0])
+        for block in tower.blocks:
+            hidden = hidden + masked_attention(block.attn, block.norm1(hidden), cos, sin, same_frame)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+        return tower.merger(hidden)
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, num_patches: int) -> torch.Tensor:
+    """``[N, N]`` bool: True where two patches belong to the same frame."""
+    positions = torch.arange(num_patches, device=cu_seqlens.device)
+    frame_of_patch = (positions[:, None] >= cu_seqlens[None, 1:]).sum(dim=-1)
+    return frame_of_patch[:, None] == frame_of_patch[None, :]
+
+
+def masked_attention(
+    attn: VisionAttention, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, same_frame: torch.Tensor
+) -> torch.Tensor:
+    """VisionAttention's maths over all patches at once, other frames masked out."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    num_patches = hidden.shape[0]
+    query, key, value = attn.qkv(hidden).reshape(num_patches, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
+    query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # [heads, N, head_dim]
+    scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling
+    # Softmax in float32 like transformers; every row keeps its own frame, so none is all-masked.
+    scores = scores.float().masked_fill(~same_frame, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    context = torch.matmul(probs, value).transpose(0, 1).reshape(num_patches, -1)
+    return attn.proj(context)
+
+
+def example_grid(merge_size: int) -> np.ndarray:
+    # Two images of different shapes: the exporter must not specialise on either.
+    return np.array([[1, 2 * merge_size, 3 * merge_size], [1, merge_size, merge_size]], dtype=np.int64)
+
+
+def export_onnx(
+    tower: Qwen2VisionTransformerPretrainedModel, out_dir: str | Path, max_patches: int = 1 << 16
+) -> Path:
+    """Write ``model.onnx`` (dynamo exporter) with dynamic patch and frame counts."""
+    from torch.export import Dim
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dims = tower_dims(tower)
+    block = dims["merge_size"] ** 2
+    grid = example_grid(dims["merge_size"])
+    rng = np.random.default_rng(0)
+    example = encoder_inputs(
+        rng.standard_normal((int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum()), dims["patch_dim"]), dtype=np.float32),
+        grid,
+        dims["merge_size"],
+    )
+    # The merger folds merge x merge patches into one token, so the patch count is a multiple
+    # of merge**2; saying so lets the exporter keep it symbolic.
+    merged_tokens = Dim("merged_tokens", min=1, max=max(1, max_patches // block))
+    frames_plus_one = Dim("frames_plus_one", min=2, max=max_patches + 1)
+    dynamic_shapes = {
+        "pixel_values": {0: block * merged_tokens},
+        "rotary_pos_ids": {0: block * merged_tokens},
+        "cu_seqlens": {0: frames_plus_one},
+    }
+    args = tuple(torch.from_numpy(array) for array in (example.pixel_values, example.rotary_pos_ids, example.cu_seqlens))
+    parameter_bytes = sum(p.numel() * p.element_size() for p in tower.parameters())
+    onnx_path = out_dir / ONNX_FILE
+    with torch.inference_mode():
+        program = torch.onnx.export(
+            ExportableVisionTower(tower).eval(),
+            args,
+            dynamo=True,
+            input_names=list(INPUT_NAMES),
+            output_names=[OUTPUT_NAME],
+            dynamic_shapes=dynamic_shapes,
+            opset_version=ONNX_OPSET,
+            external_data=parameter_bytes > EXTERNAL_DATA_BYTES,
+            optimize=True,
+        )
+    program.save(str(onnx_path), external_data=parameter_bytes > EXTERNAL_DATA_BYTES)
+    _write_metadata(onnx_path, dims)
+    return onnx_path
+
+
+def _write_metadata(onnx_path: Path, dims: dict[str, int]) -> None:
+    # The runner reads the merge size and widths from the model itself, so a model directory
+    # needs no checkpoint config next to it.
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    # The exporter names the output's row count after an internal symbol ("s71"); say what it is.
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "merged_tokens"
+    values = {META_MERGE_SIZE: dims["merge_size"], META_PATCH_DIM: dims["patch_dim"], META_HIDDEN_SIZE: dims["hidden_size"]}
+    existing = {prop.key for prop in model.metadata_props}
+    for key, value in values.items():
+        if key not in existing:
+            model.metadata_props.add(key=key, value=str(value))
+    onnx.save(model, str(onnx_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Validation
+# ---------------------------------------------------------------------------------------------
+
+
+# Single images of many shapes (tiny, square, wide, tall, odd block counts) and mixed batches.
+VALIDATION_GRIDS: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    ((1, 2, 2),),
+    ((1, 4, 6),),
+    ((1, 8, 8),),
+    ((1, 6, 4),),
+    ((1, 2, 40),),
+    ((1, 40, 2),),
+    ((1, 16, 10),),
+    ((1, 26, 36),),
+    ((1, 32, 32),),
+    ((2, 4, 4),),  # a two-frame input: attention stays within each frame
+    ((1, 4, 6), (1, 2, 2)),
+    ((1, 10, 14), (1, 6, 6), (1, 2, 8)),
+    ((1, 14, 22), (1, 22, 14)),
+)
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    grids: tuple[tuple[tuple[int, int, int], ...], ...]
+    max_abs: tuple[float, ...]
+    tolerance: float
+    worst: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "worst", max(self.max_abs))
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= self.tolerance
+
+
+def validate_onnx(
+    onnx_path: str | Path,
+    tower: Qwen2VisionTransformerPretrainedModel,
+    grids: Iterable[Sequence[Sequence[int]]] = VALIDATION_GRIDS,
+    tolerance: float = PARITY_TOLERANCE,
+    seed: int = 0,
+) -> ParityReport:
+    """Max-abs difference of ONNX Runtime vs transformers per batch of grids (float32)."""
+    encoder = OnnxVisionEncoder(onnx_path, max_patches_per_run=1 << 30)  # each batch in one call
+    rng = np.random.default_rng(seed)
+    checked, errors = [], []
+    for batch in grids:
+        grid = np.asarray(batch, dtype=np.int64)
+        rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+        pixels = rng.standard_normal((rows, encoder.patch_dim), dtype=np.float32)
+        expected = torch_reference(tower, pixels, grid)
+        actual = encoder.encode_concatenated(pixels, grid)
+        if actual.shape != expected.shape:
+            raise EncoderBuildError(f"grid {batch}: ONNX gives {actual.shape}, torch {expected.shape}")
+        checked.append(tuple(tuple(int(v) for v in row) for row in grid))
+        errors.append(float(np.abs(actual - expected).max()))
+    return ParityReport(tuple(checked), tuple(errors), tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. TensorRT (GPU target)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrtProfile:
+    """One optimisation profile: patch counts (all images of a call together) and images/call.
+
+    Defaults fit the tiny default model (max_pixels 448*448 = 1024 patches per image) with up
+    to 8 images per call; a real checkpoint sets these from its max_pixels and batch policy.
+    """
+
+    min_patches: int = 4
+    opt_patches: int = 1024
+    max_patches: int = 8192
+    max_images: int = 8
+
+    def validate(self, merge_size: int = 2) -> None:
+        block = merge_size * merge_size
+        if not 0 < self.min_patches <= self.opt_patches <= self.max_patches:
+            raise ValueError(f"need 0 < min <= opt <= max patches, got {self}")
+        if any(n % block for n in (self.min_patches, self.opt_patches, self.max_patches)):
+            raise ValueError(f"patch counts must be multiples of {block} (merge_size**2), got {self}")
+        if self.max_images <= 0:
+            raise ValueError(f"max_images must be positive, got {self.max_images}")
+
+    def input_shapes(self, patch_dim: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """(min, opt, max) shape of each input; one frame per image at ``opt``."""
+        return {
+            "pixel_values": ((self.min_patches, patch_dim), (self.opt_patches, patch_dim), (self.max_patches, patch_dim)),
+            "rotary_pos_ids": ((self.min_patches, 2), (self.opt_patches, 2), (self.max_patches, 2)),
+            "cu_seqlens": ((2,), (2,), (self.max_images + 1,)),
+        }
+
+
+def tensorrt_unavailable_reason() -> str | None:
+    """None where TensorRT's Python API imports; else why not (for skips and CLI errors)."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError as exc:  # includes the PyPI placeholder packages that fail to load
+        return f"tensorrt is not importable here ({exc}); build plans in the NGC Triton image"
+    return None
+
+
+def build_tensorrt_plan(
+    onnx_path: str | Path,
+    plan_path: str | Path,
+    patch_dim: int,
+    profile: TrtProfile = TrtProfile(),
+    precision: Precision = "fp16",
+    workspace_bytes: int = 4 << 30,
+) -> Path:
+    """Serialize a TensorRT engine for one profile. Runs only where ``tensorrt`` imports."""
+    reason = tensorrt_unavailable_reason()
+    if reason:
+        raise EncoderBuildError(reason)
+    import tensorrt as trt
+
+    profile.validate()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # from file: finds external weight data
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EncoderBuildError(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    optimization_profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in profile.input_shapes(patch_dim).items():
+        optimization_profile.set_shape(name, low, opt, high)
+    config.add_optimization_profile(optimization_profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EncoderBuildError("TensorRT failed to build the engine; see its log above")
+    plan_path = Path(plan_path)
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    plan_path.write_bytes(bytes(serialized))
+    return plan_path
+
+
+def tensorrt_plan_config(
+    patch_dim: int,
+    hidden_size: int,
+    profile: TrtProfile = TrtProfile(),
+    name: str = "vit_encoder",
+    instance_count: int = 1,
+    cuda_graph_patches: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The ``tensorrt_plan`` model's config as plain data, for the repository builder.
+
+    ``max_batch_size`` is 0: the leading dimension is patches, not requests; a call carries
+    up to ``profile.max_images`` images concatenated (``cu_seqlens`` separates them). CUDA
+    graphs are captured for fixed shapes, so one graph per listed patch count, one image each.
+    """
+    profile.validate()
+    graph_patches = list(cuda_graph_patches or sorted({profile.opt_patches, profile.max_patches}))
+    for patches in graph_patches:
+        if not profile.min_patches <= patches <= profile.max_patches:
+            raise ValueError(f"CUDA graph at {patches} patches is outside the profile {profile}")
+    return {
+        "name": name,
+        "platform": "tensorrt_plan",
+        "max_batch_size": 0,
+        "input": [
+            {"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [-1, patch_dim]},
+            {"name": "rotary_pos_ids", "data_type": "TYPE_INT64", "dims": [-1, 2]},
+            {"name": "cu_seqlens", "data_type": "TYPE_INT64", "dims": [-1]},
+        ],
+        "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [-1, hidden_size]}],
+        "instance_group": [{"kind": "KIND_GPU", "count": instance_count}],
+        "optimization": {
+            "cuda": {
+                "graphs": True,
+                "graph_spec": [
+                    {
+                        "input": {
+                            "pixel_values": [patches, patch_dim],
+                            "rotary_pos_ids": [patches, 2],
+                            "cu_seqlens": [2],
+                        }
+                    }
+                    for patches in graph_patches
+                ],
+            }
+        },
+        "parameters": {
+            "profile_min_patches": str(profile.min_patches),
+            "profile_opt_patches": str(profile.opt_patches),
+            "profile_max_patches": str(profile.max_patches),
+            "profile_max_images": str(profile.max_images),
+        },
+    }
+
+
+def render_tensorrt_plan_config(description: dict[str, Any]) -> str:
+    """config.pbtxt text for :func:`tensorrt_plan_config`'s description."""
+
+    def tensor(entry: dict[str, Any]) -> str:
+        dims = ", ".join(str(d) for d in entry["dims"])
+        return f'  {{ name: "{entry["name"]}" data_type: {entry["data_type"]} dims: [ {dims} ] }}'
+
+    def graph_spec(spec: dict[str, Any]) -> str:
+        inputs = "\n".join(
+            f'        input {{ key: "{key}" value {{ dim: [ {", ".join(str(d) for d in dims)} ] }} }}'
+            for key, dims in spec["input"].items()
+        )
+        return f"      {{\n{inputs}\n      }}"
+
+    cuda = description["optimization"]["cuda"]
+    lines = [
+        f'name: "{description["name"]}"',
+        f'platform: "{description["platform"]}"',
+        f"max_batch_size: {description['max_batch_size']}",
+        "input [\n" + ",\n".join(tensor(e) for e in description["input"]) + "\n]",
+        "output [\n" + ",\n".join(tensor(e) for e in description["output"]) + "\n]",
+        "instance_group [\n"
+        + ",\n".join(f'  {{ kind: {g["kind"]} count: {g["count"]} }}' for g in description["instance_group"])
+        + "\n]",
+        "optimization {\n  cuda {\n"
+        + f"    graphs: {str(cuda['graphs']).lower()}\n"
+        + "    graph_spec [\n"
+        + ",\n".join(graph_spec(s) for s in cuda["graph_spec"])
+        + "\n    ]\n  }\n}",
+    ]
+    lines += [
+        f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}'
+        for key, value in description["parameters"].items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Export the Qwen2-VL vision encoder (ONNX, TensorRT)")
+    parser.add_argument("--model", required=True, help="Qwen2-VL checkpoint directory")
+    parser.add_argument("--out", required=True, help="directory for model.onnx (and model.plan)")
+    parser.add_argument("--tensorrt", choices=["fp16", "fp32"], help="also build a TensorRT plan")
+    parser.add_argument("--skip-validation", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per folded constant
+
+    weights = load_vision_weights(args.model)
+    tower = load_vision_tower(args.model, weights)
+    onnx_path = export_onnx(tower, args.out)
+    print(f"wrote {onnx_path} (vision shards read: {len(weights.shard_files_read)}/{weights.shard_files_total})")
+    if not args.skip_validation:
+        report = validate_onnx(onnx_path, tower)
+        print(f"ONNX Runtime vs torch over {len(report.grids)} grid batches: max-abs {report.worst:.2e}")
+        if not report.ok:
+            raise EncoderBuildError(f"ONNX parity {report.worst:.2e} > {report.tolerance:.0e}")
+    if args.tensorrt:
+        dims = tower_dims(tower)
+        plan = build_tensorrt_plan(onnx_path, Path(args.out) / PLAN_FILE, dims["patch_dim"], precision=args.tensorrt)
+        print(f"wrote {plan}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

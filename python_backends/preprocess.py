@@ -1,0 +1,212 @@
+"""CPU runner of the serialized DALI image pipeline (``builders/dali_pipeline.py``).
+
+This is the ``cpu`` target's ``preprocess``: the pipeline definition that Triton's DALI backend
+runs on a GPU, serialized for the CPU and deserialized here with ``device_id=None``. It takes
+a batch of encoded images (raw bytes or base64, as clients send them), rejects bad ones with
+an :class:`EpdError` (``INVALID_ARG``) before any pixel is decoded where the header allows,
+and returns what transformers' ``Qwen2VLImageProcessor`` returns: ``pixel_values``
+``[sum(t*h*w), C*T*P*P]`` float32 and ``image_grid_thw`` ``[num_images, 3]`` int64. The
+patch layout is made here in numpy when the serialized graph stops at the normalized frame
+(the CPU default, see ``builders/dali_pipeline.py``).
+
+Plain Python: no Triton import. One :class:`DaliImagePreprocessor` per model instance; it is
+not thread-safe (a DALI pipeline runs one batch at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from nvidia.dali.pipeline import Pipeline
+
+from builders.dali_pipeline import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_NUM_THREADS,
+    INPUT_NAME,
+    ImageTransformConfig,
+    serialize_pipeline,
+)
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.media import ImageLimits, check_image_header, image_bytes
+
+LOGGER = logging.getLogger(__name__)
+
+# transformers' smart_resize refuses more elongated images; refuse them first, with a message.
+MAX_ASPECT_RATIO = 200
+
+# What DALI's CPU and nvJPEG-based decoders read. GIF is accepted by media.py for the colocated
+# path but DALI cannot decode it, so this path names it instead of failing inside DALI.
+_DALI_FORMAT_MAGIC: tuple[tuple[str, bytes], ...] = (
+    ("JPEG", b"\xff\xd8\xff"),
+    ("PNG", b"\x89PNG\r\n\x1a\n"),
+    ("BMP", b"BM"),
+    ("TIFF", b"II*\x00"),
+    ("TIFF", b"MM\x00*"),
+)
+DALI_FORMATS = "JPEG, PNG, WebP, BMP, TIFF"
+
+
+@dataclass(frozen=True)
+class PreprocessedImages:
+    """The processor's outputs for a batch, images in request order."""
+
+    pixel_values: np.ndarray  # [sum(t*h*w), C*T*P*P] float32
+    image_grid_thw: np.ndarray  # [num_images, 3] int64
+
+    def patch_counts(self) -> list[int]:
+        """Rows of ``pixel_values`` that belong to each image."""
+        return [int(t * h * w) for t, h, w in self.image_grid_thw]
+
+
+def patchify(frame: np.ndarray, config: ImageTransformConfig) -> np.ndarray:
+    """``[C, H, W]`` -> ``[grid_h * grid_w, C * T * P * P]``, the processor's row order: merge
+    blocks row by row, the m x m patches of a block adjacent, the frame repeated T times."""
+    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    channels, height, width = frame.shape
+    grid_h, grid_w = height // p, width // p
+    blocks = frame.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
+    return repeated.reshape(grid_h * grid_w, channels * t * p * p)  # one copy, out of DALI's buffer
+
+
+def _dali_format(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    for name, magic in _DALI_FORMAT_MAGIC:
+        if data.startswith(magic):
+            return name
+    return None
+
+
+def validate_encoded_image(item: bytes, index: int, limits: ImageLimits) -> bytes:
+    """The encoded bytes of ``item`` if DALI may decode them; else :class:`EpdError`.
+
+    Reads only the header (PIL's lazy open): size limits reject decompression bombs in
+    bounded memory. Corrupt pixel data past the header is caught when DALI decodes.
+    Callers on the GPU target (the BLS in front of the DALI backend) use this too.
+    """
+    data = image_bytes(item, index)  # empty, non-image and base64 handling
+    width, height = check_image_header(data, index, limits)
+    if _dali_format(data) is None:
+        raise invalid_arg(f"image[{index}]: format not supported here; send one of {DALI_FORMATS}")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise invalid_arg(
+            f"image[{index}] is {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO} "
+            "is not supported by Qwen2-VL"
+        )
+    return data
+
+
+class DaliImagePreprocessor:
+    """Runs the serialized pipeline on the CPU in batches of at most ``max_batch_size``."""
+
+    def __init__(
+        self,
+        serialized_pipeline: bytes,
+        config: ImageTransformConfig,
+        limits: ImageLimits | None = None,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        num_threads: int = DEFAULT_NUM_THREADS,
+    ) -> None:
+        """``config`` must be the one the pipeline was serialized from (patch sizes)."""
+        if max_batch_size <= 0 or num_threads <= 0:
+            raise ValueError("max_batch_size and num_threads must be positive")
+        self._serialized = serialized_pipeline
+        self._config = config
+        self._limits = limits or ImageLimits()
+        self._max_batch_size = max_batch_size
+        self._num_threads = num_threads
+        self._pipeline = self._build()
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, config: ImageTransformConfig, **kwargs: object
+    ) -> DaliImagePreprocessor:
+        return cls(Path(path).read_bytes(), config, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def for_config(
+        cls,
+        config: ImageTransformConfig,
+        limits: ImageLimits | None = None,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        num_threads: int = DEFAULT_NUM_THREADS,
+    ) -> DaliImagePreprocessor:
+        """Serialize the CPU pipeline in process (tests, benchmarks, no model repository)."""
+        serialized = serialize_pipeline(config, "cpu", max_batch_size=max_batch_size)
+        return cls(serialized, config, limits, max_batch_size, num_threads)
+
+    @property
+    def limits(self) -> ImageLimits:
+        return self._limits
+
+    def _build(self) -> Pipeline:
+        # Depth 1: feed_input then run, one batch at a time (deeper prefetch fails, DESIGN.md).
+        pipeline = Pipeline.deserialize(
+            serialized_pipeline=self._serialized,
+            batch_size=self._max_batch_size,
+            num_threads=self._num_threads,
+            device_id=None,
+            prefetch_queue_depth=1,
+        )
+        pipeline.build()
+        return pipeline
+
+    def preprocess(self, items: Sequence[bytes]) -> PreprocessedImages:
+        """Validate, then decode + transform every image; all-or-nothing for the batch."""
+        if len(items) == 0:
+            raise invalid_arg("no image given")
+        if len(items) > self._limits.max_images:
+            raise invalid_arg(
+                f"{len(items)} images given, above the limit of {self._limits.max_images} (max_images)"
+            )
+        encoded = [validate_encoded_image(item, i, self._limits) for i, item in enumerate(items)]
+        pixel_chunks: list[np.ndarray] = []
+        grids: list[np.ndarray] = []
+        for start in range(0, len(encoded), self._max_batch_size):
+            chunk = encoded[start : start + self._max_batch_size]
+            pixels, grid = self._run_chunk(chunk, first_index=start)
+            pixel_chunks.append(pixels)
+            grids.extend(grid)
+        pixel_values = pixel_chunks[0] if len(pixel_chunks) == 1 else np.concatenate(pixel_chunks)
+        return PreprocessedImages(pixel_values=pixel_values, image_grid_thw=np.stack(grids))
+
+    def _run_chunk(self, chunk: list[bytes], first_index: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        try:
+            return self._run(chunk)
+        except RuntimeError:
+            # DALI fails the whole batch; a fresh pipeline finds which image, one by one.
+            self._pipeline = self._build()
+            bad_index = self._find_undecodable(chunk)
+            if bad_index is None:
+                LOGGER.exception("DALI failed on a batch whose images decode one by one")
+                raise EpdError("image preprocessing failed", ErrorCode.INTERNAL) from None
+            raise invalid_arg(
+                f"image[{first_index + bad_index}] cannot be decoded: corrupt or truncated data"
+            ) from None
+
+    def _run(self, chunk: list[bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
+        self._pipeline.feed_input(INPUT_NAME, [np.frombuffer(data, dtype=np.uint8) for data in chunk])
+        pixel_list, grid_list = self._pipeline.run()
+        # Copy out of DALI's buffers (the next run reuses them): patchify and concatenate copy.
+        samples = [np.asarray(pixel_list[i]) for i in range(len(chunk))]
+        if samples[0].ndim == 3:  # the graph stopped at the normalized [C, H, W] frame
+            samples = [patchify(frame, self._config) for frame in samples]  # new arrays
+        elif len(samples) == 1:
+            samples = [samples[0].copy()]
+        pixels = samples[0] if len(samples) == 1 else np.concatenate(samples)
+        grids = [np.array(grid_list[i], dtype=np.int64) for i in range(len(chunk))]
+        return pixels, grids
+
+    def _find_undecodable(self, chunk: list[bytes]) -> int | None:
+        for index, data in enumerate(chunk):
+            try:
+                self._run([data])
+            except RuntimeError:
+                self._pipeline = self._build()
+                return index
+        return None

@@ -1,0 +1,239 @@
+"""Vision encoder: vision-only weight loading, ONNX export parity, TensorRT path and config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+from builders.default_model import build_default_model
+from builders.encoder import (
+    PARITY_TOLERANCE,
+    VALIDATION_GRIDS,
+    EncoderBuildError,
+    TrtProfile,
+    build_tensorrt_plan,
+    export_onnx,
+    load_vision_tower,
+    load_vision_weights,
+    render_tensorrt_plan_config,
+    tensorrt_plan_config,
+    tensorrt_unavailable_reason,
+    torch_reference,
+    tower_dims,
+    validate_onnx,
+)
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.vit_onnx import (
+    OnnxVisionEncoder,
+    embedding_counts,
+    group_images_by_patches,
+    vision_cu_seqlens,
+    vision_position_ids,
+)
+
+GRIDS_FOR_IDS = [[[1, 2, 2]], [[1, 4, 6]], [[2, 4, 4]], [[1, 26, 36], [1, 2, 40], [3, 6, 2]]]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return build_default_model()
+
+
+@pytest.fixture(scope="module")
+def tower(model_dir: Path):
+    return load_vision_tower(model_dir)
+
+
+@pytest.fixture(scope="module")
+def onnx_path(tower, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_onnx(tower, tmp_path_factory.mktemp("vit_encoder"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return tensors
+
+
+def test_reads_only_the_vision_shard(model_dir: Path, tower) -> None:
+    weights = load_vision_weights(model_dir)
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    vision_files = {f for k, f in index["weight_map"].items() if k.startswith("visual.")}
+    assert weights.shard_files_read == tuple(sorted(vision_files)) == ("model-00001-of-00002.safetensors",)
+    assert weights.shard_files_total == 2
+    assert set(weights.tensors) == set(tower.state_dict()) - {"rotary_pos_emb.inv_freq", "rotary_pos_emb.original_inv_freq"}
+
+    started = time.perf_counter()
+    everything = _all_tensors(model_dir)
+    full_seconds = time.perf_counter() - started
+    print(
+        f"\nvision-only: {len(weights.tensors)} tensors from {len(weights.shard_files_read)}/"
+        f"{weights.shard_files_total} shards in {weights.seconds * 1e3:.1f} ms; "
+        f"full checkpoint: {len(everything)} tensors in {full_seconds * 1e3:.1f} ms"
+    )
+    for name, tensor in weights.tensors.items():
+        torch.testing.assert_close(tensor, everything["visual." + name], rtol=0, atol=0)
+
+
+def test_single_file_checkpoint_in_transformers5_layout(model_dir: Path, tmp_path: Path) -> None:
+    renamed = {}
+    for key, tensor in _all_tensors(model_dir).items():
+        if key.startswith("visual."):
+            key = "model." + key  # transformers 5 module names
+        elif key.startswith("model."):
+            key = "model.language_model." + key[len("model.") :]
+        renamed[key] = tensor
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    shutil.copy(model_dir / "config.json", tmp_path / "config.json")
+
+    weights = load_vision_weights(tmp_path)
+    assert weights.shard_files_read == ("model.safetensors",) and weights.shard_files_total == 1
+    reference = load_vision_weights(model_dir)
+    assert set(weights.tensors) == set(reference.tensors)
+    single_file_tower = load_vision_tower(tmp_path, weights)
+    grid = np.array([[1, 4, 6]])
+    pixels = np.random.default_rng(1).standard_normal((24, 1176), dtype=np.float32)
+    np.testing.assert_array_equal(
+        torch_reference(single_file_tower, pixels, grid), torch_reference(load_vision_tower(model_dir), pixels, grid)
+    )
+
+
+def test_checkpoint_without_vision_weights_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    text_only = {k: v for k, v in _all_tensors(model_dir).items() if not k.startswith("visual.")}
+    save_file(text_only, str(tmp_path / "model.safetensors"))
+    with pytest.raises(EncoderBuildError, match="no vision weights"):
+        load_vision_weights(tmp_path)
+    with pytest.raises(EncoderBuildError, match="neither"):
+        load_vision_weights(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph inputs computed outside the graph
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grid", GRIDS_FOR_IDS)
+def test_position_ids_and_cu_seqlens_match_transformers(grid: list[list[int]]) -> None:
+    grid_np = np.array(grid, dtype=np.int64)
+    expected_ids = get_vision_position_ids(torch.tensor(grid), 2).numpy()
+    expected_cu = get_vision_cu_seqlens(torch.tensor(grid)).numpy()
+    np.testing.assert_array_equal(vision_position_ids(grid_np, 2), expected_ids)
+    np.testing.assert_array_equal(vision_cu_seqlens(grid_np), expected_cu)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX
+# ---------------------------------------------------------------------------------------------
+
+
+def test_onnx_matches_torch_over_many_grids(onnx_path: Path, tower) -> None:
+    report = validate_onnx(onnx_path, tower)
+    assert len(report.grids) >= 10 and report.grids == VALIDATION_GRIDS
+    print(f"\nONNX Runtime vs torch, max-abs per grid batch: {[f'{e:.1e}' for e in report.max_abs]}")
+    assert report.ok, report
+    assert report.worst <= PARITY_TOLERANCE
+
+
+def test_runner_splits_per_image_and_packing_changes_nothing(onnx_path: Path) -> None:
+    packed = OnnxVisionEncoder(onnx_path, max_patches_per_run=1 << 30)
+    grouped = OnnxVisionEncoder(onnx_path, max_patches_per_run=40)  # -> [24, 4], [40] patches
+    grids = np.array([[1, 4, 6], [1, 2, 2], [1, 10, 4]])
+    assert group_images_by_patches(grids, 40) == [slice(0, 2), slice(2, 3)]
+    rows = [int(t * h * w) for t, h, w in grids]
+    pixels = np.random.default_rng(2).standard_normal((sum(rows), packed.patch_dim), dtype=np.float32)
+    together = packed.encode(pixels, grids)
+    assert [e.shape for e in together] == [(n, packed.hidden_size) for n in embedding_counts(grids, 2)]
+    for ours, theirs in zip(together, grouped.encode(pixels, grids)):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    offsets = np.cumsum([0, *rows])
+    for i, embeds in enumerate(together):
+        alone = packed.encode(pixels[offsets[i] : offsets[i + 1]], grids[i : i + 1])[0]
+        np.testing.assert_allclose(embeds, alone, atol=1e-5, rtol=0)
+
+
+def test_runner_rejects_inconsistent_inputs(onnx_path: Path) -> None:
+    encoder = OnnxVisionEncoder(onnx_path)
+    pixels = np.zeros((24, encoder.patch_dim), dtype=np.float32)
+    cases = [
+        (pixels, np.array([[1, 4, 4]]), "needs 16 rows"),
+        (pixels, np.array([[1, 3, 8]]), "multiples of 2"),
+        (pixels[:, :10], np.array([[1, 4, 6]]), "encoder takes 1176"),
+        (pixels, np.array([1, 4, 6]), r"shape \[num_images, 3\]"),
+        (pixels, np.array([[0, 4, 6]]), "positive"),
+    ]
+    for values, grid, match in cases:
+        with pytest.raises(EpdError, match=match) as caught:
+            encoder.encode(values, grid)
+        assert caught.value.code == ErrorCode.INVALID_ARG
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(tensorrt_unavailable_reason() is not None, reason=str(tensorrt_unavailable_reason()))
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_tensorrt_plan_builds(onnx_path: Path, tower, precision: str) -> None:
+    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=4096, max_images=4)
+    plan = build_tensorrt_plan(onnx_path, onnx_path.parent / f"model-{precision}.plan", tower_dims(tower)["patch_dim"], profile, precision)  # type: ignore[arg-type]
+    assert plan.stat().st_size > 0
+
+
+def test_tensorrt_unavailable_is_a_clear_error_here(onnx_path: Path) -> None:
+    if tensorrt_unavailable_reason() is None:
+        pytest.skip("tensorrt is importable here; the GPU test covers the build")
+    with pytest.raises(EncoderBuildError, match="tensorrt is not importable"):
+        build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", 1176)
+
+
+def test_tensorrt_plan_config_description() -> None:
+    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=8192, max_images=8)
+    description = tensorrt_plan_config(patch_dim=1176, hidden_size=1536, profile=profile)
+    assert description["platform"] == "tensorrt_plan" and description["max_batch_size"] == 0
+    assert {i["name"]: i["dims"] for i in description["input"]} == {
+        "pixel_values": [-1, 1176],
+        "rotary_pos_ids": [-1, 2],
+        "cu_seqlens": [-1],
+    }
+    assert description["output"] == [{"name": "image_embeds", "data_type": "TYPE_FP32", "dims": [-1, 1536]}]
+    cuda = description["optimization"]["cuda"]
+    assert cuda["graphs"] is True
+    assert [spec["input"]["pixel_values"] for spec in cuda["graph_spec"]] == [[1024, 1176], [8192, 1176]]
+    assert description["parameters"]["profile_max_images"] == "8"
+
+    text = render_tensorrt_plan_config(description)
+    assert 'platform: "tensorrt_plan"' in text and "max_batch_size: 0" in text
+    assert '{ name: "pixel_values" data_type: TYPE_FP32 dims: [ -1, 1176 ] }' in text
+    assert "graphs: true" in text and 'input { key: "cu_seqlens" value { dim: [ 2 ] } }' in text
+    assert "${" not in text and text.count("{") == text.count("}")
+
+
+@pytest.mark.parametrize(
+    ("profile", "match"),
+    [
+        (TrtProfile(min_patches=8, opt_patches=4, max_patches=16), "min <= opt <= max"),
+        (TrtProfile(min_patches=4, opt_patches=6, max_patches=16), "multiples of 4"),
+        (TrtProfile(max_images=0), "max_images"),
+    ],
+)
+def test_tensorrt_profile_is_checked(profile: TrtProfile, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tensorrt_plan_config(patch_dim=1176, hidden_size=128, profile=profile)
