@@ -32,7 +32,7 @@ OFFLINE_START = textwrap.dedent(
         from vllm import LLM
         args = json.load(open(sys.argv[1]))
         llm = LLM(**args)
-        print(json.dumps({"ready_s": time.perf_counter() - t0}))
+        print("COLD_START " + json.dumps({"ready_s": time.perf_counter() - t0}), flush=True)
     """
 )
 
@@ -62,7 +62,8 @@ def time_offline_vllm(engine_args_path: Path) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, script.name, str(engine_args_path)], capture_output=True, text=True, check=True, timeout=900
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    marked = [line for line in out.stdout.splitlines() if line.startswith("COLD_START ")]
+    return json.loads(marked[-1].removeprefix("COLD_START "))
 
 
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
