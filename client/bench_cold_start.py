@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     empty = Path(tempfile.mkdtemp(prefix="empty-repo-"))
 
     llm_runs, floor_runs, offline_runs = [], [], []
+    logs = REPO_ROOT / "build" / "bench-logs"
     for i in range(args.repeat):
-        llm_runs.append(time_server(repository, args.out / f"server-{i}.log", with_request=True))
-        floor_runs.append(time_server(empty, args.out / f"floor-{i}.log", with_request=False))
+        llm_runs.append(time_server(repository, logs / f"cold-start-llm-{i}.log", with_request=True))
+        floor_runs.append(time_server(empty, logs / f"cold-start-floor-{i}.log", with_request=False))
         offline_runs.append(time_offline_vllm(repository / "llm" / "1" / "engine_args.json"))
         print(f"run {i}: llm {llm_runs[-1]}, floor {floor_runs[-1]}, offline vLLM {offline_runs[-1]}", flush=True)
 
