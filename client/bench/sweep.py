@@ -1,0 +1,360 @@
+"""Modes x load points x repetitions against one server -> one results document.
+
+A mode is a model name with an optional media policy: ``llm``, ``ensemble``, ``epd``,
+``epd:repeated`` (reused media from a small pool, ``repeated_reuse_ratio``) or
+``epd:unique`` (no reuse). A mode whose model is not loaded is reported as skipped.
+For each (mode, point): warm-up requests (excluded), then ``reps`` measured runs whose
+summaries are reduced to their median; /metrics and CPU time are read around each run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from client.bench.loadgen import LoadPoint, closed_loop, run_point
+from client.bench.metrics import RequestRecord, Slo, median_summary, summarize
+from client.bench.server_stats import (
+    DEFAULT_CACHE_HIT_METRIC,
+    DEFAULT_ENCODE_METRIC,
+    CpuMeter,
+    ModeLayout,
+    counter_deltas,
+    cpu_usage,
+    discover_layout,
+    per_model_server_ms,
+    scrape,
+    sum_counter,
+)
+from client.bench.stages import disaggregation_reading, stage_breakdown
+from client.bench.triton_target import TritonGrpcTarget
+from client.bench.workload import WorkloadBuilder, WorkloadSpec
+
+MEDIA_POLICIES = ("default", "unique", "repeated")
+RATIO_METRICS = (
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p90"),
+    ("tpot_ms", "p50"),
+    ("itl_ms", "p50"),
+    ("e2e_ms", "p50"),
+    ("e2e_ms", "p90"),
+    ("request_throughput", None),
+    ("output_token_throughput", None),
+)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    label: str
+    model: str
+    media: str = "default"
+
+    @classmethod
+    def parse(cls, text: str) -> "ModeSpec":
+        model, _, media = text.partition(":")
+        media = media or "default"
+        if not model or media not in MEDIA_POLICIES:
+            raise ValueError(f"mode {text!r}: use MODEL or MODEL:unique or MODEL:repeated")
+        return cls(text, model, media)
+
+    def reuse_ratio(self, spec: WorkloadSpec) -> float:
+        return {"default": spec.reuse_ratio, "unique": 0.0, "repeated": spec.repeated_reuse_ratio}[self.media]
+
+
+@dataclass
+class SweepConfig:
+    modes: list[ModeSpec]
+    points: list[LoadPoint]
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    requests_per_point: int = 32
+    warmup_requests: int = 4
+    reps: int = 1
+    max_seconds_per_point: float = 120.0
+    request_timeout_s: float = 120.0
+    time_budget_s: float | None = None
+    slo: Slo = field(default_factory=Slo)
+    baseline: str = "llm"
+    max_inflight: int = 256
+    cache_hit_metric: str = DEFAULT_CACHE_HIT_METRIC
+    encode_metric: str = DEFAULT_ENCODE_METRIC
+    progress: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "modes": [m.label for m in self.modes],
+            "points": [p.label for p in self.points],
+            "workload": self.workload.describe(),
+            "requests_per_point": self.requests_per_point,
+            "warmup_requests": self.warmup_requests,
+            "reps": self.reps,
+            "max_seconds_per_point": self.max_seconds_per_point,
+            "request_timeout_s": self.request_timeout_s,
+            "time_budget_s": self.time_budget_s,
+            "slo_ms": {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2e": self.slo.e2e_ms},
+            "baseline": self.baseline,
+            "cache_hit_metric": self.cache_hit_metric,
+            "encode_metric": self.encode_metric,
+        }
+
+
+@dataclass
+class SweepOutput:
+    summary: dict[str, Any]
+    raw: list[dict[str, Any]]
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Sweep:
+    """One run of a ``SweepConfig`` against one server (see module docstring)."""
+
+    def __init__(self, config: SweepConfig, grpc_url: str, metrics_url: str | None, server_pid: int | None) -> None:
+        self.config = config
+        self.grpc_url = grpc_url
+        self.metrics_url = metrics_url
+        self.meter = CpuMeter(server_pid)
+        self.builder = WorkloadBuilder(config.workload)
+        self.raw: list[dict[str, Any]] = []
+        self.records: dict[tuple[str, str], list[RequestRecord]] = {}
+        self.started = 0.0
+        self.mode_deadline: float | None = None
+
+    def _over_budget(self) -> bool:
+        return self.mode_deadline is not None and time.perf_counter() > self.mode_deadline
+
+    def _start_mode_clock(self, modes_left: int) -> None:
+        """Split what is left of the time budget evenly over the modes still to run, so a
+        slow first mode cannot starve the last one (each mode then has its low loads at least)."""
+        budget = self.config.time_budget_s
+        if budget is None:
+            return
+        now = time.perf_counter()
+        remaining = max(0.0, self.started + budget - now)
+        self.mode_deadline = now + remaining / max(modes_left, 1)
+
+    async def run(self, target: Any = None) -> SweepOutput:
+        """``target`` defaults to a gRPC client of ``grpc_url`` (tests pass a scripted one)."""
+        self.started = time.perf_counter()
+        target = target or TritonGrpcTarget(self.grpc_url)
+        try:
+            server = await target.client.get_server_metadata(as_json=True)
+            reasons = {m.label: await target.not_ready_reason(m.model) for m in self.config.modes}
+            runnable = [m for m in self.config.modes if reasons[m.label] is None]
+            modes, points = [], []
+            for mode in self.config.modes:
+                if reasons[mode.label] is not None:
+                    _log(f"[bench] skipping mode {mode.label}: {reasons[mode.label]}")
+                    modes.append({"label": mode.label, "model": mode.model, "media": mode.media,
+                                  "status": "skipped", "reason": reasons[mode.label]})
+                    continue
+                self._start_mode_clock(len(runnable) - runnable.index(mode))
+                mode_entry, mode_points = await self._run_mode(target, mode)
+                modes.append(mode_entry)
+                points.extend(mode_points)
+        finally:
+            await target.close()
+        summary = {
+            "server": {"url": self.grpc_url, "name": server.get("name"), "version": server.get("version")},
+            "config": self.config.describe(),
+            "modes": modes,
+            "points": points,
+            "ratios_vs_baseline": self._ratios(points),
+            "token_agreement_vs_baseline": self._token_agreement(),
+            "harness_cost": harness_cost(points),
+            "run_wall_s": time.perf_counter() - self.started,
+        }
+        return SweepOutput(summary, self.raw)
+
+    async def _run_mode(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        entry: dict[str, Any] = {"label": mode.label, "model": mode.model, "media": mode.media}
+        layout = await discover_layout(target.client, mode.model)
+        entry.update(status="ran", reuse_ratio=mode.reuse_ratio(self.config.workload), layout=layout.to_json())
+        points = []
+        for index, point in enumerate(self.config.points):
+            if self._over_budget():
+                _log(f"[bench] time budget spent: {mode.label} {point.label} not run")
+                points.append({"mode": mode.label, "load_label": point.label, "status": "not run: this mode's share of --time-budget was spent"})
+                continue
+            points.append(await self._run_point(target, mode, layout, index, point))
+        ran = [p for p in points if p.get("status") == "ran"]
+        if ran:
+            # Read at the highest closed-loop concurrency: that is where splitting stages
+            # could pay; an open-loop point stands in when there is no closed-loop one.
+            closed = [p for p in ran if p["load_kind"] == "concurrency"]
+            top = max(closed, key=lambda p: p["load"]) if closed else ran[-1]
+            entry["reading"] = disaggregation_reading(
+                mode.label, top["load_label"], top["stages"], top["load"] if closed else None
+            )
+        return entry, points
+
+    async def _run_point(
+        self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint
+    ) -> dict[str, Any]:
+        config = self.config
+        reuse = mode.reuse_ratio(config.workload)
+
+        async def send(prepared: Any) -> RequestRecord:
+            return await target.send(mode.model, prepared, config.request_timeout_s)
+
+        if config.warmup_requests:
+            warm = [target.prepare(r) for r in self.builder.build(config.warmup_requests, reuse, "warmup", index)]
+            await closed_loop(send, warm, point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
+
+        reps, records = [], []
+        for rep in range(config.reps):
+            items = [target.prepare(r) for r in self.builder.build(config.requests_per_point, reuse, "measure", index, rep)]
+            rep_summary, rep_records = await self._measure(send, items, point, index, rep, mode, layout)
+            reps.append(rep_summary)
+            records.extend(rep_records)
+            self.raw.extend({"mode": mode.label, "load_label": point.label, "rep": rep, **r.to_json()} for r in rep_records)
+        self.records[(mode.label, point.label)] = records
+        summary = median_summary(reps)
+        return {
+            "mode": mode.label,
+            "model": mode.model,
+            "status": "ran",
+            "load_kind": point.kind,
+            "pattern": point.pattern,
+            "load": point.value,
+            "load_label": point.label,
+            "summary": summary,
+            "reps": reps,
+            "stages": stage_breakdown(records, summary.get("per_model_server_ms", {}), layout),
+        }
+
+    async def _measure(
+        self, send: Any, items: list[Any], point: LoadPoint, index: int, rep: int, mode: ModeSpec, layout: ModeLayout
+    ) -> tuple[dict[str, Any], list[RequestRecord]]:
+        config = self.config
+        rng = np.random.default_rng([config.workload.seed, 7, index, rep])
+        description = f"{mode.label} {point.label} rep {rep + 1}/{config.reps}"
+        before_metrics = scrape(self.metrics_url)
+        # Objects made so far (workload, earlier records) never need collecting again: a
+        # full GC pass in the middle of a point would show up as client-side latency.
+        gc.collect()
+        gc.freeze()
+        with tqdm(total=len(items), desc=description, leave=False, disable=not config.progress, file=sys.stderr) as bar:
+            before_cpu = self.meter.sample()
+            result = await run_point(
+                send, items, point, config.max_seconds_per_point, rng, lambda: bar.update(1), config.max_inflight
+            )
+            after_cpu = self.meter.sample()
+        deltas = counter_deltas(before_metrics, scrape(self.metrics_url))
+        summary = summarize(result.records, config.slo)
+        instances = layout.total_instances or 1
+        summary.update(
+            not_sent=result.not_sent,
+            max_dispatch_lag_ms=result.max_dispatch_lag_s * 1000.0,
+            request_throughput_per_instance=_per(summary["request_throughput"], instances),
+            output_token_throughput_per_instance=_per(summary["output_token_throughput"], instances),
+            cache_hits=sum_counter(deltas, config.cache_hit_metric),
+            encodes=sum_counter(deltas, config.encode_metric),
+            cpu=cpu_usage(before_cpu, after_cpu, len(result.records)),
+            load_average_1m=os.getloadavg()[0],
+            per_model_server_ms=per_model_server_ms(deltas, layout.models),
+            server_counters=deltas,
+        )
+        ttft = summary["ttft_ms"]["p50"]
+        _log(
+            f"[bench] {description}: {summary['requests']} ok, {summary['errors']} errors, "
+            f"TTFT p50 {ttft if ttft is None else round(ttft)} ms, "
+            f"{_fmt(summary['request_throughput'])} req/s, {_fmt(summary['output_token_throughput'])} tok/s"
+        )
+        return summary, result.records
+
+    def _baseline_points(self, points: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {p["load_label"]: p for p in points if p["mode"] == self.config.baseline and p.get("status") == "ran"}
+
+    def _ratios(self, points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        baseline = self._baseline_points(points)
+        ratios = []
+        for p in points:
+            base = baseline.get(p.get("load_label", ""))
+            if p.get("status") != "ran" or base is None or p["mode"] == self.config.baseline:
+                continue
+            row: dict[str, Any] = {"mode": p["mode"], "load_label": p["load_label"]}
+            for metric, stat in RATIO_METRICS:
+                row[f"{metric}_{stat}" if stat else metric] = _ratio(
+                    _pick(p["summary"], metric, stat), _pick(base["summary"], metric, stat)
+                )
+            ratios.append(row)
+        return ratios
+
+    def _token_agreement(self) -> dict[str, float | None]:
+        """Share of requests whose output tokens equal the baseline's for the same request
+        (greedy decoding makes this 1.0 when the modes serve the same model); compared only
+        where both modes sent the same media."""
+        workload = self.config.workload
+        modes = {m.label: m for m in self.config.modes}
+        base_mode = modes.get(self.config.baseline)
+        agreement: dict[str, float | None] = {}
+        if base_mode is None:
+            return agreement
+        for (label, load), records in self.records.items():
+            base = self.records.get((self.config.baseline, load))
+            if label == self.config.baseline or base is None:
+                continue
+            if modes[label].reuse_ratio(workload) != base_mode.reuse_ratio(workload):
+                continue
+            base_tokens = {r.key: r.output_token_ids for r in base if r.ok}
+            pairs = [(r.output_token_ids, base_tokens[r.key]) for r in records if r.ok and r.key in base_tokens]
+            agreement[f"{label} {load}"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+        return agreement
+
+
+def _pick(summary: dict[str, Any], metric: str, stat: str | None) -> float | None:
+    value = summary.get(metric)
+    return value.get(stat) if stat and isinstance(value, dict) else value
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def _per(value: float | None, instances: int) -> float | None:
+    return None if value is None else value / instances
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def harness_cost(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Client (load generator) CPU per request against the server's, over all measured runs."""
+    client = server = 0.0
+    requests = 0
+    server_known = True
+    others = []
+    for point in points:
+        for rep in point.get("reps", []):
+            cpu = rep["cpu"]
+            if cpu.get("other_processes_cpu_share") is not None:
+                others.append(cpu["other_processes_cpu_share"])
+            client += cpu["client_cpu_s"]
+            requests += rep["requests"] + rep["errors"]
+            if cpu["server_cpu_s"] is None:
+                server_known = False
+            else:
+                server += cpu["server_cpu_s"]
+    per = max(requests, 1)
+    return {
+        "requests": requests,
+        "client_cpu_s": client,
+        "server_cpu_s": server if server_known else None,
+        "client_cpu_ms_per_request": 1000.0 * client / per,
+        "server_cpu_ms_per_request": 1000.0 * server / per if server_known else None,
+        "client_share_of_server_cpu": client / server if server_known and server else None,
+        # Share of the machine's CPU that other processes took during the measured windows.
+        "other_processes_cpu_share_mean": float(np.mean(others)) if others else None,
+        "other_processes_cpu_share_max": max(others) if others else None,
+    }

@@ -1,0 +1,137 @@
+"""One streaming request over ``tritonclient.grpc.aio`` -> a ``RequestRecord``.
+
+One gRPC stream per request on one shared channel (HTTP/2 streams are cheap), so
+concurrent requests never wait on each other in the client. Inputs are built before a
+load point starts (``prepare``) so the timed path only sends and receives.
+
+Optional outputs read when the model sends them (``epd`` will):
+
+* ``timing_<stage>_ms`` (any numeric type, one value): time the pipeline spent in
+  ``<stage>`` for this request, e.g. ``timing_encode_ms``; the last value seen wins.
+* ``cache_hits`` (integer, one value): media items served from the embedding store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from client.bench.metrics import RequestRecord
+from client.bench.workload import BenchRequest
+
+TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"
+CACHE_HITS_OUTPUT = "cache_hits"
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request: BenchRequest
+    inputs: list[Any]
+
+
+class TritonGrpcTarget:
+    """Sends requests to one Triton server; safe to share between tasks of one event loop."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient  # noqa: PLC0415 - keep `--help` fast
+        import tritonclient.grpc.aio as grpcaio  # noqa: PLC0415
+
+        self.url = url
+        self._grpc = grpcclient
+        self.client = grpcaio.InferenceServerClient(url)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def not_ready_reason(self, model: str) -> str | None:
+        """None when ``model`` is ready; otherwise why it cannot be benchmarked."""
+        try:
+            if not await self.client.is_server_live():
+                return f"server at {self.url} is not live"
+            if await self.client.is_model_ready(model):
+                return None
+        except Exception as exc:  # noqa: BLE001 - any transport failure is a reason to skip
+            return f"cannot reach {self.url}: {exc}"
+        return f"model '{model}' is not loaded on {self.url}"
+
+    def prepare(self, request: BenchRequest) -> PreparedRequest:
+        return PreparedRequest(request, build_inputs(self._grpc, request))
+
+    async def send(self, model: str, prepared: PreparedRequest, timeout_s: float) -> RequestRecord:
+        """One request; transport and model errors end up in ``record.error``, never raised."""
+        record = RequestRecord(
+            key=prepared.request.key,
+            num_images=len(prepared.request.images),
+            reused_images=prepared.request.reused_images,
+        )
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._stream(model, prepared, record, started), timeout_s)
+        except asyncio.TimeoutError:
+            record.error = f"timeout after {timeout_s:.0f} s"
+        except Exception as exc:  # noqa: BLE001 - one failed request must not end the run
+            record.error = f"{type(exc).__name__}: {exc}"
+        return record
+
+    async def _stream(self, model: str, prepared: PreparedRequest, record: RequestRecord, started: float) -> None:
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": model, "inputs": prepared.inputs, "request_id": prepared.request.key}
+
+        async for result, error in self.client.stream_infer(one_request()):
+            arrived = time.perf_counter() - started
+            if error is not None:
+                record.error = str(error.message() if hasattr(error, "message") else error)
+                return
+            response = result.get_response()
+            if read_response(result, response, record):
+                record.chunk_times.append(arrived)
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return
+
+
+def read_response(result: Any, response: Any, record: RequestRecord) -> bool:
+    """Fold one streamed response into ``record``; True when it carried output."""
+    names = {output.name for output in response.outputs}
+    if not names:
+        return False
+    if "output_token_ids" in names:
+        ids = result.as_numpy("output_token_ids").reshape(-1)
+        record.chunk_tokens.append(int(ids.size))
+        record.output_token_ids.extend(int(t) for t in ids)
+    if "num_input_tokens" in names:
+        record.num_input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
+    if "num_output_tokens" in names:
+        record.num_output_tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+    if "finish_reason" in names:
+        reason = result.as_numpy("finish_reason").reshape(-1)[0]
+        record.finish_reason = (reason.decode() if isinstance(reason, bytes) else str(reason)) or record.finish_reason
+    if CACHE_HITS_OUTPUT in names:
+        record.cache_hits = int(result.as_numpy(CACHE_HITS_OUTPUT).reshape(-1)[0])
+    for name in names:
+        if name.startswith(TIMING_PREFIX) and name.endswith(TIMING_SUFFIX):
+            stage = name[len(TIMING_PREFIX) : -len(TIMING_SUFFIX)]
+            record.stage_ms[stage] = float(result.as_numpy(name).reshape(-1)[0])
+    return True
+
+
+def build_inputs(grpc_module: Any, request: BenchRequest) -> list[Any]:
+    def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
+        item = grpc_module.InferInput(name, list(array.shape), dtype)
+        item.set_data_from_numpy(array)
+        return item
+
+    inputs = [tensor("text_input", np.array([request.prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
+    if request.images:
+        inputs.append(tensor("image", np.array(list(request.images), dtype=np.object_), "BYTES"))
+    inputs.append(tensor("stream", np.array([True]), "BOOL"))
+    payload = json.dumps(request.sampling).encode("utf-8")
+    inputs.append(tensor("sampling_parameters", np.array([payload], dtype=np.object_), "BYTES"))
+    inputs.append(tensor("exclude_input_in_output", np.array([True]), "BOOL"))
+    return inputs

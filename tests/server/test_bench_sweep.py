@@ -1,0 +1,83 @@
+"""The benchmark harness end to end against the real server: a tiny sweep through the
+CLI, and perf_analyzer on our generated inputs where its wheel can run (glibc >= 2.38)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.bench.cli import main
+from client.bench.machine import glibc_version
+from python_backends.tritonserver import TritonServer
+
+pytestmark = pytest.mark.server
+
+PERF_ANALYZER_GLIBC = (2, 38)
+
+
+def test_tiny_sweep_end_to_end(server: TritonServer, tmp_path: Path):
+    out = tmp_path / "bench"
+    code = main([
+        "run", "--url", server.grpc_url, "--metrics-url", server.metrics_url,
+        "--server-pid", str(server.process.pid),
+        "--modes", "llm", "llm:unique", "llm:repeated", "epd",
+        "--concurrency", "1", "2", "--request-rate", "4",
+        "--requests", "4", "--warmup", "1", "--reps", "1",
+        "--output-tokens", "8", "--image-size", "128x96",
+        "--slo-ttft-ms", "60000", "--time-budget", "50", "--no-progress", "--out", str(out),
+    ])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    modes = {m["label"]: m for m in summary["modes"]}
+    assert modes["epd"]["status"] == "skipped" and "not loaded" in modes["epd"]["reason"]
+    assert modes["llm"]["layout"]["total_instances"] == 1
+
+    points = [p for p in summary["points"] if p["status"] == "ran"]
+    assert {(p["mode"], p["load_label"]) for p in points} >= {("llm", "c=1"), ("llm", "c=2"), ("llm", "poisson 4/s")}
+    for point in points:
+        s = point["summary"]
+        assert s["errors"] == 0 and s["requests"] == 4
+        assert s["mean_output_tokens"] == 8  # ignore_eos: exact lengths
+        assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
+        assert s["goodput"] == pytest.approx(s["request_throughput"])  # generous SLO: all good
+        # Triton's own counters moved for the model we drove.
+        assert s["server_counters"]['nv_inference_request_success{model="llm",version="1"}'] == 4
+
+    # Greedy decoding: the same requests give the same tokens in another mode of the same model.
+    assert set(summary["token_agreement_vs_baseline"].values()) == {1.0}
+    cost = summary["harness_cost"]
+    assert cost["server_cpu_ms_per_request"] > 0 and cost["client_cpu_ms_per_request"] > 0
+    for name in ("raw.json", "results.csv", "results.md", "latency_vs_concurrency.png", "throughput_vs_rate.png"):
+        assert (out / name).stat().st_size > 0
+
+
+def _glibc_text() -> str:
+    version = glibc_version()
+    return "no glibc" if version is None else f"glibc {version[0]}.{version[1]}"
+
+
+@pytest.mark.skipif(
+    (glibc_version() or (0, 0)) < PERF_ANALYZER_GLIBC,
+    reason=f"perf_analyzer's PyPI wheel needs glibc >= 2.38; this machine has {_glibc_text()}",
+)
+def test_perf_analyzer_streams_generated_inputs(server: TritonServer, tmp_path: Path):
+    binary = shutil.which("perf_analyzer") or shutil.which("perf_analyzer", path=str(Path(sys.executable).parent))
+    if binary is None:
+        pytest.skip("perf_analyzer is not installed: pip install perf-analyzer==2.60.0")
+    assert main([
+        "perf-analyzer-inputs", "--out", str(tmp_path), "--models", "llm", "--count", "2",
+        "--output-tokens", "8", "--image-size", "128x96", "--url", server.grpc_url,
+    ]) == 0
+    base = [binary, "-m", "llm", "-i", "grpc", "-u", server.grpc_url, "--streaming",
+            "--input-data", str(tmp_path / "llm.json"), "--concurrency-range", "1",
+            "--measurement-interval", "2000", "--max-trials", "3", "--stability-percentage", "100"]
+    shared_memory = ["--shared-memory", "system", "--output-shared-memory-size", "1048576"]
+    for extra in ([], shared_memory):
+        done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "Throughput" in done.stdout

@@ -1,0 +1,172 @@
+"""The whole sweep -> outputs path against a scripted target (no server): skipped modes,
+instance counting, ratios, token agreement, stage readings and every output file."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+
+from client.bench.loadgen import LoadPoint
+from client.bench.metrics import RequestRecord, Slo
+from client.bench.report import write_outputs
+from client.bench.sweep import ModeSpec, Sweep, SweepConfig
+from client.bench.workload import BenchRequest, LengthDist, WorkloadSpec
+
+CONFIGS = {
+    "llm": {"backend": "python", "instance_group": [{"count": 1}], "model_transaction_policy": {"decoupled": True}},
+    # A BLS entry point names its downstream models in parameters.
+    "epd": {
+        "backend": "python",
+        "instance_group": [{"count": 1}],
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {"encode_model": {"string_value": "encode"}, "decode_model": {"string_value": "decode"}},
+    },
+    "encode": {"backend": "python", "instance_group": [{"count": 2, "kind": "KIND_CPU"}]},
+    "decode": {"backend": "python", "instance_group": [{"count": 1}], "model_transaction_policy": {"decoupled": True}},
+}
+TTFT_S = {"llm": 0.200, "epd": 0.100}
+
+
+class FakeClient:
+    async def get_server_metadata(self, as_json: bool) -> dict:
+        return {"name": "triton", "version": "fake"}
+
+    async def get_model_repository_index(self, as_json: bool) -> dict:
+        return {"models": [{"name": name} for name in CONFIGS]}
+
+    async def get_model_config(self, name: str, as_json: bool) -> dict:
+        return {"config": CONFIGS[name]}
+
+
+class FakeTarget:
+    """Deterministic answers: tokens depend on the request only, times on the model."""
+
+    def __init__(self) -> None:
+        self.client = FakeClient()
+        self.sent: list[tuple[str, str]] = []
+
+    async def not_ready_reason(self, model: str) -> str | None:
+        return None if model in TTFT_S else f"model '{model}' is not loaded on fake"
+
+    def prepare(self, request: BenchRequest) -> BenchRequest:
+        return request
+
+    async def send(self, model: str, request: BenchRequest, timeout_s: float) -> RequestRecord:
+        await asyncio.sleep(0)
+        self.sent.append((model, request.key))
+        tokens = request.sampling["max_tokens"]
+        seed = zlib.crc32(request.prompt.encode() + b"".join(request.images))
+        ttft = TTFT_S[model]
+        record = RequestRecord(
+            key=request.key,
+            chunk_times=[ttft + 0.01 * i for i in range(tokens)],
+            chunk_tokens=[1] * tokens,
+            num_output_tokens=tokens,
+            num_input_tokens=50,
+            output_token_ids=[(seed + i) % 1000 for i in range(tokens)],
+        )
+        if model == "epd":
+            record.stage_ms = {"encode": 60.0, "prefill": 30.0, "decode": 10.0 * (tokens - 1)}
+        return record
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list, FakeTarget, Path]:
+    config = SweepConfig(
+        modes=[ModeSpec.parse(m) for m in ("llm", "ensemble", "epd", "epd:repeated")],
+        points=[LoadPoint("concurrency", 1), LoadPoint("concurrency", 2), LoadPoint("rate", 50.0, "poisson")],
+        workload=WorkloadSpec(image_sizes=((32, 32),), output_tokens=LengthDist.parse("4", minimum=1)),
+        requests_per_point=6,
+        warmup_requests=2,
+        reps=2,
+        slo=Slo(ttft_ms=150),
+        progress=False,
+    )
+    target = FakeTarget()
+    output = asyncio.run(Sweep(config, "fake:1", None, None).run(target))
+    out = tmp_path_factory.mktemp("bench")
+    write_outputs(out, output.summary, output.raw)
+    return output.summary, output.raw, target, out
+
+
+def test_missing_model_is_skipped_with_its_reason(run):
+    summary, _, target, _ = run
+    modes = {m["label"]: m for m in summary["modes"]}
+    assert modes["ensemble"]["status"] == "skipped"
+    assert "not loaded" in modes["ensemble"]["reason"]
+    assert all(model != "ensemble" for model, _ in target.sent)
+
+
+def test_warmup_is_sent_but_not_measured(run):
+    summary, raw, target, _ = run
+    # 3 modes x 3 points x (2 warm-up + 2 reps x 6 measured)
+    assert len(target.sent) == 3 * 3 * (2 + 12)
+    assert len(raw) == 3 * 3 * 12
+    assert not any(r["key"].startswith("warmup") for r in raw)
+
+
+def test_instances_count_downstream_models(run):
+    summary, *_ = run
+    modes = {m["label"]: m for m in summary["modes"]}
+    assert modes["epd"]["layout"]["total_instances"] == 4  # epd 1 + encode 2 + decode 1
+    point = next(p for p in summary["points"] if p["mode"] == "epd" and p["load_label"] == "c=1")
+    s = point["summary"]
+    assert s["output_token_throughput_per_instance"] == pytest.approx(s["output_token_throughput"] / 4)
+
+
+def test_ratios_and_token_agreement_against_the_baseline(run):
+    summary, *_ = run
+    ratio = next(r for r in summary["ratios_vs_baseline"] if r["mode"] == "epd" and r["load_label"] == "c=1")
+    assert ratio["ttft_ms_p50"] == pytest.approx(0.5)
+    agreement = summary["token_agreement_vs_baseline"]
+    assert agreement["epd c=1"] == 1.0  # same media as llm, same tokens
+    assert not any(k.startswith("epd:repeated") for k in agreement)  # different media: not compared
+
+
+def test_goodput_and_stage_reading(run):
+    summary, *_ = run
+    llm = next(p for p in summary["points"] if p["mode"] == "llm" and p["load_label"] == "c=1")["summary"]
+    epd = next(p for p in summary["points"] if p["mode"] == "epd" and p["load_label"] == "c=1")
+    assert llm["goodput"] == 0.0 and epd["summary"]["goodput"] > 0  # TTFT 200 ms vs 100 ms, SLO 150 ms
+    assert epd["stages"]["source"].startswith("pipeline timings")
+    assert epd["stages"]["media_share"] == pytest.approx(60 / 120)
+    reading = next(m["reading"] for m in summary["modes"] if m["label"] == "epd")
+    assert "at c=2" in reading and "disaggregate E" in reading and "below the ~32" in reading
+
+
+def test_every_output_is_written(run):
+    summary, _, _, out = run
+    for name in ("summary.json", "raw.json", "results.csv", "results.md", "latency_vs_concurrency.png",
+                 "throughput_vs_concurrency.png", "latency_vs_rate.png", "throughput_vs_rate.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert json.loads((out / "summary.json").read_text())["config"]["reps"] == 2
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 3 * 3 and {"ttft_ms_p99", "goodput", "client_cpu_ms_per_request"} <= set(rows[0])
+    md = (out / "results.md").read_text()
+    assert "| epd | c=1 |" in md and "Ratios vs `llm`" in md and "mode `ensemble`: model 'ensemble' is not loaded" in md
+    assert "Harness cost" in md and "server CPU not measured" in md
+
+
+def test_time_budget_reports_points_it_could_not_run(tmp_path):
+    config = SweepConfig(
+        modes=[ModeSpec.parse("llm"), ModeSpec.parse("ensemble")],
+        points=[LoadPoint("concurrency", 1)],
+        workload=WorkloadSpec(image_sizes=((32, 32),)),
+        requests_per_point=2,
+        time_budget_s=0.0,
+        progress=False,
+    )
+    output = asyncio.run(Sweep(config, "fake:1", None, None).run(FakeTarget()))
+    assert output.summary["points"] == [
+        {"mode": "llm", "load_label": "c=1", "status": "not run: this mode's share of --time-budget was spent"}
+    ]
+    write_outputs(tmp_path, output.summary, output.raw)
+    assert "`llm` c=1: not run" in (tmp_path / "results.md").read_text()
