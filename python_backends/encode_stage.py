@@ -1,0 +1,274 @@
+"""Request-level logic of the encode stage's python models (the ``cpu`` target).
+
+Triton's dynamic batcher hands ``preprocess`` and ``vit_encoder`` a list of requests per
+``execute``; each request carries one image per row of its batch dimension (the interface of
+Triton's DALI backend, which the ``gpu`` target's ``preprocess`` is). This module turns such a
+list into as few runs as possible -- one DALI run over every image, ONNX Runtime calls packed
+up to the patch budget -- and back into one result per request. A bad request fails alone:
+its slot holds an :class:`EpdError` and the others are served.
+
+Wire shapes (per request, ``b`` images of one size):
+
+- ``preprocess``: ``image`` uint8 ``[b, bytes]`` -> ``pixel_values`` float32
+  ``[b, patches, C*T*P*P]`` + ``image_grid_thw`` int64 ``[b, 3]``
+- ``vit_encoder``: those two -> ``image_embeds`` float32 ``[b, patches / merge**2, hidden]``
+
+Images of one request must share a grid (a tensor is not ragged); send images of different
+sizes as separate requests, which the dynamic batcher puts into one run anyway.
+
+Plain Python: no Triton import. The ``model.py`` files call :meth:`PreprocessStage.run` and
+:meth:`EncoderStage.run` from ``execute`` (one call at a time per model instance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar, Union
+
+import numpy as np
+
+from python_backends.errors import EpdError, invalid_arg
+from python_backends.media import ImageLimits
+from python_backends.model_params import ModelParameters
+from python_backends.preprocess import PreprocessedImages, validate_encoded_image
+from python_backends.vit_onnx import encoder_inputs, patch_counts
+
+T = TypeVar("T")
+Result = Union[T, EpdError]
+
+
+def encoded_images(array: np.ndarray) -> list[bytes]:
+    """One encoded image per row of a request's ``image`` tensor (uint8 ``[b, bytes]``)."""
+    if array.dtype != np.uint8:
+        raise invalid_arg(f"image must be uint8 (the encoded file's bytes), got {array.dtype}")
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2:
+        raise invalid_arg(f"image must have shape [images, bytes], got {list(array.shape)}")
+    if array.shape[0] == 0:
+        raise invalid_arg("no image given")
+    return [row.tobytes() for row in array]
+
+
+@dataclass(frozen=True)
+class PixelBatch:
+    """One request's ``preprocess`` output."""
+
+    pixel_values: np.ndarray  # [b, patches, patch_dim] float32
+    image_grid_thw: np.ndarray  # [b, 3] int64
+
+
+def _one_grid(image_grid_thw: np.ndarray) -> None:
+    if len({tuple(row) for row in image_grid_thw.tolist()}) > 1:
+        grids = ", ".join("x".join(str(v) for v in row) for row in image_grid_thw.tolist())
+        raise invalid_arg(
+            f"the images of one request must have the same grid (t x h x w), got {grids}; "
+            "send images of different sizes as separate requests"
+        )
+
+
+class ImagePreprocessor(Protocol):
+    """What :class:`PreprocessStage` needs (``python_backends.preprocess.DaliImagePreprocessor``)."""
+
+    @property
+    def limits(self) -> ImageLimits: ...
+
+    def preprocess(self, items: Sequence[bytes]) -> PreprocessedImages: ...
+
+
+class PreprocessStage:
+    """All images of a list of requests through the DALI pipeline, in as few runs as allowed."""
+
+    def __init__(self, preprocessor: ImagePreprocessor) -> None:
+        # limits.max_images caps the images of one preprocess() call (the model sets it to
+        # its max_batch_size, which is also the most images Triton puts in one execute).
+        self._preprocessor = preprocessor
+
+    def run_tensors(self, tensors: Sequence[np.ndarray | None]) -> list[Result[PixelBatch]]:
+        """:meth:`run` on each request's ``image`` tensor (uint8 ``[b, bytes]``)."""
+        parsed: list[Result[list[bytes]]] = []
+        for tensor in tensors:
+            try:
+                if tensor is None:
+                    raise invalid_arg("the image input is required")
+                parsed.append(encoded_images(tensor))
+            except EpdError as exc:
+                parsed.append(exc)
+        ok = [slot for slot, item in enumerate(parsed) if not isinstance(item, EpdError)]
+        done = iter(self.run([parsed[slot] for slot in ok]))  # type: ignore[misc]
+        return [item if isinstance(item, EpdError) else next(done) for item in parsed]
+
+    def run(self, requests: Sequence[Sequence[bytes]]) -> list[Result[PixelBatch]]:
+        """One result per request, in order: its images' pixels, or its error."""
+        results: list[Result[PixelBatch] | None] = [None] * len(requests)
+        valid: list[int] = []
+        for slot, images in enumerate(requests):
+            try:
+                self._check(images)
+                valid.append(slot)
+            except EpdError as exc:
+                results[slot] = exc
+        for group in self._groups(valid, requests):
+            self._run_group(group, requests, results)
+        return _filled(results)
+
+    def _check(self, images: Sequence[bytes]) -> None:
+        limits = self._preprocessor.limits
+        if not images:
+            raise invalid_arg("no image given")
+        if len(images) > limits.max_images:
+            raise invalid_arg(f"{len(images)} images in one request, above the limit of {limits.max_images}")
+        for index, item in enumerate(images):  # header only: bombs cost nothing here
+            validate_encoded_image(item, index, limits)
+
+    def _groups(self, slots: list[int], requests: Sequence[Sequence[bytes]]) -> list[list[int]]:
+        """Consecutive requests whose images fit in one preprocess() call."""
+        cap = self._preprocessor.limits.max_images
+        groups: list[list[int]] = []
+        count = 0
+        for slot in slots:
+            if not groups or count + len(requests[slot]) > cap:
+                groups.append([])
+                count = 0
+            groups[-1].append(slot)
+            count += len(requests[slot])
+        return groups
+
+    def _run_group(
+        self, group: list[int], requests: Sequence[Sequence[bytes]], results: list[Result[PixelBatch] | None]
+    ) -> None:
+        images = [item for slot in group for item in requests[slot]]
+        try:
+            done = self._preprocessor.preprocess(images)
+        except EpdError:
+            # An image the header check let through cannot be decoded: run each request alone,
+            # so that only its request fails, with the index within that request.
+            for slot in group:
+                results[slot] = self._alone(requests[slot])
+            return
+        row_bounds = np.cumsum([0, *done.patch_counts()])
+        first = 0
+        for slot in group:
+            count = len(requests[slot])
+            grid = done.image_grid_thw[first : first + count]
+            rows = done.pixel_values[row_bounds[first] : row_bounds[first + count]]
+            first += count
+            try:
+                _one_grid(grid)
+            except EpdError as exc:
+                results[slot] = exc
+                continue
+            results[slot] = PixelBatch(rows.reshape(count, -1, rows.shape[-1]), grid)
+
+    def _alone(self, images: Sequence[bytes]) -> Result[PixelBatch]:
+        try:
+            done = self._preprocessor.preprocess(images)
+            _one_grid(done.image_grid_thw)
+        except EpdError as exc:
+            return exc
+        return PixelBatch(done.pixel_values.reshape(len(images), -1, done.pixel_values.shape[-1]), done.image_grid_thw)
+
+
+def _filled(results: list[Result[T] | None]) -> list[Result[T]]:
+    if any(result is None for result in results):
+        raise RuntimeError("a request was left without a result")  # a bug here, not bad input
+    return [result for result in results if result is not None]
+
+
+class VisionEncoder(Protocol):
+    """What :class:`EncoderStage` needs (``python_backends.vit_onnx.OnnxVisionEncoder``)."""
+
+    merge_size: int
+    patch_dim: int
+    hidden_size: int
+
+    def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]: ...
+
+
+class EncoderStage:
+    """All images of a list of requests through the vision encoder; embeddings per request."""
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        self._encoder = encoder
+
+    def run(self, requests: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Result[np.ndarray]]:
+        """``requests``: (pixel_values ``[b, patches, patch_dim]``, image_grid_thw ``[b, 3]``)
+        each; returns ``image_embeds`` ``[b, tokens, hidden]`` or the request's error."""
+        results: list[Result[np.ndarray] | None] = [None] * len(requests)
+        flat: list[tuple[int, np.ndarray, np.ndarray]] = []
+        for slot, (pixels, grid) in enumerate(requests):
+            try:
+                flat.append((slot, *self._checked(pixels, grid)))
+            except EpdError as exc:
+                results[slot] = exc
+        if flat:
+            pixel_rows = np.concatenate([rows for _, rows, _ in flat])
+            grids = np.concatenate([grid for _, _, grid in flat])
+            per_image = self._encoder.encode(pixel_rows, grids)
+            first = 0
+            for slot, _, grid in flat:
+                results[slot] = np.stack(per_image[first : first + len(grid)])
+                first += len(grid)
+        return _filled(results)
+
+    def _checked(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows ``[b * patches, patch_dim]``, grid ``[b, 3]``) after checking they agree."""
+        grid = np.asarray(image_grid_thw, dtype=np.int64)
+        if grid.ndim == 1:
+            grid = grid[None]
+        if pixel_values.ndim != 3 or grid.ndim != 2 or len(grid) != len(pixel_values):
+            raise invalid_arg(
+                f"pixel_values {list(pixel_values.shape)} and image_grid_thw {list(grid.shape)} must be "
+                "[images, patches, patch_dim] and [images, 3]"
+            )
+        counts = patch_counts(grid)  # also checks the grid's shape and signs
+        if any(count != pixel_values.shape[1] for count in counts):
+            raise invalid_arg(
+                f"image_grid_thw {grid.tolist()} needs {counts} patches per image, pixel_values has "
+                f"{pixel_values.shape[1]}"
+            )
+        rows = pixel_values.reshape(-1, pixel_values.shape[-1])
+        encoder_inputs(rows, grid, self._encoder.merge_size, self._encoder.patch_dim)  # merge multiples, widths
+        return rows, grid
+
+
+@dataclass(frozen=True)
+class EncoderProvenance:
+    """Where the served encoder's weights came from, as ``builders/repository.py`` recorded it
+    in the ``vit_encoder`` config (read at load; shown in the log and as metrics)."""
+
+    vision_shards: int
+    checkpoint_shards: int
+    vision_weight_bytes: int
+    checkpoint_weight_bytes: int
+
+    @classmethod
+    def from_parameters(cls, params: ModelParameters) -> EncoderProvenance:
+        values = {name: params.integer(name, -1, minimum=0) for name in cls.__dataclass_fields__}
+        missing = [name for name, value in values.items() if value < 0]
+        if missing:
+            raise ValueError(
+                f"model '{params.model_name}': parameters {missing} are missing; regenerate the "
+                "repository with `python -m builders.repository`"
+            )
+        return cls(**values)
+
+    def check(self, encoder: VisionEncoder, params: ModelParameters) -> None:
+        """The ONNX file must be the one the config was generated for."""
+        for name in ("patch_dim", "hidden_size", "merge_size"):
+            expected = params.integer(name, -1)
+            actual = getattr(encoder, name)
+            if expected != actual:
+                raise ValueError(
+                    f"model '{params.model_name}': the ONNX file has {name}={actual}, the config says "
+                    f"{expected}; regenerate the repository with `python -m builders.repository`"
+                )
+
+    def describe(self, model_file: str, megabytes: float, seconds: float) -> str:
+        return (
+            f"vit_encoder: loaded {model_file} ({megabytes:.1f} MB) in {seconds:.2f} s; its weights are the "
+            f"vision tower + merger only ({self.vision_weight_bytes} of {self.checkpoint_weight_bytes} "
+            f"checkpoint weight bytes), exported from {self.vision_shards} of {self.checkpoint_shards} "
+            "checkpoint shard files; the language-model shards were never read"
+        )

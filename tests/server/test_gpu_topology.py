@@ -1,0 +1,137 @@
+"""The gpu target's `encode` wiring, loaded by a real tritonserver on this CPU machine.
+
+Triton's DALI backend, TensorRT and a GPU are absent here, so the two gpu-only models become
+python stand-ins that keep the *generated* gpu configs (inputs, outputs with their reshapes,
+batch sizes) and swap only the backend: ``preprocess`` runs the cpu pipeline (the same
+outputs as the gpu one, tests/unit/test_preprocess_parity.py), ``vit_encoder`` feeds ONNX
+Runtime the TensorRT engine's own inputs (pixel_values, rotary_pos_ids, cu_seqlens: the graph
+the plan is built from). The rest is the generated gpu repository as is: the ensemble with
+max_batch_size 0, ``vit_positions``, the one-image reshape. What this cannot show: nvJPEG
+decoding, the TensorRT engine, CUDA graphs (GPU-only tests, skipped here).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+from tritonclient.utils import InferenceServerException
+
+from builders.repository import TARGETS, EncoderFacts, repository_files
+from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from tests.server.conftest import LOG_DIR, synthetic_image
+from tests.server.test_encode import grpc_infer
+
+pytestmark = pytest.mark.server
+
+CPU_REPOSITORY = REPO_ROOT / "model_repository"
+
+# Stand-in for the tensorrt_plan: the engine's inputs as Triton hands them (after reshape).
+TRT_STAND_IN = '''
+from pathlib import Path
+
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+
+INPUTS = ("pixel_values", "rotary_pos_ids", "cu_seqlens")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        path = Path(args["model_repository"]) / args["model_version"] / "model.onnx"
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            feed = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in INPUTS}
+            if feed["pixel_values"].ndim != 2:  # the engine takes [patches, patch_dim]
+                error = pb_utils.TritonError(f"reshape not applied: {feed['pixel_values'].shape}")
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            (embeds,) = self.session.run(["image_embeds"], feed)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("image_embeds", embeds)]))
+        return responses
+'''
+
+
+def _parse(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def _as_python_on_cpu(config: model_config_pb2.ModelConfig, parameters_from: model_config_pb2.ModelConfig | None = None) -> str:
+    config.backend = "python"
+    config.platform = ""
+    config.ClearField("optimization")  # CUDA graphs: TensorRT only
+    for group in config.instance_group:
+        group.kind = model_config_pb2.ModelInstanceGroup.KIND_CPU
+    if parameters_from is not None:
+        for key, value in parameters_from.parameters.items():
+            config.parameters[key].CopyFrom(value)
+    return text_format.MessageToString(config)
+
+
+@pytest.fixture(scope="module")
+def gpu_like_server(server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    # After the session server: it generated the cpu repository and its artefacts.
+    cpu_configs = {m: _parse((CPU_REPOSITORY / m / "config.pbtxt").read_text()) for m in ("preprocess", "vit_encoder")}
+    encoder_parameters = cpu_configs["vit_encoder"].parameters
+    facts = EncoderFacts(**{name: int(encoder_parameters[name].string_value) for name in EncoderFacts.__dataclass_fields__})
+    out = tmp_path_factory.mktemp("gpu_repository")
+    for relative, content in repository_files(TARGETS["gpu"], model_dir, facts).items():
+        if relative.startswith("llm/"):
+            continue  # not part of the encode path; saves a vLLM start
+        path = out / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    for model in TARGETS["gpu"].encode.models:
+        (out / model / "1").mkdir(parents=True, exist_ok=True)
+    preprocess = _parse((out / "preprocess" / "config.pbtxt").read_text())
+    assert preprocess.backend == "dali"
+    (out / "preprocess" / "config.pbtxt").write_text(_as_python_on_cpu(preprocess, cpu_configs["preprocess"]))
+    for name in ("model.py", "model.dali"):  # the cpu pipeline: same outputs as the gpu one
+        shutil.copy(CPU_REPOSITORY / "preprocess" / "1" / name, out / "preprocess" / "1" / name)
+    encoder = _parse((out / "vit_encoder" / "config.pbtxt").read_text())
+    assert encoder.platform == "tensorrt_plan"
+    (out / "vit_encoder" / "config.pbtxt").write_text(_as_python_on_cpu(encoder))
+    (out / "vit_encoder" / "1" / "model.py").write_text(TRT_STAND_IN)
+    shutil.copy(CPU_REPOSITORY / "vit_encoder" / "1" / "model.onnx", out / "vit_encoder" / "1" / "model.onnx")
+
+    with TritonServer(ServerOptions(out, Ports.free()), LOG_DIR / "gpu-topology-server.log") as running:
+        running.wait_ready(timeout_s=300)
+        yield running
+
+
+def test_gpu_encode_wiring_gives_the_cpu_numbers(server: TritonServer, gpu_like_server: TritonServer) -> None:
+    cpu = grpcclient.InferenceServerClient(server.grpc_url)
+    gpu = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
+    for image in (synthetic_image(640, 480, 1), synthetic_image(64, 64, 2, "PNG"), synthetic_image(300, 1000, 3)):
+        expected, actual = grpc_infer(cpu, "encode", image), grpc_infer(gpu, "encode", image)
+        # Same wire shapes for a one-image request on both targets.
+        assert actual["image_embeds"].shape == expected["image_embeds"].shape
+        np.testing.assert_array_equal(actual["image_grid_thw"], expected["image_grid_thw"])
+        np.testing.assert_allclose(actual["image_embeds"], expected["image_embeds"], atol=1e-5, rtol=0)
+
+
+def test_gpu_encode_takes_one_image_per_request(gpu_like_server: TritonServer) -> None:
+    client = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
+    two = np.stack([np.frombuffer(synthetic_image(64, 64, 4, "BMP"), np.uint8)] * 2)
+    tensor = grpcclient.InferInput("image", list(two.shape), "UINT8")
+    tensor.set_data_from_numpy(two)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("encode", [tensor])
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "unexpected shape for input 'image'" in info.value.message()
+
+
+def test_gpu_encode_bad_image_is_invalid_arg(gpu_like_server: TritonServer) -> None:
+    client = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
+    with pytest.raises(InferenceServerException) as info:
+        grpc_infer(client, "encode", b"\xff\xd8\xff" + b"\x13" * 100)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "image[0] cannot be read" in info.value.message()

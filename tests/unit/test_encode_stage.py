@@ -1,0 +1,215 @@
+"""Request-level batching of the cpu encode models (python_backends/encode_stage.py): every
+request of a dynamic batch in one run, results back in order, a bad request fails alone."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from builders.dali_pipeline import ImageTransformConfig
+from builders.default_model import build_default_model
+from python_backends.encode_stage import (
+    EncoderProvenance,
+    EncoderStage,
+    PixelBatch,
+    PreprocessStage,
+    encoded_images,
+)
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.media import ImageLimits
+from python_backends.model_params import ModelParameters
+from python_backends.preprocess import DaliImagePreprocessor, PreprocessedImages
+
+
+def png(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+class CountingPreprocessor:
+    """The real DALI preprocessor, counting its runs."""
+
+    def __init__(self, inner: DaliImagePreprocessor) -> None:
+        self.inner = inner
+        self.calls: list[int] = []
+
+    @property
+    def limits(self) -> ImageLimits:
+        return self.inner.limits
+
+    def preprocess(self, items):
+        self.calls.append(len(items))
+        return self.inner.preprocess(items)
+
+
+@pytest.fixture(scope="module")
+def dali() -> DaliImagePreprocessor:
+    config = ImageTransformConfig.from_file(build_default_model())
+    return DaliImagePreprocessor.for_config(config, limits=ImageLimits(max_images=4), max_batch_size=4)
+
+
+@pytest.fixture
+def counting(dali: DaliImagePreprocessor) -> CountingPreprocessor:
+    return CountingPreprocessor(dali)
+
+
+def _alone(dali: DaliImagePreprocessor, images: list[bytes]) -> PreprocessedImages:
+    return dali.preprocess(images)
+
+
+def _error(result: object, fragment: str) -> None:
+    assert isinstance(result, EpdError), result
+    assert result.code == ErrorCode.INVALID_ARG and fragment in result.message, result.message
+
+
+def test_requests_of_different_sizes_share_one_run(counting: CountingPreprocessor, dali: DaliImagePreprocessor) -> None:
+    a, b, c = png(64, 48, 1), png(200, 120, 2, "JPEG"), png(33, 90, 3)
+    results = PreprocessStage(counting).run([[a], [b], [c]])
+    assert counting.calls == [3]
+    for image, result in zip((a, b, c), results):
+        assert isinstance(result, PixelBatch)
+        alone = _alone(dali, [image])
+        np.testing.assert_array_equal(result.pixel_values[0], alone.pixel_values)
+        np.testing.assert_array_equal(result.image_grid_thw, alone.image_grid_thw)
+        assert result.pixel_values.shape == (1, *alone.pixel_values.shape)
+
+
+def test_several_images_of_one_size_in_one_request(counting: CountingPreprocessor) -> None:
+    a, b = png(64, 48, 1), png(64, 48, 2)
+    (result,) = PreprocessStage(counting).run([[a, b]])
+    assert isinstance(result, PixelBatch)
+    assert result.pixel_values.shape[0] == 2 and result.image_grid_thw.tolist() == [[1, 4, 4]] * 2
+    assert not np.array_equal(result.pixel_values[0], result.pixel_values[1])
+
+
+def test_images_of_different_sizes_in_one_request_fail_that_request_only(counting: CountingPreprocessor) -> None:
+    results = PreprocessStage(counting).run([[png(64, 48, 1), png(300, 300, 2)], [png(64, 48, 3)]])
+    _error(results[0], "same grid")
+    assert isinstance(results[1], PixelBatch)
+
+
+def test_a_bad_request_fails_alone(counting: CountingPreprocessor) -> None:
+    good = png(64, 48, 1)
+    truncated = png(300, 200, 4, "JPEG")[:2000]  # header fine, pixels cut: found by DALI
+    results = PreprocessStage(counting).run([[good], [b""], [good, truncated], [b"not an image"], [good]])
+    assert isinstance(results[0], PixelBatch) and isinstance(results[4], PixelBatch)
+    _error(results[1], "image[0] is empty")
+    _error(results[2], "image[1] cannot be decoded")  # the index within its own request
+    _error(results[3], "image[0] is neither")
+    # Header checks keep two bad requests out of the run; the decode failure costs a retry.
+    assert counting.calls[0] == 4
+
+
+def test_more_images_than_one_run_takes_are_split(counting: CountingPreprocessor) -> None:
+    requests = [[png(40 + i, 40, i)] for i in range(6)] + [[png(64, 48, 9)] * 3]
+    results = PreprocessStage(counting).run(requests)
+    assert all(isinstance(r, PixelBatch) for r in results)
+    assert max(counting.calls) <= counting.limits.max_images and sum(counting.calls) == 9
+
+
+def test_tensor_inputs_are_parsed_per_request(counting: CountingPreprocessor) -> None:
+    good = np.frombuffer(png(64, 48, 1), dtype=np.uint8)[None]
+    results = PreprocessStage(counting).run_tensors(
+        [good, np.zeros((1, 0), np.uint8), good.astype(np.int32), None, good[0]]
+    )
+    assert isinstance(results[0], PixelBatch) and isinstance(results[4], PixelBatch)
+    _error(results[1], "image[0] is empty")
+    _error(results[2], "must be uint8")
+    _error(results[3], "required")
+
+
+def test_encoded_images_rows() -> None:
+    assert encoded_images(np.array([[1, 2], [3, 4]], np.uint8)) == [b"\x01\x02", b"\x03\x04"]
+    with pytest.raises(EpdError, match="no image"):
+        encoded_images(np.zeros((0, 5), np.uint8))
+    with pytest.raises(EpdError, match=r"\[images, bytes\]"):
+        encoded_images(np.zeros((1, 2, 3), np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder stage
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeEncoder:
+    """Per merged token: the mean of its merge**2 patch rows (routing is what is tested)."""
+
+    merge_size, patch_dim, hidden_size = 2, 6, 6
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]:
+        self.calls.append(len(image_grid_thw))
+        block = self.merge_size**2
+        tokens = pixel_values.reshape(-1, block, self.patch_dim).mean(axis=1)
+        bounds = np.cumsum([t * h * w // block for t, h, w in image_grid_thw])[:-1]
+        return np.split(tokens, bounds)
+
+
+def _pixels(images: int, grid: tuple[int, int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    patches = grid[0] * grid[1] * grid[2]
+    pixels = np.random.default_rng(seed).standard_normal((images, patches, 6)).astype(np.float32)
+    return pixels, np.array([grid] * images, dtype=np.int64)
+
+
+def test_encoder_packs_all_requests_into_one_call_and_splits_back() -> None:
+    encoder = FakeEncoder()
+    requests = [_pixels(1, (1, 2, 2), 1), _pixels(2, (1, 4, 6), 2), _pixels(1, (1, 8, 2), 3)]
+    results = EncoderStage(encoder).run(requests)
+    assert encoder.calls == [4]
+    for (pixels, grid), result in zip(requests, results):
+        assert isinstance(result, np.ndarray)
+        expected = np.stack(FakeEncoder().encode(pixels.reshape(-1, 6), grid))
+        np.testing.assert_array_equal(result, expected)
+        assert result.shape == (len(grid), pixels.shape[1] // 4, 6)
+
+
+def test_encoder_rejects_inconsistent_requests_alone() -> None:
+    encoder = FakeEncoder()
+    good = _pixels(1, (1, 2, 2), 1)
+    pixels, _ = _pixels(1, (1, 2, 2), 2)
+    results = EncoderStage(encoder).run(
+        [
+            good,
+            (pixels, np.array([[1, 4, 4]])),  # grid needs 16 patches, 4 given
+            (pixels, np.array([[1, 1, 4]])),  # not a multiple of merge_size
+            (pixels[..., :5], np.array([[1, 2, 2]])),  # wrong patch width
+            (pixels[0], np.array([[1, 2, 2]])),  # no image dimension
+            (pixels, np.array([[1, 2, 2], [1, 2, 2]])),  # two grids, one image
+            good,
+        ]
+    )
+    assert isinstance(results[0], np.ndarray) and isinstance(results[6], np.ndarray)
+    _error(results[1], "needs [16] patches")
+    _error(results[2], "multiples of 2")
+    _error(results[3], "the encoder takes 6")
+    _error(results[4], "[images, patches, patch_dim]")
+    _error(results[5], "[images, patches, patch_dim]")
+    assert encoder.calls == [2]
+
+
+def test_encoder_with_only_bad_requests_never_runs() -> None:
+    encoder = FakeEncoder()
+    pixels, _ = _pixels(1, (1, 2, 2), 2)
+    (result,) = EncoderStage(encoder).run([(pixels, np.array([[0, 2, 2]]))])
+    _error(result, "positive")
+    assert encoder.calls == []
+
+
+def test_provenance_from_parameters() -> None:
+    values = {"vision_shards": "1", "checkpoint_shards": "2", "vision_weight_bytes": "10", "checkpoint_weight_bytes": "30"}
+    params = ModelParameters("vit_encoder", {**values, "patch_dim": "6", "hidden_size": "6", "merge_size": "2"})
+    provenance = EncoderProvenance.from_parameters(params)
+    provenance.check(FakeEncoder(), params)
+    text = provenance.describe("model.onnx", 3.5, 0.25)
+    assert "1 of 2 checkpoint shard files" in text and "10 of 30" in text
+    with pytest.raises(ValueError, match="hidden_size=6, the config says 8"):
+        provenance.check(FakeEncoder(), ModelParameters("vit_encoder", {"patch_dim": "6", "hidden_size": "8", "merge_size": "2"}))
+    with pytest.raises(ValueError, match=r"\['vision_shards'\] are missing"):
+        EncoderProvenance.from_parameters(ModelParameters("vit_encoder", {k: v for k, v in values.items() if k != "vision_shards"}))

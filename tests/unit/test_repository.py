@@ -1,0 +1,316 @@
+"""The generated repository for both targets: every config parses as Triton's ModelConfig, the
+encode models are wired consistently (ensemble tensors match the models they connect), the
+description is the only source, placeholders cannot survive, artefacts are built once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from builders import repository
+from builders.default_model import build_default_model
+from builders.repository import (
+    TARGETS,
+    EncoderFacts,
+    build_dali_artifact,
+    ensure_artifact,
+    render_template,
+    repository_files,
+    write_repository,
+)
+
+FACTS = EncoderFacts(
+    patch_dim=1176,
+    hidden_size=128,
+    merge_size=2,
+    vision_shards=1,
+    checkpoint_shards=2,
+    vision_weight_bytes=3_502_592,
+    checkpoint_weight_bytes=5_800_960,
+)
+Config = model_config_pb2.ModelConfig
+DataType = model_config_pb2.DataType
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return build_default_model()
+
+
+def configs(target: str, model_dir: Path) -> dict[str, Config]:
+    files = repository_files(TARGETS[target], model_dir, FACTS)
+    return {
+        path.split("/")[0]: text_format.Parse(text, Config())
+        for path, text in files.items()
+        if path.endswith("config.pbtxt")
+    }
+
+
+def tensor(config: Config, name: str) -> model_config_pb2.ModelInput | model_config_pb2.ModelOutput:
+    for entry in (*config.input, *config.output):
+        if entry.name == name:
+            return entry
+    raise AssertionError(f"{config.name} has no tensor {name}")
+
+
+def full_shape(config: Config, entry: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> list[int]:
+    """The shape on the wire: the batch dimension first when the model batches."""
+    return ([-1] if config.max_batch_size > 0 else []) + list(entry.dims)
+
+
+def compatible(a: list[int], b: list[int]) -> bool:
+    return len(a) == len(b) and all(x == y or -1 in (x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and backends per target
+# ---------------------------------------------------------------------------------------------
+
+
+def test_files_of_each_target(model_dir: Path) -> None:
+    cpu = set(repository_files(TARGETS["cpu"], model_dir, FACTS))
+    gpu = set(repository_files(TARGETS["gpu"], model_dir, FACTS))
+    common = {
+        "llm/config.pbtxt",
+        "llm/1/engine_args.json",
+        "preprocess/config.pbtxt",
+        "vit_encoder/config.pbtxt",
+        "encode/config.pbtxt",
+    }
+    assert cpu == common
+    assert gpu == common | {"vit_positions/config.pbtxt", "vit_positions/1/model.py"}
+    for target in TARGETS.values():  # the description's model list is what gets written
+        assert {p.split("/")[0] for p in repository_files(target, model_dir, FACTS)} == set(target.models)
+
+
+def test_generation_is_deterministic(model_dir: Path) -> None:
+    for target in TARGETS.values():
+        assert repository_files(target, model_dir, FACTS) == repository_files(target, model_dir, FACTS)
+
+
+def test_cpu_preprocess_is_the_python_model_with_dynamic_batching(model_dir: Path) -> None:
+    config = configs("cpu", model_dir)["preprocess"]
+    assert config.backend == "python" and config.max_batch_size == 8
+    assert config.HasField("dynamic_batching")
+    image = tensor(config, "image")
+    assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [-1] and image.allow_ragged_batch
+    assert list(tensor(config, "pixel_values").dims) == [-1, FACTS.patch_dim]
+    assert list(tensor(config, "image_grid_thw").dims) == [3]
+    assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["pipeline_file"] == "model.dali"
+    assert Path(params["preprocessor_config"]) == model_dir / "preprocessor_config.json"
+    limits = TARGETS["cpu"].limits
+    assert int(params["max_image_pixels"]) == limits["max_image_pixels"]
+    assert int(params["max_image_bytes"]) == limits["max_image_bytes"]
+
+
+def test_gpu_preprocess_is_the_dali_backend(model_dir: Path) -> None:
+    cpu, gpu = configs("cpu", model_dir)["preprocess"], configs("gpu", model_dir)["preprocess"]
+    assert gpu.backend == "dali" and gpu.HasField("dynamic_batching")
+    assert gpu.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    assert tensor(gpu, "image").allow_ragged_batch
+    # Same interface as the cpu model: only the backend differs.
+    assert list(gpu.input) == list(cpu.input) and list(gpu.output) == list(cpu.output)
+    assert gpu.max_batch_size == cpu.max_batch_size
+    # Output order is the pipeline's (the DALI backend maps outputs by position).
+    from builders.dali_pipeline import OUTPUT_NAMES
+
+    assert tuple(o.name for o in gpu.output) == OUTPUT_NAMES
+
+
+def test_cpu_vit_encoder_runs_onnx_runtime_with_dynamic_batching(model_dir: Path) -> None:
+    config = configs("cpu", model_dir)["vit_encoder"]
+    assert config.backend == "python" and config.max_batch_size == 8 and config.HasField("dynamic_batching")
+    assert tensor(config, "pixel_values").allow_ragged_batch
+    assert list(tensor(config, "image_embeds").dims) == [-1, FACTS.hidden_size]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["onnx_file"] == "model.onnx"
+    for name, value in vars(FACTS).items():  # shapes checked at load, provenance shown as metrics
+        assert params[name] == str(value)
+
+
+def test_gpu_vit_encoder_is_the_tensorrt_plan_description(model_dir: Path) -> None:
+    from builders.encoder import TrtProfile, tensorrt_plan_config
+
+    config = configs("gpu", model_dir)["vit_encoder"]
+    stage = TARGETS["gpu"].encode
+    description = tensorrt_plan_config(FACTS.patch_dim, FACTS.hidden_size, TrtProfile(**stage.trt_profile))
+    assert config.platform == "tensorrt_plan" and config.max_batch_size == 0
+    assert [i.name for i in config.input] == [i["name"] for i in description["input"]]
+    assert [o.name for o in config.output] == [o["name"] for o in description["output"]]
+    # One image per request: a leading 1 on the wire, the engine's [patches, ...] inside.
+    for name, width in (("pixel_values", FACTS.patch_dim), ("image_embeds", FACTS.hidden_size)):
+        entry = tensor(config, name)
+        assert list(entry.dims) == [1, -1, width] and list(entry.reshape.shape) == [-1, width]
+    cuda = config.optimization.cuda
+    assert cuda.graphs
+    assert [list(spec.input["rotary_pos_ids"].dim) for spec in cuda.graph_spec] == [
+        [p, 2] for p in (stage.trt_profile["opt_patches"], stage.trt_profile["max_patches"])
+    ]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["precision"] == stage.trt_precision
+    assert params["profile_max_patches"] == str(stage.trt_profile["max_patches"])
+
+
+def test_gpu_vit_positions_feeds_the_plan(model_dir: Path) -> None:
+    config = configs("gpu", model_dir)["vit_positions"]
+    assert config.backend == "python" and config.max_batch_size == 0
+    assert {o.name for o in config.output} == {"rotary_pos_ids", "cu_seqlens"}
+    files = repository_files(TARGETS["gpu"], model_dir, FACTS)
+    assert "vision_position_ids" in files["vit_positions/1/model.py"]
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_encode_ensemble_is_wired_consistently(target: str, model_dir: Path) -> None:
+    """What Triton checks at load, checked here for the target we cannot load (gpu): every
+    ensemble tensor has one producer, reaches its consumers with the same type and a
+    compatible shape, and the ensemble's own inputs/outputs match the models they touch."""
+    models = configs(target, model_dir)
+    encode = models["encode"]
+    assert encode.platform == "ensemble"
+    known: dict[str, tuple[int, list[int]]] = {
+        i.name: (i.data_type, full_shape(encode, i)) for i in encode.input
+    }
+    steps = [s.model_name for s in encode.ensemble_scheduling.step]
+    assert steps == [m for m in TARGETS[target].encode.models if m != "encode"]
+    for step in encode.ensemble_scheduling.step:
+        model = models[step.model_name]
+        assert encode.max_batch_size <= model.max_batch_size or model.max_batch_size == 0
+        for model_input, ensemble_name in step.input_map.items():
+            assert ensemble_name in known, f"{step.model_name}.{model_input} reads {ensemble_name} before it exists"
+            data_type, shape = known[ensemble_name]
+            entry = tensor(model, model_input)
+            assert entry.data_type == data_type, f"{step.model_name}.{model_input}"
+            assert compatible(full_shape(model, entry), shape), f"{step.model_name}.{model_input}: {shape}"
+        assert {i.name for i in model.input} == set(step.input_map)
+        for model_output, ensemble_name in step.output_map.items():
+            assert ensemble_name not in known, f"{ensemble_name} is produced twice"
+            entry = tensor(model, model_output)
+            known[ensemble_name] = (entry.data_type, full_shape(model, entry))
+    for output in encode.output:
+        data_type, shape = known[output.name]
+        assert output.data_type == data_type and compatible(full_shape(encode, output), shape), output.name
+
+
+def test_one_image_request_has_the_same_wire_shapes_on_both_targets(model_dir: Path) -> None:
+    cpu, gpu = configs("cpu", model_dir)["encode"], configs("gpu", model_dir)["encode"]
+    for name in ("image", "image_embeds", "image_grid_thw"):
+        one_image_cpu = [1, *tensor(cpu, name).dims]  # cpu batches: batch 1 on the wire
+        assert compatible(one_image_cpu, full_shape(gpu, tensor(gpu, name))), name
+        assert tensor(cpu, name).data_type == tensor(gpu, name).data_type
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_placeholder_value_fails(tmp_path: Path) -> None:
+    (tmp_path / "t.pbtxt").write_text('name: "${name}"\nmax_batch_size: ${max_batch_size}\n')
+    with pytest.raises(ValueError, match="no value for placeholder 'max_batch_size'"):
+        render_template("t.pbtxt", {"name": "x"}, templates=tmp_path)
+
+
+def test_leftover_placeholder_fails(tmp_path: Path) -> None:
+    (tmp_path / "t.pbtxt").write_text('name: "${name}"\n')
+    # A value that itself holds a placeholder (e.g. a half-rendered fragment) must not pass.
+    with pytest.raises(ValueError, match=r"unfilled placeholders \['\$\{patch_dim\}'\]"):
+        render_template("t.pbtxt", {"name": "${patch_dim}"}, templates=tmp_path)
+
+
+def test_every_real_template_needs_its_values(model_dir: Path) -> None:
+    for template in sorted(repository.TEMPLATES.glob("*.pbtxt")):
+        with pytest.raises(ValueError, match="no value for placeholder"):
+            render_template(template.name, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Artefacts: built once
+# ---------------------------------------------------------------------------------------------
+
+
+def test_artifact_is_built_once_and_rebuilt_when_stale(tmp_path: Path) -> None:
+    builds: list[int] = []
+
+    def build(scratch: Path) -> dict:
+        builds.append(1)
+        (scratch / "model.bin").write_bytes(b"x" * (10 + len(builds)))
+        return {"builds": len(builds)}
+
+    version_dir, stamps = tmp_path / "m" / "1", tmp_path / "stamps"
+    assert ensure_artifact(version_dir, "bin", {"a": 1}, build, stamps) == ({"builds": 1}, True)
+    assert ensure_artifact(version_dir, "bin", {"a": 1}, build, stamps) == ({"builds": 1}, False)
+    assert ensure_artifact(version_dir, "bin", {"a": 2}, build, stamps)[1]  # an input changed
+    (version_dir / "model.bin").write_bytes(b"edited by hand")
+    assert ensure_artifact(version_dir, "bin", {"a": 2}, build, stamps)[1]  # the file changed
+    (version_dir / "model.bin").unlink()
+    assert ensure_artifact(version_dir, "bin", {"a": 2}, build, stamps)[1]  # the file is gone
+    assert len(builds) == 4 and (version_dir / "model.bin").is_file()
+    assert not [p for p in stamps.iterdir() if p.is_dir()]  # no scratch folder left behind
+
+
+def test_failed_build_leaves_no_stamp(tmp_path: Path) -> None:
+    def broken(scratch: Path) -> dict:
+        (scratch / "model.bin").write_bytes(b"half")
+        raise RuntimeError("exporter crashed")
+
+    with pytest.raises(RuntimeError, match="exporter crashed"):
+        ensure_artifact(tmp_path / "m" / "1", "bin", {}, broken, tmp_path / "stamps")
+    assert not (tmp_path / "m" / "1" / "model.bin").exists()
+    assert not list((tmp_path / "stamps").glob("*.json"))
+
+
+def test_dali_artifact_per_target(tmp_path: Path, model_dir: Path) -> None:
+    version_dir, stamps = tmp_path / "preprocess" / "1", tmp_path / "stamps"
+    report, built = build_dali_artifact(TARGETS["cpu"], model_dir, version_dir, stamps)
+    assert built and report["device"] == "cpu" and report["patch_dim"] == FACTS.patch_dim
+    cpu_bytes = (version_dir / "model.dali").read_bytes()
+    assert not build_dali_artifact(TARGETS["cpu"], model_dir, version_dir, stamps)[1]
+    assert build_dali_artifact(TARGETS["gpu"], model_dir, version_dir, stamps)[1]  # another device
+    gpu_bytes = (version_dir / "model.dali").read_bytes()
+    assert b"mixed" in gpu_bytes and b"mixed" not in cpu_bytes
+
+
+def test_write_repository_switches_targets_cleanly(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ONNX export (seconds, tested in test_encoder_export.py and by the server session) is
+    # replaced here; everything else is the real build.
+    def fake_onnx(model_dir: Path, version_dir: Path, stamp_dir: Path):
+        version_dir.mkdir(parents=True, exist_ok=True)
+        built = not (version_dir / "model.onnx").exists()
+        if built:
+            (version_dir / "model.onnx").write_bytes(b"onnx")
+        return FACTS, {"parity_max_abs": 0.0}, built
+
+    monkeypatch.setattr(repository, "build_onnx_artifact", fake_onnx)
+    monkeypatch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)
+    out, stamps = tmp_path / "repo", tmp_path / "stamps"
+    write_repository("gpu", model_dir, out, stamps)
+    assert (out / "vit_positions" / "1" / "model.py").is_file()
+    assert (out / "encode" / "1").is_dir()  # Triton needs the ensemble's version folder
+    written = write_repository("cpu", model_dir, out, stamps)
+    assert not (out / "vit_positions").exists()  # gpu-only model gone, nothing half-left
+    assert all(path.exists() for path in written)
+    assert 'backend: "python"' in (out / "preprocess" / "config.pbtxt").read_text()
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    write_repository("cpu", model_dir, out, stamps)  # idempotent: nothing rewritten
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_unknown_target_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown target 'tpu'"):
+        write_repository("tpu", model_dir, tmp_path)
+
+
+def test_safetensors_bytes_from_header(model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    shard = next(model_dir.glob("*.safetensors"))
+    with safe_open(str(shard), framework="pt") as handle:
+        expected = sum(handle.get_tensor(k).numel() * handle.get_tensor(k).element_size() for k in handle.keys())
+    assert repository.safetensors_tensor_bytes(shard) == expected
+    assert expected <= os.path.getsize(shard)
