@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # DALI and torch load only when a build needs them
-    from builders.dali_pipeline import ImageTransformConfig
+    pass
 
 LOGGER = logging.getLogger(__name__)
 

@@ -6,13 +6,10 @@ with the tiny default model; tests talk to it over gRPC and HTTP like users do.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from client.epd_client import GrpcClient, HttpClient
 from python_backends.launcher import prepare
@@ -46,16 +43,3 @@ def http_client(server: TritonServer) -> Iterator[HttpClient]:
     client = HttpClient(server.http_url, "llm")
     yield client
     client.close()
-
-
-def synthetic_image(width: int, height: int, seed: int, fmt: str = "JPEG") -> bytes:
-    """A deterministic picture with structure (gradients + blocks), not flat noise."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), ((x + y) % 256)], -1)
-    blocks = rng.integers(0, 256, size=(8, 8, 3))
-    tiled = blocks[(y * 8 // height), (x * 8 // width)]
-    pixels = ((base + tiled) // 2).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format=fmt)
-    return buf.getvalue()

@@ -20,10 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import re
-import struct
 import time
 import urllib.request
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +35,8 @@ from tritonclient.utils import InferenceServerException
 
 from builders.repository import TARGETS
 from python_backends.tritonserver import REPO_ROOT, TritonServer
-from tests.server.conftest import LOG_DIR, synthetic_image
+from tests.images import bilevel_png, synthetic_image, zero_width_png
+from tests.server.conftest import LOG_DIR
 
 pytestmark = pytest.mark.server
 
@@ -73,31 +72,12 @@ PARITY_IMAGES: dict[str, bytes] = {
 }
 
 
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-
-def bilevel_png(width: int, height: int) -> bytes:
-    """A valid all-black 1-bit PNG built row by row: 30000x30000 is ~110 kB on the wire,
-    0.9 G pixels (2.7 GB as RGB) once decoded."""
-    compressor = zlib.compressobj(9)
-    row = b"\x00" * (1 + (width + 7) // 8)
-    idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
-
-
-def zero_size_png() -> bytes:
-    header = struct.pack(">IIBBBBB", 0, 10, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(b"\x00")) + _png_chunk(b"IEND", b"")
-
-
 BOMB = bilevel_png(30000, 30000)
 BAD_IMAGES = [
     ("corrupt", b"\xff\xd8\xff" + b"\x13" * 500, "image[0] cannot be read"),
     ("truncated", synthetic_image(640, 480, 8)[:5000], "image[0] cannot be decoded"),
     ("empty", b"", "image[0] is empty"),
-    ("zero-size", zero_size_png(), "image[0] cannot be read"),
+    ("zero-size", zero_width_png(), "image[0] cannot be read"),
     ("not an image", b"hello world", "image[0] is neither"),
     ("30000x30000 png bomb", BOMB, f"above the limit of {TARGETS['cpu'].limits['max_image_pixels']} pixels"),
 ]

@@ -25,7 +25,8 @@ from tritonclient.utils import InferenceServerException
 
 from builders.repository import TARGETS, EncoderFacts, repository_files
 from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
-from tests.server.conftest import LOG_DIR, synthetic_image
+from tests.images import synthetic_image
+from tests.server.conftest import LOG_DIR
 from tests.server.test_encode import grpc_infer
 
 pytestmark = pytest.mark.server

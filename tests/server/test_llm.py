@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from client.epd_client import ClientError, GrpcClient, HttpClient, chat_prompt
+from client.epd_client import ClientError, GrpcClient, chat_prompt
 from python_backends.tritonserver import REPO_ROOT, TritonServer
-from tests.server.conftest import synthetic_image
+from tests.images import flat_png, synthetic_image
 
 pytestmark = pytest.mark.server
 
@@ -96,22 +96,12 @@ def _expect_error(call, fragment: str) -> None:
     assert fragment in str(info.value)
 
 
-def _flat_png(width: int, height: int) -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("L", (width, height)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 BAD_INPUTS = [
     ("corrupt image", [b"\xff\xd8\xff" + b"\x13" * 500], {}, "image[0] cannot"),
     ("empty image", [b""], {}, "image[0] is empty"),
     ("not an image", [b"hello world"], {}, "neither an encoded image"),
     ("truncated image", [synthetic_image(256, 256, 1)[:700]], {}, "image[0] cannot"),
-    ("above pixel limit", [_flat_png(5000, 4000)], {}, "max_image_pixels"),
+    ("above pixel limit", [flat_png(5000, 4000)], {}, "max_image_pixels"),
     ("too many images", [synthetic_image(32, 32, 2)] * 5, {}, "max_images"),
     ("unknown sampling parameter", [], {"temprature": 0.1}, "unknown sampling parameter 'temprature'"),
     ("ill-typed sampling parameter", [], {"max_tokens": "ten"}, "'max_tokens' must be a integer"),

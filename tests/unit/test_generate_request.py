@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.images import header_only_png
 from python_backends.errors import ErrorCode, EpdError
 from python_backends.generate_request import (
     IMAGE_PLACEHOLDER,
@@ -119,7 +120,7 @@ def test_image_limits_are_checked_from_the_header():
 
 def test_decompression_bomb_is_rejected_without_decoding():
     # A 30000x30000 PNG header: PIL's lazy open reads only the header.
-    bomb = _png_header_only(30000, 30000)
+    bomb = header_only_png(30000, 30000)
     assert "max_image_pixels" in invalid(lambda: check_image_header(bomb, 0, ImageLimits()))
 
 
@@ -134,15 +135,3 @@ def test_modes_are_converted_to_rgb():
     decoded = decode_images([png(8, 8, "L"), png(8, 8, "RGBA")], ImageLimits())
     assert [img.mode for img in decoded] == ["RGB", "RGB"]
     assert image_bytes(png(), 0) == png()
-
-
-def _png_header_only(width: int, height: int) -> bytes:
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    # A few bytes of IDAT: the header promises 2.7 GB of pixels, the file has none.
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")

@@ -25,11 +25,9 @@ from __future__ import annotations
 import io
 import math
 import resource
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,7 @@ from builders.default_model import build_default_model
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.media import ImageLimits
 from python_backends.preprocess import DaliImagePreprocessor, PreprocessedImages
+from tests.images import bilevel_png, zero_width_png
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -334,24 +333,6 @@ def test_config_reads_both_spellings_and_refuses_what_it_cannot_reproduce() -> N
 # ---------------------------------------------------------------------------------------------
 # Bad inputs
 # ---------------------------------------------------------------------------------------------
-
-
-def _png_chunk(tag: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-
-def bilevel_png(width: int, height: int) -> bytes:
-    """A valid, all-black 1-bit PNG built row by row: a 30000x30000 one is ~110 kB."""
-    compressor = zlib.compressobj(9)
-    row = b"\x00" * (1 + (width + 7) // 8)
-    idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
-
-
-def zero_width_png() -> bytes:
-    header = struct.pack(">IIBBBBB", 0, 10, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(b"\x00")) + _png_chunk(b"IEND", b"")
 
 
 def _invalid(preprocessor: DaliImagePreprocessor, items: list[bytes], match: str) -> EpdError:
