@@ -69,7 +69,9 @@ def test_grpc_streaming_matches_offline_vllm(grpc_client, parity_cases, offline_
         pieces: list[str] = []
         result = grpc_client.generate(case["prompt"], _images(case), GREEDY, on_text=pieces.append)
         assert result.token_ids == expected, case["prompt"]
-        assert len(result.chunk_times) == len(expected)  # streamed token by token
+        # Streamed: several responses. vLLM may put two tokens in one delta when the
+        # engine runs ahead of the output loop (a loaded machine), so not always one each.
+        assert 1 < len(result.chunk_times) <= len(expected)
         assert result.num_output_tokens == len(expected)
         assert "".join(pieces) == result.text
         assert result.finish_reason in ("length", "stop")
