@@ -1,0 +1,364 @@
+"""Prefill and decode vLLM engines with KV transfer between them (Triton-free).
+
+Who calls what:
+
+- ``prefill`` model (python backend, one process per instance): ``PrefillEngine.start``
+  once in ``initialize`` with the engine args from its JSON (pass them through
+  :func:`pd_engine_args`, or write the result of it into the JSON), then
+  :meth:`PrefillEngine.prefill` per request. It returns the first token at once and the
+  :class:`TransferParams` (a <= 1 KB JSON object) that the BLS hands to ``decode``.
+- ``decode`` model (decoupled python backend): ``DecodeEngine.start`` once, then
+  :meth:`DecodeEngine.decode` per request; it yields tokens 2..N. It needs the same
+  image embeddings as prefill (they identify the request's multimodal inputs and give
+  Qwen2-VL's M-RoPE positions), but it never runs the vision encoder and computes exactly
+  one new position before decoding.
+- The BLS: if the client goes away between the two calls, call
+  :meth:`DecodeEngine.discard` (or let the producer's expiry sweep remove it).
+
+What the decode side does with the transfer parameters: parse and validate them
+(INVALID_ARG), find the committed transfer (NOT_FOUND when unknown, consumed or expired),
+check the digest against the manifest (INVALID_ARG when altered), then submit the prefilled
+prompt's token ids plus the first token, so decode *continues* from prefill's first token
+(also under random sampling) instead of sampling its own. On the first output it checks
+``num_cached_tokens`` covers the whole transferred prompt -- prefix caching is off on the
+decode engine, so those tokens can only have come from the connector -- and raises
+INTERNAL otherwise: a silent recompute is treated as a failure, not a fallback.
+
+Sampling across the split: prefill runs the client's sampling parameters with
+``max_tokens=1``; decode runs them with ``max_tokens - 1`` and ``min_tokens - 1``. Because
+the first token is part of decode's prompt, ``presence_penalty``/``frequency_penalty`` do
+not count it as an output token there (``repetition_penalty`` does); a stop string that
+spans the first and second token is not detected. Everything here runs on the engine's
+event loop thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.pd import transfer as tx
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+CONNECTOR_NAME = "TransferIdConnector"
+CONNECTOR_MODULE = "python_backends.pd.connector"
+_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
+
+
+@dataclass(frozen=True)
+class ImageEmbeds:
+    """One image's precomputed embeddings, as the encoder produced them."""
+
+    embeds: torch.Tensor  # [num_tokens, hidden] (num_tokens = t*h*w / merge**2)
+    grid_thw: tuple[int, int, int]
+
+
+def multi_modal_data(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
+    """vLLM's ``enable_mm_embeds`` input: embeddings concatenated, grids stacked."""
+    if not images:
+        return None
+    import torch
+
+    embeds = torch.cat([img.embeds for img in images], dim=0)
+    grids = torch.tensor([list(img.grid_thw) for img in images], dtype=torch.int64)
+    return {"image": {"image_embeds": embeds, "image_grid_thw": grids}}
+
+
+def pd_engine_args(base: Mapping[str, Any], role: Role, store_path: str | Path) -> dict[str, Any]:
+    """Engine args for one role from the colocated ones (``llm``'s JSON).
+
+    Adds the connector config and ``enable_mm_embeds``; the decode role also turns prefix
+    caching off (its cached-token count is the proof that KV came from the connector).
+    """
+    if role not in _KV_ROLE:
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    args = copy.deepcopy(dict(base))
+    args["enable_mm_embeds"] = True
+    args["kv_transfer_config"] = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": _KV_ROLE[role],
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"store_path": str(store_path)},
+    }
+    if role == "decode":
+        args["enable_prefix_caching"] = False
+    check_engine_args(args, role)
+    return args
+
+
+def check_engine_args(args: Mapping[str, Any], role: Role) -> Path:
+    """Refuse engine args that would let decode recompute silently; returns the store path."""
+    where = f"{role} engine args"
+    ktc = args.get("kv_transfer_config")
+    if not isinstance(ktc, Mapping):
+        raise ValueError(f"{where}: kv_transfer_config is missing (build them with pd_engine_args)")
+    if ktc.get("kv_connector") != CONNECTOR_NAME or ktc.get("kv_connector_module_path") != CONNECTOR_MODULE:
+        raise ValueError(
+            f"{where}: kv_connector must be {CONNECTOR_NAME!r} from {CONNECTOR_MODULE!r} "
+            "(see python_backends/pd/__init__.py for why)"
+        )
+    if ktc.get("kv_role") != _KV_ROLE[role]:
+        raise ValueError(f"{where}: kv_role must be {_KV_ROLE[role]!r}, got {ktc.get('kv_role')!r}")
+    if ktc.get("kv_load_failure_policy", "fail") != "fail":
+        raise ValueError(f"{where}: kv_load_failure_policy must be 'fail' (a failed load must not recompute)")
+    store = (ktc.get("kv_connector_extra_config") or {}).get("store_path")
+    if not store:
+        raise ValueError(f"{where}: kv_connector_extra_config.store_path is missing")
+    if not args.get("enable_mm_embeds"):
+        raise ValueError(f"{where}: enable_mm_embeds must be true (images arrive as embeddings)")
+    if role == "decode" and args.get("enable_prefix_caching", True) is not False:
+        raise ValueError(f"{where}: enable_prefix_caching must be false on decode")
+    return Path(store)
+
+
+async def _start_async_llm(engine_args: Mapping[str, Any]) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+
+def _sampling_params(sampling: Mapping[str, Any], overrides: Mapping[str, Any], kv_params: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+
+    values = {**sampling, **overrides}
+    values["extra_args"] = {**(values.get("extra_args") or {}), "kv_transfer_params": kv_params}
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as exc:
+        raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
+
+
+def _output_kind(stream: bool) -> Any:
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_text: str
+    num_prompt_tokens: int
+    finish_reason: str | None  # "stop" when the first token already ends the request
+    transfer: tx.TransferParams | None  # None when nothing is left to decode
+
+    @property
+    def needs_decode(self) -> bool:
+        return self.transfer is not None
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    token_ids: list[int]  # new tokens since the previous chunk (all of them when not streaming)
+    text: str
+    num_output_tokens: int  # total so far, the prefill's first token included
+    num_cached_tokens: int  # prompt tokens decode did not compute (= transferred)
+    finish_reason: str | None
+    finished: bool
+
+
+class PrefillEngine:
+    """A vLLM AsyncLLM that is a KV producer. Methods run on the event loop thread."""
+
+    def __init__(self, engine: Any, store: Path) -> None:
+        self.engine = engine
+        self.store = store
+
+    @classmethod
+    async def start(cls, engine_args: Mapping[str, Any]) -> PrefillEngine:
+        store = check_engine_args(engine_args, "prefill")
+        return cls(await _start_async_llm(engine_args), store)
+
+    async def prefill(
+        self,
+        prompt: str | Sequence[int],
+        images: Sequence[ImageEmbeds] = (),
+        sampling: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> PrefillResult:
+        """Run the prompt with max_tokens=1 and commit its KV as a transfer.
+
+        ``cache_salt`` (vLLM's) keeps this request off prefix-cache entries of other salts.
+        """
+        sampling = dict(sampling or {})
+        max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+        transfer_id = tx.new_transfer_id()
+        params = _sampling_params(
+            sampling,
+            {"max_tokens": 1, "min_tokens": min(int(sampling.get("min_tokens", 0) or 0), 1),
+             "output_kind": _output_kind(False)},
+            {tx.KEY_TRANSFER_ID: transfer_id},
+        )
+        vllm_prompt: dict[str, Any] = (
+            {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        )
+        mm = multi_modal_data(images)
+        if mm:
+            vllm_prompt["multi_modal_data"] = mm
+        if cache_salt:
+            vllm_prompt["cache_salt"] = cache_salt
+        final = None
+        try:
+            async for output in self.engine.generate(vllm_prompt, params, request_id or transfer_id):
+                final = output
+        except EpdError:
+            raise
+        except ValueError as exc:
+            raise invalid_arg(f"request rejected by the prefill engine: {exc}") from None
+        if final is None or not final.outputs or not final.outputs[0].token_ids:
+            tx.remove_transfer(self.store, transfer_id)
+            raise EpdError("prefill produced no token", ErrorCode.INTERNAL)
+        completion = final.outputs[0]
+        kv = final.kv_transfer_params or {}
+        if completion.finish_reason == "error" or not kv.get("epd_committed"):
+            tx.remove_transfer(self.store, transfer_id)
+            raise EpdError("prefill could not store its KV cache for decode", ErrorCode.INTERNAL)
+        first = int(completion.token_ids[0])
+        num_prompt = len(final.prompt_token_ids or [])
+        done = completion.finish_reason == "stop" or max_tokens <= 1
+        transfer = None
+        if done:
+            tx.remove_transfer(self.store, transfer_id)
+        else:
+            transfer = tx.TransferParams(
+                transfer_id=transfer_id,
+                num_prompt_tokens=int(kv[tx.KEY_NUM_TOKENS]),
+                first_token_id=first,
+                digest=str(kv[tx.KEY_DIGEST]),
+            )
+            tx.write_first_token(self.store, transfer_id, first)
+        return PrefillResult(
+            first_token_id=first,
+            first_text=completion.text,
+            num_prompt_tokens=num_prompt,
+            finish_reason=completion.finish_reason if done else None,
+            transfer=transfer,
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class DecodeEngine:
+    """A vLLM AsyncLLM that is a KV consumer. Methods run on the event loop thread."""
+
+    def __init__(self, engine: Any, store: Path) -> None:
+        self.engine = engine
+        self.store = store
+
+    @classmethod
+    async def start(cls, engine_args: Mapping[str, Any]) -> DecodeEngine:
+        store = check_engine_args(engine_args, "decode")
+        return cls(await _start_async_llm(engine_args), store)
+
+    def resolve(self, transfer_params: str | bytes | Mapping[str, Any] | tx.TransferParams) -> tuple[tx.TransferParams, tx.Manifest]:
+        """Validate transfer parameters against the committed transfer (no engine work)."""
+        params = (
+            transfer_params
+            if isinstance(transfer_params, tx.TransferParams)
+            else tx.TransferParams.parse(transfer_params)
+        )
+        manifest = tx.read_manifest(self.store, params.transfer_id)
+        tx.check_manifest(params, manifest, tx.read_first_token(self.store, params.transfer_id))
+        return params, manifest
+
+    def discard(self, transfer_params: str | bytes | Mapping[str, Any] | tx.TransferParams) -> bool:
+        """Drop a transfer that will not be decoded (client cancelled between the stages)."""
+        params = (
+            transfer_params
+            if isinstance(transfer_params, tx.TransferParams)
+            else tx.TransferParams.parse(transfer_params)
+        )
+        return tx.remove_transfer(self.store, params.transfer_id)
+
+    async def decode(
+        self,
+        transfer_params: str | bytes | Mapping[str, Any] | tx.TransferParams,
+        images: Sequence[ImageEmbeds] = (),
+        sampling: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[DecodeChunk]:
+        """Yield tokens 2..N of the request that prefill started."""
+        params, manifest = self.resolve(transfer_params)
+        if len(images) != len(manifest.mm_hashes):
+            raise invalid_arg(
+                f"the transfer was prefilled with {len(manifest.mm_hashes)} image(s); decode got "
+                f"{len(images)}: send decode the same image embeddings as prefill"
+            )
+        sampling = dict(sampling or {})
+        max_tokens = int(sampling.get("max_tokens", DEFAULT_MAX_TOKENS) or DEFAULT_MAX_TOKENS)
+        if max_tokens < 2:
+            raise invalid_arg("nothing to decode: max_tokens < 2 is served by prefill alone")
+        overrides = {
+            "max_tokens": max_tokens - 1,
+            "min_tokens": max(int(sampling.get("min_tokens", 0) or 0) - 1, 0),
+            "output_kind": _output_kind(stream),
+        }
+        vllm_params = _sampling_params(sampling, overrides, params.connector_params())
+        token_ids = tx.collapse_placeholders(manifest.token_ids, manifest.mm_placeholders)
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids + [params.first_token_id]}
+        mm = multi_modal_data(images)
+        if mm:
+            prompt["multi_modal_data"] = mm
+        request_id = request_id or f"decode-{params.transfer_id}"
+        produced = 1  # prefill's first token
+        first = True
+        try:
+            async for output in self.engine.generate(prompt, vllm_params, request_id):
+                completion = output.outputs[0]
+                if completion.finish_reason == "error":
+                    raise self._load_error(params)
+                cached = int(output.num_cached_tokens or 0)
+                if first and cached < manifest.num_tokens:
+                    await self.engine.abort(request_id)
+                    raise EpdError(
+                        f"decode computed {manifest.num_tokens - cached} prompt tokens itself "
+                        "instead of loading them: the KV transfer was not used",
+                        ErrorCode.INTERNAL,
+                    )
+                first = False
+                produced = 1 + len(completion.token_ids) if not stream else produced + len(completion.token_ids)
+                yield DecodeChunk(
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    num_output_tokens=produced,
+                    num_cached_tokens=cached,
+                    finish_reason=completion.finish_reason,
+                    finished=output.finished,
+                )
+        except EpdError:
+            raise
+        except ValueError as exc:
+            raise invalid_arg(f"request rejected by the decode engine: {exc}") from None
+
+    def _load_error(self, params: tx.TransferParams) -> EpdError:
+        try:
+            tx.read_manifest(self.store, params.transfer_id)
+        except EpdError as exc:
+            if exc.code == ErrorCode.NOT_FOUND:
+                return exc
+        return invalid_arg(
+            f"decode could not load KV transfer {params.transfer_id}: the image embeddings or "
+            "prompt differ from what prefill saw, or the transfer is damaged"
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,387 @@
+"""KV transfer parameters and the on-disk layout of one transfer (pure Python, no vLLM).
+
+A transfer is what the prefill engine leaves behind for the decode engine: the KV cache of
+every prompt token, written under ``<store>/<transfer_id>/`` by
+:class:`python_backends.pd.connector.TransferIdConnector` running inside the prefill
+engine, and read back by the same connector class inside the decode engine.
+
+Layout of one transfer folder (``store`` is ``kv_connector_extra_config["store_path"]``)::
+
+    <store>/<transfer_id>/chunk-<start>-<end>.safetensors   # one per scheduled prefill chunk;
+                                                            # keys = attention layer names,
+                                                            # values = [end-start, ...] KV rows
+    <store>/<transfer_id>/manifest.json                     # written last: the commit marker
+
+A transfer is complete only when ``manifest.json`` exists; the manifest lists the chunks,
+the prompt token ids (with image placeholders expanded), the multimodal hashes, and a
+digest over both. The decode side trusts nothing it is handed: the transfer parameters it
+receives are parsed and validated here (:meth:`TransferParams.parse`), the manifest is
+validated against them (:func:`check_manifest`), and the connector checks the decode
+request's own token ids and multimodal hashes against the manifest before it loads a byte.
+
+Transfer parameters (what travels from prefill to decode; small, JSON-able, versioned)::
+
+    {"version": 1, "transfer_id": "<32 hex>", "num_prompt_tokens": 300,
+     "first_token_id": 17, "digest": "<64 hex>"}
+
+Who calls what: the prefill wrapper builds :class:`TransferParams` from the manifest the
+connector wrote; the decode wrapper parses them, reads the manifest and submits; the
+connector (both roles) uses the path helpers, :func:`write_manifest`, :func:`read_manifest`
+and :func:`prompt_digest`. Nothing here imports vLLM, torch or Triton.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
+
+PARAMS_VERSION = 1
+MANIFEST_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+FIRST_TOKEN_NAME = "first_token.json"
+_TRANSFER_ID = re.compile(r"^[0-9a-f]{32}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = re.compile(r"^chunk-(\d{8})-(\d{8})\.safetensors$")
+# Keys the connector reads from a request's ``kv_transfer_params``. They are our own names
+# on purpose: vLLM's output processor treats ``do_remote_prefill`` (Nixl's key) specially
+# and would overwrite ``num_cached_tokens``, which the decode side uses as its proof.
+KEY_TRANSFER_ID = "epd_transfer_id"
+KEY_DIGEST = "epd_digest"
+KEY_NUM_TOKENS = "epd_num_prompt_tokens"
+MAX_PARAMS_BYTES = 1024
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex
+
+
+def is_transfer_id(value: object) -> bool:
+    return isinstance(value, str) and bool(_TRANSFER_ID.match(value))
+
+
+def prompt_digest(token_ids: Sequence[int], mm_hashes: Sequence[str]) -> str:
+    """SHA-256 over the prompt token ids and multimodal hashes (binds KV to its input)."""
+    h = hashlib.sha256()
+    h.update(b"epd-kv-v1\0")
+    h.update(json.dumps([list(map(int, token_ids)), list(mm_hashes)], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def transfer_dir(store: Path, transfer_id: str) -> Path:
+    """The folder of one transfer; refuses anything that is not a transfer id (no traversal)."""
+    if not is_transfer_id(transfer_id):
+        raise invalid_arg(f"transfer_id must be 32 lowercase hex characters, got {transfer_id!r}")
+    return store / transfer_id
+
+
+def chunk_name(start: int, end: int) -> str:
+    return f"chunk-{start:08d}-{end:08d}.safetensors"
+
+
+def parse_chunk_name(name: str) -> tuple[int, int] | None:
+    match = _CHUNK.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _int_field(data: Mapping[str, Any], key: str, minimum: int) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_arg(f"KV transfer parameter {key!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise invalid_arg(f"KV transfer parameter {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """What decode needs from prefill. Built by the prefill wrapper, validated by decode."""
+
+    transfer_id: str
+    num_prompt_tokens: int
+    first_token_id: int
+    digest: str
+    version: int = PARAMS_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def parse(cls, raw: str | bytes | Mapping[str, Any]) -> TransferParams:
+        """Parse and validate; any defect is an INVALID_ARG :class:`EpdError`."""
+        if isinstance(raw, (str, bytes)):
+            if len(raw) > MAX_PARAMS_BYTES:
+                raise invalid_arg(f"KV transfer parameters are over {MAX_PARAMS_BYTES} bytes")
+            try:
+                data = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                raise invalid_arg("KV transfer parameters are not valid JSON") from None
+        else:
+            data = raw
+        if not isinstance(data, Mapping):
+            raise invalid_arg("KV transfer parameters must be a JSON object")
+        unknown = set(data) - {"version", "transfer_id", "num_prompt_tokens", "first_token_id", "digest"}
+        if unknown:
+            raise invalid_arg(f"unknown KV transfer parameter(s): {sorted(unknown)}")
+        version = data.get("version")
+        if version != PARAMS_VERSION:
+            raise invalid_arg(
+                f"KV transfer parameters version {version!r} is not supported (expected {PARAMS_VERSION})"
+            )
+        transfer_id = data.get("transfer_id")
+        if not is_transfer_id(transfer_id):
+            raise invalid_arg("KV transfer parameter 'transfer_id' must be 32 lowercase hex characters")
+        digest = data.get("digest")
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            raise invalid_arg("KV transfer parameter 'digest' must be 64 lowercase hex characters")
+        return cls(
+            transfer_id=transfer_id,
+            num_prompt_tokens=_int_field(data, "num_prompt_tokens", 1),
+            first_token_id=_int_field(data, "first_token_id", 0),
+            digest=digest,
+        )
+
+    def connector_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` the decode engine's connector reads."""
+        return {
+            KEY_TRANSFER_ID: self.transfer_id,
+            KEY_DIGEST: self.digest,
+            KEY_NUM_TOKENS: self.num_prompt_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one transfer, written by the producer's scheduler side."""
+
+    transfer_id: str
+    token_ids: list[int]
+    mm_hashes: list[str]
+    chunks: list[tuple[int, int]]
+    layers: list[str]
+    block_size: int
+    created: float
+    # (offset, length) of each multimodal item's placeholder run in token_ids
+    mm_placeholders: list[tuple[int, int]] = field(default_factory=list)
+    version: int = MANIFEST_VERSION
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def digest(self) -> str:
+        return prompt_digest(self.token_ids, self.mm_hashes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["chunks"] = [list(c) for c in self.chunks]
+        data["mm_placeholders"] = [list(p) for p in self.mm_placeholders]
+        data["digest"] = self.digest
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        """Validate a manifest read from disk; a defect raises ValueError."""
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            raise ValueError("not a version-1 manifest")
+        token_ids = data.get("token_ids")
+        if not isinstance(token_ids, list) or not token_ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids
+        ):
+            raise ValueError("token_ids must be a non-empty list of token ids")
+        mm_hashes = data.get("mm_hashes")
+        if not isinstance(mm_hashes, list) or not all(isinstance(h, str) for h in mm_hashes):
+            raise ValueError("mm_hashes must be a list of strings")
+        layers = data.get("layers")
+        if not isinstance(layers, list) or not layers or not all(isinstance(x, str) for x in layers):
+            raise ValueError("layers must be a non-empty list of layer names")
+        chunks = [tuple(c) for c in data.get("chunks", [])]
+        check_chunks_cover(chunks, len(token_ids))
+        placeholders = [tuple(p) for p in data.get("mm_placeholders", [])]
+        check_placeholders(placeholders, len(token_ids))
+        if len(placeholders) != len(mm_hashes):
+            raise ValueError("one placeholder range per multimodal item is required")
+        manifest = cls(
+            transfer_id=str(data.get("transfer_id")),
+            token_ids=token_ids,
+            mm_hashes=mm_hashes,
+            chunks=chunks,  # type: ignore[arg-type]
+            layers=layers,
+            block_size=int(data.get("block_size", 0)),
+            created=float(data.get("created", 0.0)),
+            mm_placeholders=placeholders,  # type: ignore[arg-type]
+        )
+        if not is_transfer_id(manifest.transfer_id):
+            raise ValueError("bad transfer_id")
+        if data.get("digest") != manifest.digest:
+            raise ValueError("digest does not match token_ids and mm_hashes")
+        return manifest
+
+
+def check_chunks_cover(chunks: Sequence[Sequence[int]], num_tokens: int) -> None:
+    """Chunks must tile ``[0, num_tokens)`` in order without gaps or overlaps."""
+    position = 0
+    for chunk in chunks:
+        if len(chunk) != 2:
+            raise ValueError(f"chunk {chunk!r} is not a (start, end) pair")
+        start, end = chunk
+        if not (isinstance(start, int) and isinstance(end, int)) or start != position or end <= start:
+            raise ValueError(f"chunks do not tile the prompt: {list(chunks)!r}")
+        position = end
+    if position != num_tokens:
+        raise ValueError(f"chunks cover {position} of {num_tokens} prompt tokens")
+
+
+def check_placeholders(placeholders: Sequence[Sequence[int]], num_tokens: int) -> None:
+    """Placeholder runs must be in order, non-overlapping, non-empty and inside the prompt."""
+    position = 0
+    for item in placeholders:
+        if len(item) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in item):
+            raise ValueError(f"placeholder {item!r} is not an (offset, length) pair")
+        offset, length = item
+        if offset < position or length < 1 or offset + length > num_tokens:
+            raise ValueError(f"placeholder ranges are out of order or out of bounds: {list(placeholders)!r}")
+        position = offset + length
+
+
+def collapse_placeholders(token_ids: Sequence[int], placeholders: Sequence[Sequence[int]]) -> list[int]:
+    """The prompt as the model's processor wants it: each expanded run back to one token.
+
+    vLLM expands an image placeholder token into one token per embedding row when it
+    processes a prompt; given an already expanded prompt it would expand again. The decode
+    side therefore submits the collapsed form, which vLLM expands to exactly the prefilled
+    token ids (the connector checks that before loading).
+    """
+    check_placeholders(placeholders, len(token_ids))
+    out: list[int] = []
+    position = 0
+    for offset, length in placeholders:
+        out.extend(token_ids[position:offset])
+        out.append(token_ids[offset])
+        position = offset + length
+    out.extend(token_ids[position:])
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_manifest(store: Path, manifest: Manifest) -> Path:
+    """Commit a transfer: the manifest appears atomically, after every chunk."""
+    folder = transfer_dir(store, manifest.transfer_id)
+    for start, end in manifest.chunks:
+        if not (folder / chunk_name(start, end)).is_file():
+            raise FileNotFoundError(f"chunk {start}-{end} of transfer {manifest.transfer_id} is missing")
+    path = folder / MANIFEST_NAME
+    _atomic_write(path, json.dumps(manifest.to_dict(), separators=(",", ":")))
+    return path
+
+
+def read_manifest(store: Path, transfer_id: str) -> Manifest:
+    """The committed manifest of a transfer, or NOT_FOUND / INTERNAL :class:`EpdError`."""
+    path = transfer_dir(store, transfer_id) / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise EpdError(
+            f"KV transfer {transfer_id} not found: unknown, already consumed, or expired",
+            ErrorCode.NOT_FOUND,
+        ) from None
+    try:
+        manifest = Manifest.from_dict(json.loads(text))
+    except ValueError as exc:
+        raise EpdError(f"KV transfer {transfer_id} is damaged: {exc}", ErrorCode.INTERNAL) from None
+    if manifest.transfer_id != transfer_id:
+        raise EpdError(f"KV transfer {transfer_id} is damaged: manifest names another transfer", ErrorCode.INTERNAL)
+    return manifest
+
+
+def write_first_token(store: Path, transfer_id: str, token_id: int) -> None:
+    """Record the token prefill sampled, so decode can refuse an altered ``first_token_id``."""
+    _atomic_write(transfer_dir(store, transfer_id) / FIRST_TOKEN_NAME, json.dumps({"first_token_id": int(token_id)}))
+
+
+def read_first_token(store: Path, transfer_id: str) -> int | None:
+    try:
+        data = json.loads((transfer_dir(store, transfer_id) / FIRST_TOKEN_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    value = data.get("first_token_id") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_manifest(params: TransferParams, manifest: Manifest, first_token_id: int | None = None) -> None:
+    """The parameters a client sent must describe exactly the committed transfer.
+
+    ``first_token_id`` is the one prefill recorded (:func:`read_first_token`); ``None``
+    means none was recorded, which is itself a mismatch.
+    """
+    if manifest.digest != params.digest or manifest.num_tokens != params.num_prompt_tokens:
+        raise invalid_arg(
+            f"KV transfer parameters do not match transfer {params.transfer_id} "
+            "(digest or token count differ): they were altered or belong to another prompt"
+        )
+    if first_token_id != params.first_token_id:
+        raise invalid_arg(
+            f"KV transfer parameters do not match transfer {params.transfer_id}: "
+            "first_token_id differs from the token prefill produced"
+        )
+
+
+def remove_transfer(store: Path, transfer_id: str) -> bool:
+    """Delete one transfer's folder; True when something was removed."""
+    folder = transfer_dir(store, transfer_id)
+    if not folder.exists():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
+def sweep_expired(store: Path, max_age_s: float, now: float | None = None) -> list[str]:
+    """Remove transfers (committed or not) whose folder is older than ``max_age_s``.
+
+    Called by the producer now and then, so that a prefill whose decode never came (client
+    gone, BLS crashed) does not leak memory in ``/dev/shm``. Returns the removed ids.
+    """
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(store))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not is_transfer_id(entry.name):
+            continue
+        try:
+            age = now - entry.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age > max_age_s:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def list_transfers(store: Path) -> list[str]:
+    """Ids of the transfer folders present (committed or not); for leak checks and metrics."""
+    try:
+        return sorted(e.name for e in os.scandir(store) if is_transfer_id(e.name))
+    except FileNotFoundError:
+        return []
