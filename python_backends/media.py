@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from python_backends.errors import invalid_arg
 
@@ -97,7 +97,9 @@ def decode_rgb(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
     try:
         with _quiet_pil(), Image.open(io.BytesIO(data)) as img:
             img.load()  # truncated or corrupt pixel data fails here, not later in vLLM
-            return img.convert("RGB")
+            # Honour EXIF orientation as DALI's decoder (the encode path) does, so every
+            # mode sees the same pixels for a rotated photo.
+            return ImageOps.exif_transpose(img).convert("RGB")
     except Exception as exc:
         raise invalid_arg(f"image[{index}] cannot be decoded: {_short(exc)}") from None
 

@@ -135,3 +135,13 @@ def test_modes_are_converted_to_rgb():
     decoded = decode_images([png(8, 8, "L"), png(8, 8, "RGBA")], ImageLimits())
     assert [img.mode for img in decoded] == ["RGB", "RGB"]
     assert image_bytes(png(), 0) == png()
+
+
+def test_exif_orientation_is_applied_like_the_dali_path():
+    img = Image.new("RGB", (40, 20), (255, 0, 0))
+    exif = img.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif)
+    (decoded,) = decode_images([buf.getvalue()], ImageLimits())
+    assert decoded.size == (20, 40)
