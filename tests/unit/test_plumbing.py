@@ -105,3 +105,12 @@ def test_client_chat_prompt_and_result_accumulation():
                 "finish_reason": np.array([b"stop"], dtype=np.object_)})
     assert (result.text, result.token_ids, result.finish_reason) == ("ab", [1, 2], "stop")
     assert len(result.chunk_times) == 2
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cli_says_how_to_start_a_server_that_is_down(protocol, capsys):
+    from client.cli import main
+    from python_backends.tritonserver import _free_port
+
+    assert main(["hi", "--protocol", protocol, "--url", f"127.0.0.1:{_free_port()}"]) == 1
+    assert "Is the server running? Start it with `make serve`" in capsys.readouterr().err
