@@ -97,6 +97,21 @@ class EncodeStage:
 
 
 @dataclass(frozen=True)
+class PdStage:
+    """How a target serves ``prefill`` / ``decode`` (vLLM KV producer / consumer) and ``epd``.
+
+    ``role_env``: extra ``VLLM_*`` process environment per role on top of the target's
+    ``vllm_env`` (e.g. the cores each engine's OpenMP threads are bound to, so that ``llm``,
+    ``prefill`` and ``decode`` do not all pile onto one core).
+    """
+
+    store_path: str = "/dev/shm/triton-epd-embeddings"  # the node's embedding store (LMDB)
+    store_capacity_bytes: int = 1 << 30
+    kv_store_path: str = "/dev/shm/triton-epd-kv"  # TransferIdConnector's folder (tmpfs)
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     instance_kind: str
@@ -105,6 +120,7 @@ class Target:
     # Process environment for vLLM engines (config.pbtxt parameters, set before start).
     vllm_env: dict[str, str]
     encode: EncodeStage
+    pd: PdStage = field(default_factory=PdStage)
     # Request limits of the user-facing models (image limits also bind ``preprocess``).
     limits: dict[str, int] = field(
         default_factory=lambda: {
@@ -117,7 +133,7 @@ class Target:
 
     @property
     def models(self) -> tuple[str, ...]:
-        return ("llm", *self.encode.models)
+        return ("llm", *self.encode.models, "ensemble", *PD_MODELS)
 
 
 TARGETS: dict[str, Target] = {
@@ -143,6 +159,14 @@ TARGETS: dict[str, Target] = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         },
         encode=EncodeStage(device="cpu"),
+        # llm keeps vLLM's default binding (core 0 on 2 cores); prefill gets core 1 and
+        # decode core 0, so the two halves of one request run on different cores.
+        pd=PdStage(
+            role_env={
+                "prefill": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+                "decode": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+            }
+        ),
     ),
     "gpu": Target(
         name="gpu",
@@ -199,6 +223,7 @@ class TensorSpec:
     ragged: bool = False
     # What the backend sees instead of ``dims`` (Triton's ``reshape``), if anything.
     reshape: tuple[int, ...] | None = None
+    optional: bool = False
 
     def render(self) -> str:
         def shape(dims: Sequence[int]) -> str:
@@ -209,6 +234,8 @@ class TensorSpec:
             text += f" reshape: {{ shape: {shape(self.reshape)} }}"
         if self.ragged:
             text += " allow_ragged_batch: true"
+        if self.optional:
+            text += " optional: true"
         return text + " }"
 
 
@@ -269,21 +296,58 @@ def embeds_output(hidden_size: int) -> TensorSpec:
     return TensorSpec("image_embeds", "TYPE_FP32", (-1, hidden_size))
 
 
+# The user-facing interface (``llm``, ``ensemble``), written once. Non-batching models.
+def generate_outputs() -> list[TensorSpec]:
+    return [
+        TensorSpec("text_output", "TYPE_STRING", (-1,)),
+        TensorSpec("output_token_ids", "TYPE_INT64", (-1,)),
+        TensorSpec("num_input_tokens", "TYPE_UINT32", (1,)),
+        TensorSpec("num_output_tokens", "TYPE_UINT32", (1,)),
+        TensorSpec("finish_reason", "TYPE_STRING", (1,)),
+    ]
+
+
+def generate_options() -> list[TensorSpec]:
+    return [
+        TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
+        TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
+        TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), optional=True),
+    ]
+
+
+def llm_inputs(hidden_size: int) -> list[TensorSpec]:
+    """``image`` (encoded files) or, instead, embeddings by value: ``image_embeds``
+    [n, tokens, hidden] (``encode``'s output as it is; leading dims are flattened, images
+    concatenated along tokens) with ``image_grid_thw`` [images, 3]."""
+    return [
+        TensorSpec("text_input", "TYPE_STRING", (1,)),
+        TensorSpec("image", "TYPE_STRING", (-1,), optional=True),
+        TensorSpec("image_embeds", "TYPE_FP32", (-1, -1, hidden_size), optional=True),
+        TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),
+        *generate_options(),
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # Model files
 # ---------------------------------------------------------------------------------------------
 
 
-def llm_files(target: Target, model_dir: Path) -> dict[str, str]:
+def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    # Embeddings by value (``ensemble``, or a client that ran ``encode``) are checked against
+    # the exported encoder's output: hidden size and merge size come from its facts.
+    embeds = {"image_embeds_hidden_size": facts.hidden_size, "spatial_merge_size": facts.merge_size}
     config = render_template(
         "llm.pbtxt",
         {
             "target": target.name,
             "instance_kind": target.instance_kind,
-            "parameters": render_parameters({**target.limits, **target.vllm_env}),
+            "inputs": render_tensors(llm_inputs(facts.hidden_size)),
+            "outputs": render_tensors(generate_outputs()),
+            "parameters": render_parameters({**target.limits, **target.vllm_env, **embeds}),
         },
     )
-    engine_args = {"model": str(model_dir.resolve()), **target.engine_args}
+    engine_args = {"model": str(model_dir.resolve()), **target.engine_args, "enable_mm_embeds": True}
     return {
         "llm/config.pbtxt": config,
         "llm/1/engine_args.json": json.dumps(engine_args, indent=2, sort_keys=True) + "\n",
@@ -413,11 +477,12 @@ def vit_positions_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
     return {"vit_positions/config.pbtxt": config, "vit_positions/1/model.py": model_py}
 
 
-def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
-    stage = target.encode
+def encode_steps(target: Target) -> list[EnsembleStep]:
+    """``image`` -> ``image_embeds`` + ``image_grid_thw``: the steps of ``encode`` (and the head
+    of ``ensemble``)."""
     grid = {"image_grid_thw": "image_grid_thw"}
     preprocess = EnsembleStep("preprocess", {"image": "image"}, {"pixel_values": "pixel_values", **grid})
-    if stage.device == "gpu":
+    if target.encode.device == "gpu":
         positions = EnsembleStep(
             "vit_positions", grid, {"rotary_pos_ids": "rotary_pos_ids", "cu_seqlens": "cu_seqlens"}
         )
@@ -426,7 +491,15 @@ def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
             {"pixel_values": "pixel_values", "rotary_pos_ids": "rotary_pos_ids", "cu_seqlens": "cu_seqlens"},
             {"image_embeds": "image_embeds"},
         )
-        steps = [preprocess, positions, encoder]
+        return [preprocess, positions, encoder]
+    encoder = EnsembleStep("vit_encoder", {"pixel_values": "pixel_values", **grid}, {"image_embeds": "image_embeds"})
+    return [preprocess, encoder]
+
+
+def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
+    stage = target.encode
+    steps = encode_steps(target)
+    if stage.device == "gpu":
         # The plan runs one image per request (max_batch_size 0): the batch row is explicit.
         max_batch_size = 0
         inputs = [TensorSpec("image", "TYPE_UINT8", (1, -1))]
@@ -435,8 +508,6 @@ def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
             TensorSpec("image_grid_thw", "TYPE_INT64", (1, 3)),
         ]
     else:
-        encoder = EnsembleStep("vit_encoder", {"pixel_values": "pixel_values", **grid}, {"image_embeds": "image_embeds"})
-        steps = [preprocess, encoder]
         max_batch_size = stage.max_batch_size
         inputs = [TensorSpec("image", "TYPE_UINT8", (-1,))]
         outputs = [embeds_output(facts.hidden_size), TensorSpec("image_grid_thw", "TYPE_INT64", (3,))]
@@ -453,14 +524,146 @@ def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
     return {"encode/config.pbtxt": config}
 
 
+def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
+    """``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
+
+    Exactly one image per request (``image``: UINT8 [1, bytes], as ``encode`` takes it): a
+    static DAG runs each step once and cannot loop over images or skip the encoder, so 0 or
+    several images are refused by Triton's shape check (use ``llm`` or ``epd`` for those).
+    Decoupled streaming passes through: ``llm``'s responses are the ensemble's.
+    """
+    del facts  # the llm step's own config carries the hidden size
+    options = {spec.name: spec.name for spec in generate_options()}
+    embeds = {"image_embeds": "image_embeds", "image_grid_thw": "image_grid_thw"}
+    llm = EnsembleStep(
+        "llm",
+        {"text_input": "text_input", **embeds, **options},
+        {spec.name: spec.name for spec in generate_outputs()},
+    )
+    inputs = [
+        TensorSpec("text_input", "TYPE_STRING", (1,)),
+        TensorSpec("image", "TYPE_UINT8", (1, -1)),
+        *generate_options(),
+    ]
+    config = render_template(
+        "ensemble.pbtxt",
+        {
+            "target": target.name,
+            "inputs": render_tensors(inputs),
+            "outputs": render_tensors(generate_outputs()),
+            "steps": ",\n".join(step.render() for step in [*encode_steps(target), llm]),
+        },
+    )
+    return {"ensemble/config.pbtxt": config}
+
+
+# ``prefill``, ``decode`` (vLLM KV producer / consumer) and ``epd`` (BLS): python models whose
+# model.py is kept in model_repository/<name>/1/ (hand-written, thin); config.pbtxt and the
+# engine args are generated here.
+PD_MODELS = ("prefill", "decode", "epd")
+
+
+def _reference_inputs() -> list[TensorSpec]:
+    # One signed reference (<= 1 KB JSON) per image; never media.
+    return [TensorSpec("references", "TYPE_STRING", (-1,), optional=True)]
+
+
+def _store_parameters(target: Target, facts: EncoderFacts) -> dict[str, Any]:
+    return {
+        "store_path": target.pd.store_path,
+        "store_capacity_bytes": target.pd.store_capacity_bytes,
+        "spatial_merge_size": facts.merge_size,
+    }
+
+
+def _python_model_config(target: Target, name: str, inputs: list[TensorSpec], outputs: list[TensorSpec], parameters: dict[str, Any]) -> str:
+    return render_template(
+        "python_decoupled.pbtxt",
+        {
+            "target": target.name,
+            "name": name,
+            "instance_kind": target.instance_kind,
+            "inputs": render_tensors(inputs),
+            "outputs": render_tensors(outputs),
+            "parameters": render_parameters(parameters),
+        },
+    )
+
+
+def pd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    """``prefill``, ``decode`` and ``epd`` configs plus the two engines' args."""
+    from python_backends.pd.engines import pd_engine_args  # noqa: PLC0415 (light: no vLLM import)
+
+    base = {"model": str(model_dir.resolve()), **target.engine_args}
+    store = _store_parameters(target, facts)
+    limit = {"max_tokens_limit": target.limits["max_tokens_limit"]}
+    files: dict[str, str] = {}
+    stage_outputs = {
+        "prefill": [
+            TensorSpec("output_token_ids", "TYPE_INT64", (-1,)),
+            TensorSpec("text_output", "TYPE_STRING", (-1,)),
+            TensorSpec("num_input_tokens", "TYPE_UINT32", (1,)),
+            TensorSpec("finish_reason", "TYPE_STRING", (1,)),
+            TensorSpec("transfer_params", "TYPE_STRING", (1,)),
+        ],
+        "decode": generate_outputs(),
+    }
+    stage_inputs = {
+        "prefill": [
+            TensorSpec("text_input", "TYPE_STRING", (1,)),
+            *_reference_inputs(),
+            TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
+        ],
+        "decode": [
+            *_reference_inputs(),
+            TensorSpec("transfer_params", "TYPE_STRING", (1,), optional=True),
+            TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
+            TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
+            TensorSpec("request_id", "TYPE_STRING", (1,), optional=True),
+            TensorSpec("abort", "TYPE_BOOL", (1,), optional=True),
+        ],
+    }
+    for role in ("prefill", "decode"):
+        env = {**target.vllm_env, **target.pd.role_env.get(role, {})}
+        files[f"{role}/config.pbtxt"] = _python_model_config(
+            target, role, stage_inputs[role], stage_outputs[role], {**limit, **env, **store}
+        )
+        args = pd_engine_args(base, role, target.pd.kv_store_path)  # type: ignore[arg-type]
+        files[f"{role}/1/engine_args.json"] = json.dumps(args, indent=2, sort_keys=True) + "\n"
+    timings = [TensorSpec(f"timing_{stage}_ms", "TYPE_FP32", (1,)) for stage in ("hash", "lookup", "encode", "prefill", "decode")]
+    files["epd/config.pbtxt"] = _python_model_config(
+        target,
+        "epd",
+        [
+            TensorSpec("text_input", "TYPE_STRING", (1,)),
+            TensorSpec("image", "TYPE_STRING", (-1,), optional=True),
+            *generate_options(),
+        ],
+        [*generate_outputs(), *timings, TensorSpec("cache_hits", "TYPE_UINT32", (1,))],
+        {
+            **target.limits,
+            **store,
+            "encode_model": "encode",
+            "prefill_model": "prefill",
+            "decode_model": "decode",
+            "preprocessor_config": str((model_dir / "preprocessor_config.json").resolve()),
+            # Relative to the model repository: its digest is the encoder version in content keys.
+            "encoder_file": f"vit_encoder/1/{ONNX_FILE}",
+        },
+    )
+    return files
+
+
 def repository_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     """Relative path -> content of every generated text file for ``target``."""
-    files = llm_files(target, model_dir)
+    files = llm_files(target, model_dir, facts)
     files.update(preprocess_files(target, model_dir, facts))
     if "vit_positions" in target.models:
         files.update(vit_positions_files(target, facts))
     files.update(vit_encoder_files(target, facts))
     files.update(encode_files(target, facts))
+    files.update(ensemble_files(target, facts))
+    files.update(pd_files(target, model_dir, facts))
     return files
 
 

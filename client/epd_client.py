@@ -71,15 +71,27 @@ class GenerateResult:
 
 
 OUTPUT_NAMES = ("text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason")
+# Models whose ``image`` is the one encoded file as UINT8 [1, bytes] (what ``preprocess`` takes):
+# the static ``ensemble`` DAG encodes exactly one image per request.
+ONE_IMAGE_MODELS = frozenset({"ensemble"})
 
 
-def _inputs(
+def check_images_for(model: str, images: Sequence[bytes]) -> None:
+    if model in ONE_IMAGE_MODELS and len(images) != 1:
+        raise ClientError(
+            f"model '{model}' takes exactly one image per request (a static ensemble cannot loop "
+            f"over images), got {len(images)}; use 'llm' or 'epd' for 0 or several images"
+        )
+
+
+def build_inputs(
     module: Any,
     prompt: str,
     images: Sequence[bytes],
     stream: bool,
     sampling: dict[str, Any] | None,
     exclude_input_in_output: bool | None,
+    one_image_uint8: bool = False,
 ) -> list[Any]:
     def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
         item = module.InferInput(name, list(array.shape), dtype)
@@ -87,7 +99,9 @@ def _inputs(
         return item
 
     inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
-    if images:
+    if images and one_image_uint8:
+        inputs.append(tensor("image", np.frombuffer(images[0], dtype=np.uint8).reshape(1, -1), "UINT8"))
+    elif images:
         inputs.append(tensor("image", np.array(list(images), dtype=np.object_), "BYTES"))
     inputs.append(tensor("stream", np.array([stream]), "BOOL"))
     if sampling:
@@ -138,6 +152,7 @@ class GrpcClient:
         ``cancel_after_chunks`` cancels the request after that many responses (used to
         test that cancellation frees everything on the server).
         """
+        check_images_for(self.model, images)
         responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
         result = GenerateResult(started_at=time.perf_counter())
         try:
@@ -147,7 +162,7 @@ class GrpcClient:
         try:
             self._client.async_stream_infer(
                 self.model,
-                _inputs(self._module, prompt, images, True, sampling, None),
+                build_inputs(self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS),
                 outputs=[self._module.InferRequestedOutput(n) for n in OUTPUT_NAMES],
                 enable_empty_final_response=True,
             )

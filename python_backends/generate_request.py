@@ -15,6 +15,11 @@ from typing import Any
 import numpy as np
 
 from python_backends.errors import invalid_arg
+from python_backends.image_embeds import (
+    EmbedsSpec,
+    ImageEmbedsInput,
+    parse_image_embeds,
+)
 from python_backends.media import ImageLimits, image_bytes
 from python_backends.sampling import parse_sampling_parameters
 
@@ -27,6 +32,8 @@ class RequestLimits:
     images: ImageLimits = field(default_factory=ImageLimits)
     max_tokens_limit: int = 4096
     max_prompt_chars: int = 200_000
+    # Precomputed embeddings accepted (``image_embeds`` + ``image_grid_thw``) when set.
+    image_embeds: EmbedsSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ class GenerateRequest:
     stream: bool
     sampling: dict[str, Any]  # keyword arguments for vllm.SamplingParams
     exclude_input_in_output: bool
+    # Instead of ``images``: the vision encoder's output for every image, validated.
+    image_embeds: ImageEmbedsInput | None = None
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], name: str) -> Any | None:
@@ -97,6 +106,7 @@ def parse_generate_request(
             f"text_input has {len(text)} characters, above the limit of {limits.max_prompt_chars}"
         )
 
+    embeds = parse_image_embeds(inputs, limits.image_embeds, limits.images.max_images)
     image_array = inputs.get("image")
     raw_images: list[bytes] = []
     if image_array is not None:
@@ -112,7 +122,8 @@ def parse_generate_request(
             f"{limits.images.max_images} (max_images)"
         )
     images = [image_bytes(item, i) for i, item in enumerate(raw_images)]
-    if not text and not images:
+    num_images = len(images) + (embeds.num_images if embeds is not None else 0)
+    if not text and not num_images:
         raise invalid_arg("text_input is empty and no image was given")
 
     stream = bool(_bool(inputs, "stream"))
@@ -128,9 +139,10 @@ def parse_generate_request(
         limits.max_tokens_limit,
     )
     return GenerateRequest(
-        prompt=with_image_placeholders(text, len(images)),
+        prompt=with_image_placeholders(text, num_images),
         images=images,
         stream=stream,
         sampling=sampling,
         exclude_input_in_output=exclude,
+        image_embeds=embeds,
     )

@@ -78,7 +78,9 @@ class LlmEngine:
         self, request: GenerateRequest, images: list[Image.Image], request_id: str
     ) -> AsyncIterator[GenerationChunk]:
         prompt: dict[str, Any] = {"prompt": request.prompt}
-        if images:
+        if request.image_embeds is not None:
+            prompt["multi_modal_data"] = request.image_embeds.multi_modal_data()
+        elif images:
             prompt["multi_modal_data"] = {"image": images}
         params = self.sampling_params(request)
         self.active_requests.add(request_id)

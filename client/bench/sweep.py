@@ -207,12 +207,12 @@ class Sweep:
             return await target.send(mode.model, prepared, config.request_timeout_s)
 
         if config.warmup_requests:
-            warm = [target.prepare(r) for r in self.builder.build(config.warmup_requests, reuse, "warmup", index)]
+            warm = [target.prepare(r, mode.model) for r in self.builder.build(config.warmup_requests, reuse, "warmup", index)]
             await closed_loop(send, warm, point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
 
         reps, records = [], []
         for rep in range(config.reps):
-            items = [target.prepare(r) for r in self.builder.build(config.requests_per_point, reuse, "measure", index, rep)]
+            items = [target.prepare(r, mode.model) for r in self.builder.build(config.requests_per_point, reuse, "measure", index, rep)]
             rep_summary, rep_records = await self._measure(send, items, point, index, rep, mode, layout)
             reps.append(rep_summary)
             records.extend(rep_records)

@@ -14,16 +14,14 @@ Optional outputs read when the model sends them (``epd`` will):
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from client.bench.metrics import RequestRecord
 from client.bench.workload import BenchRequest
+from client.epd_client import ONE_IMAGE_MODELS, build_inputs
 
 TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"
 CACHE_HITS_OUTPUT = "cache_hits"
@@ -60,8 +58,13 @@ class TritonGrpcTarget:
             return f"cannot reach {self.url}: {exc}"
         return f"model '{model}' is not loaded on {self.url}"
 
-    def prepare(self, request: BenchRequest) -> PreparedRequest:
-        return PreparedRequest(request, build_inputs(self._grpc, request))
+    def prepare(self, request: BenchRequest, model: str) -> PreparedRequest:
+        # The same tensors the client library sends (ensemble takes its image as UINT8).
+        inputs = build_inputs(
+            self._grpc, request.prompt, request.images, True, request.sampling, True,
+            one_image_uint8=model in ONE_IMAGE_MODELS,
+        )
+        return PreparedRequest(request, inputs)
 
     async def send(self, model: str, prepared: PreparedRequest, timeout_s: float) -> RequestRecord:
         """One request; transport and model errors end up in ``record.error``, never raised."""
@@ -119,19 +122,3 @@ def read_response(result: Any, response: Any, record: RequestRecord) -> bool:
             stage = name[len(TIMING_PREFIX) : -len(TIMING_SUFFIX)]
             record.stage_ms[stage] = float(result.as_numpy(name).reshape(-1)[0])
     return True
-
-
-def build_inputs(grpc_module: Any, request: BenchRequest) -> list[Any]:
-    def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
-        item = grpc_module.InferInput(name, list(array.shape), dtype)
-        item.set_data_from_numpy(array)
-        return item
-
-    inputs = [tensor("text_input", np.array([request.prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
-    if request.images:
-        inputs.append(tensor("image", np.array(list(request.images), dtype=np.object_), "BYTES"))
-    inputs.append(tensor("stream", np.array([True]), "BOOL"))
-    payload = json.dumps(request.sampling).encode("utf-8")
-    inputs.append(tensor("sampling_parameters", np.array([payload], dtype=np.object_), "BYTES"))
-    inputs.append(tensor("exclude_input_in_output", np.array([True]), "BOOL"))
-    return inputs

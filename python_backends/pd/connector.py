@@ -194,7 +194,10 @@ class TransferIdConnector(KVConnectorBase_V1):
             elif prompt[:n] != manifest.token_ids or len(prompt) < n:
                 error = "prompt token ids differ from the prefilled prompt"
             elif mm_hashes != manifest.mm_hashes:
-                error = "multimodal inputs differ from the prefilled ones"
+                error = (
+                    "multimodal inputs differ from the prefilled ones "
+                    f"(decode {[h[:12] for h in mm_hashes]}, prefill {[h[:12] for h in manifest.mm_hashes]})"
+                )
             else:
                 load_end = min(n, len(prompt) - 1)
                 owns = True

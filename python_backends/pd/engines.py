@@ -62,6 +62,13 @@ class ImageEmbeds:
 
     embeds: torch.Tensor  # [num_tokens, hidden] (num_tokens = t*h*w / merge**2)
     grid_thw: tuple[int, int, int]
+    # A stable identity of these embeddings (the store's content key), given to vLLM as
+    # ``multi_modal_uuids``. Needed across processes: vLLM 0.32 hashes an embeddings item
+    # as a dict whose key order follows a set (Python's per-process hash seed), so the
+    # prefill and decode processes can compute different hashes for the same tensors and
+    # the connector then refuses the transfer ("multimodal inputs differ"). Measured: 2 of
+    # 4 server starts. Empty: let vLLM hash (fine within one process).
+    uuid: str = ""
 
 
 def multi_modal_data(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
@@ -73,6 +80,13 @@ def multi_modal_data(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
     embeds = torch.cat([img.embeds for img in images], dim=0)
     grids = torch.tensor([list(img.grid_thw) for img in images], dtype=torch.int64)
     return {"image": {"image_embeds": embeds, "image_grid_thw": grids}}
+
+
+def multi_modal_uuids(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
+    """vLLM's ``multi_modal_uuids`` when every image has an identity, else None."""
+    if not images or not all(img.uuid for img in images):
+        return None
+    return {"image": [img.uuid for img in images]}
 
 
 def pd_engine_args(base: Mapping[str, Any], role: Role, store_path: str | Path) -> dict[str, Any]:
@@ -209,6 +223,9 @@ class PrefillEngine:
         mm = multi_modal_data(images)
         if mm:
             vllm_prompt["multi_modal_data"] = mm
+            uuids = multi_modal_uuids(images)
+            if uuids:
+                vllm_prompt["multi_modal_uuids"] = uuids
         if cache_salt:
             vllm_prompt["cache_salt"] = cache_salt
         final = None
@@ -315,6 +332,9 @@ class DecodeEngine:
         mm = multi_modal_data(images)
         if mm:
             prompt["multi_modal_data"] = mm
+            uuids = multi_modal_uuids(images)
+            if uuids:
+                prompt["multi_modal_uuids"] = uuids
         request_id = request_id or f"decode-{params.transfer_id}"
         produced = 1  # prefill's first token
         first = True

@@ -34,11 +34,12 @@ def test_tiny_sweep_end_to_end(server: TritonServer, tmp_path: Path):
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     modes = {m["label"]: m for m in summary["modes"]}
-    assert modes["epd"]["status"] == "skipped" and "not loaded" in modes["epd"]["reason"]
+    assert modes["epd"]["status"] != "skipped"  # epd is served (issue 4)
     assert modes["llm"]["layout"]["total_instances"] == 1
 
     points = [p for p in summary["points"] if p["status"] == "ran"]
     assert {(p["mode"], p["load_label"]) for p in points} >= {("llm", "c=1"), ("llm", "c=2"), ("llm", "poisson 4/s")}
+    assert any(p["mode"] == "epd" for p in points)
     for point in points:
         s = point["summary"]
         assert s["errors"] == 0 and s["requests"] == 4
@@ -46,7 +47,8 @@ def test_tiny_sweep_end_to_end(server: TritonServer, tmp_path: Path):
         assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
         assert s["goodput"] == pytest.approx(s["request_throughput"])  # generous SLO: all good
         # Triton's own counters moved for the model we drove.
-        assert s["server_counters"]['nv_inference_request_success{model="llm",version="1"}'] == 4
+        model = point["mode"].split(":")[0]  # llm, llm:unique, ... -> llm; epd -> epd
+        assert s["server_counters"][f'nv_inference_request_success{{model="{model}",version="1"}}'] == 4
 
     # Greedy decoding: the same requests give the same tokens in another mode of the same model.
     assert set(summary["token_agreement_vs_baseline"].values()) == {1.0}

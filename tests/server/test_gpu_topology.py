@@ -86,8 +86,8 @@ def gpu_like_server(server: TritonServer, model_dir: Path, tmp_path_factory: pyt
     facts = EncoderFacts(**{name: int(encoder_parameters[name].string_value) for name in EncoderFacts.__dataclass_fields__})
     out = tmp_path_factory.mktemp("gpu_repository")
     for relative, content in repository_files(TARGETS["gpu"], model_dir, facts).items():
-        if relative.startswith("llm/"):
-            continue  # not part of the encode path; saves a vLLM start
+        if relative.split("/")[0] not in TARGETS["gpu"].encode.models:
+            continue  # llm, prefill, decode, epd, ensemble: not the encode path; saves vLLM starts
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)

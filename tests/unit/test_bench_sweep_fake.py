@@ -53,7 +53,7 @@ class FakeTarget:
     async def not_ready_reason(self, model: str) -> str | None:
         return None if model in TTFT_S else f"model '{model}' is not loaded on fake"
 
-    def prepare(self, request: BenchRequest) -> BenchRequest:
+    def prepare(self, request: BenchRequest, model: str) -> BenchRequest:
         return request
 
     async def send(self, model: str, request: BenchRequest, timeout_s: float) -> RequestRecord:

@@ -81,6 +81,14 @@ def test_files_of_each_target(model_dir: Path) -> None:
         "vit_encoder/config.pbtxt",
         "encode/config.pbtxt",
     }
+    common |= {  # EPD stages: generated configs + engine args (their model.py files are kept)
+        "prefill/config.pbtxt",
+        "prefill/1/engine_args.json",
+        "decode/config.pbtxt",
+        "decode/1/engine_args.json",
+        "epd/config.pbtxt",
+    }
+    common |= {"ensemble/config.pbtxt"}  # static DAG: encode's steps -> llm
     assert cpu == common
     assert gpu == common | {"vit_positions/config.pbtxt", "vit_positions/1/model.py"}
     for target in TARGETS.values():  # the description's model list is what gets written
@@ -165,36 +173,85 @@ def test_gpu_vit_positions_feeds_the_plan(model_dir: Path) -> None:
     assert "vision_position_ids" in files["vit_positions/1/model.py"]
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
-def test_encode_ensemble_is_wired_consistently(target: str, model_dir: Path) -> None:
+def assert_wired(models: dict[str, Config], name: str) -> list[str]:
     """What Triton checks at load, checked here for the target we cannot load (gpu): every
     ensemble tensor has one producer, reaches its consumers with the same type and a
-    compatible shape, and the ensemble's own inputs/outputs match the models they touch."""
-    models = configs(target, model_dir)
-    encode = models["encode"]
-    assert encode.platform == "ensemble"
+    compatible shape, every required input of a step is fed (optional ones may be left out),
+    and the ensemble's own inputs/outputs match the models they touch. Returns the steps."""
+    ensemble = models[name]
+    assert ensemble.platform == "ensemble"
     known: dict[str, tuple[int, list[int]]] = {
-        i.name: (i.data_type, full_shape(encode, i)) for i in encode.input
+        i.name: (i.data_type, full_shape(ensemble, i)) for i in ensemble.input
     }
-    steps = [s.model_name for s in encode.ensemble_scheduling.step]
-    assert steps == [m for m in TARGETS[target].encode.models if m != "encode"]
-    for step in encode.ensemble_scheduling.step:
+    for step in ensemble.ensemble_scheduling.step:
         model = models[step.model_name]
-        assert encode.max_batch_size <= model.max_batch_size or model.max_batch_size == 0
+        assert ensemble.max_batch_size <= model.max_batch_size or model.max_batch_size == 0
         for model_input, ensemble_name in step.input_map.items():
             assert ensemble_name in known, f"{step.model_name}.{model_input} reads {ensemble_name} before it exists"
             data_type, shape = known[ensemble_name]
             entry = tensor(model, model_input)
             assert entry.data_type == data_type, f"{step.model_name}.{model_input}"
             assert compatible(full_shape(model, entry), shape), f"{step.model_name}.{model_input}: {shape}"
-        assert {i.name for i in model.input} == set(step.input_map)
+        assert {i.name for i in model.input if not i.optional} <= set(step.input_map) <= {i.name for i in model.input}
         for model_output, ensemble_name in step.output_map.items():
             assert ensemble_name not in known, f"{ensemble_name} is produced twice"
             entry = tensor(model, model_output)
             known[ensemble_name] = (entry.data_type, full_shape(model, entry))
-    for output in encode.output:
+    for output in ensemble.output:
         data_type, shape = known[output.name]
-        assert output.data_type == data_type and compatible(full_shape(encode, output), shape), output.name
+        assert output.data_type == data_type and compatible(full_shape(ensemble, output), shape), output.name
+    return [s.model_name for s in ensemble.ensemble_scheduling.step]
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_encode_ensemble_is_wired_consistently(target: str, model_dir: Path) -> None:
+    models = configs(target, model_dir)
+    steps = assert_wired(models, "encode")
+    assert steps == [m for m in TARGETS[target].encode.models if m != "encode"]
+    for step in models["encode"].ensemble_scheduling.step:  # every encode input is fed
+        assert {i.name for i in models[step.model_name].input} == set(step.input_map)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_ensemble_is_encode_then_llm_with_embeddings_by_value(target: str, model_dir: Path) -> None:
+    models = configs(target, model_dir)
+    ensemble, encode, llm = models["ensemble"], models["encode"], models["llm"]
+    steps = assert_wired(models, "ensemble")
+    assert steps == [s.model_name for s in encode.ensemble_scheduling.step] + ["llm"]
+    assert list(ensemble.ensemble_scheduling.step)[:-1] == list(encode.ensemble_scheduling.step)
+    last = ensemble.ensemble_scheduling.step[-1]
+    # Embeddings by value into llm; the raw image never reaches it.
+    assert last.input_map["image_embeds"] == "image_embeds" and last.input_map["image_grid_thw"] == "image_grid_thw"
+    assert "image" not in last.input_map
+    # One image per request, as encode takes it on the wire (a static DAG cannot loop).
+    assert ensemble.max_batch_size == 0
+    image = tensor(ensemble, "image")
+    assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [1, -1] and not image.optional
+    # The user interface is llm's, less the alternatives to one image.
+    assert [o for o in ensemble.output] == [o for o in llm.output]
+    llm_inputs = {i.name: i for i in llm.input}
+    for entry in ensemble.input:
+        if entry.name != "image":
+            assert entry == llm_inputs[entry.name], entry.name
+    assert {i.name for i in llm.input} - {i.name for i in ensemble.input} == {"image_embeds", "image_grid_thw"}
+    # Streaming through the ensemble: its last step is the decoupled llm.
+    assert llm.model_transaction_policy.decoupled
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_llm_takes_embeddings_checked_against_the_encoder(target: str, model_dir: Path) -> None:
+    import json
+
+    files = repository_files(TARGETS[target], model_dir, FACTS)
+    llm = configs(target, model_dir)["llm"]
+    embeds, grid, image = tensor(llm, "image_embeds"), tensor(llm, "image_grid_thw"), tensor(llm, "image")
+    assert embeds.optional and grid.optional and image.optional
+    assert embeds.data_type == DataType.TYPE_FP32 and list(embeds.dims) == [-1, -1, FACTS.hidden_size]
+    assert grid.data_type == DataType.TYPE_INT64 and list(grid.dims) == [-1, 3]
+    params = {k: v.string_value for k, v in llm.parameters.items()}
+    assert params["image_embeds_hidden_size"] == str(FACTS.hidden_size)
+    assert params["spatial_merge_size"] == str(FACTS.merge_size)
+    assert json.loads(files["llm/1/engine_args.json"])["enable_mm_embeds"] is True
 
 
 def test_one_image_request_has_the_same_wire_shapes_on_both_targets(model_dir: Path) -> None:

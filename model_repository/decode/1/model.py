@@ -1,0 +1,126 @@
+"""`decode`: a vLLM KV consumer, decoupled. Image references + KV transfer parameters in
+(from `prefill`, through `epd`); streams tokens 2..N.
+
+A request with `abort` = true is a control request, answered with one empty final response:
+with a `request_id` it stops the running request of that id (the `epd` BLS sends it when its
+client cancels, because a BLS request cannot be cancelled in Triton 2.51); with
+`transfer_params` it deletes that prefilled KV transfer (client gone before decode).
+
+Thin by design: inputs parsed by python_backends.pd_stage, served by
+python_backends.pd.engines.DecodeEngine.
+"""
+
+import asyncio
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from python_backends.errors import EpdError
+from python_backends.event_loop import EventLoopThread
+from python_backends.llm_engine import GenerationChunk, load_engine_args
+from python_backends.model_params import ModelParameters
+from python_backends.pd.engines import DecodeEngine
+from python_backends.pd_stage import parse_stage_inputs, resolve_images
+from python_backends.store import EmbeddingStore, StoreConfig
+from python_backends.triton_edge import (
+    FINAL,
+    chunk_response,
+    error_response,
+    read_inputs,
+)
+
+INPUT_NAMES = ("references", "transfer_params", "sampling_parameters", "stream", "request_id", "abort")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = ModelParameters.from_model_config(args["model_config"])
+        self.max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
+        self.store = EmbeddingStore(
+            StoreConfig(
+                path=params.string("store_path"),
+                capacity_bytes=params.integer("store_capacity_bytes", 2 << 30, minimum=1),
+                merge_size=params.integer("spatial_merge_size", 2, minimum=1),
+            )
+        )
+        os.environ.update(params.vllm_environment())
+        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        self.loop = EventLoopThread()
+        self.engine = self.loop.run(DecodeEngine.start(engine_args))
+        self.running = {}  # request_id -> future of its task (execute thread and loop thread)
+        self.lock = threading.Lock()
+        self.metric_family = pb_utils.MetricFamily(
+            name="epd_decode_unfinished_requests",
+            description="Requests the decode model's vLLM engine is still tracking",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.unfinished = self.metric_family.Metric(labels={"model": args["model_name"]})
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.max_tokens_limit)
+                if parsed.abort:
+                    if parsed.request_id:
+                        self._abort(parsed.request_id)
+                    if parsed.transfer_params:  # prefilled KV no decode will take
+                        self.engine.discard(parsed.transfer_params)
+                    sender.send(flags=FINAL)
+                    continue
+                images, _ = resolve_images(self.store, parsed.references)
+            except EpdError as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            request_id = parsed.request_id or uuid.uuid4().hex
+            with self.lock:
+                self.running[request_id] = self.loop.submit(self._serve(parsed, images, sender, request_id))
+
+    def _abort(self, request_id):
+        with self.lock:
+            future = self.running.get(request_id)
+        if future is not None:
+            future.cancel()
+
+    async def _serve(self, parsed, images, sender, request_id):
+        finished = False
+        try:
+            async for chunk in self.engine.decode(
+                parsed.transfer_params, images, parsed.sampling, request_id=request_id, stream=parsed.stream
+            ):
+                if sender.is_cancelled():
+                    break
+                generation = GenerationChunk(
+                    text=chunk.text,
+                    token_ids=chunk.token_ids,
+                    num_input_tokens=0,
+                    num_output_tokens=chunk.num_output_tokens,
+                    finish_reason=chunk.finish_reason,
+                    finished=chunk.finished,
+                )
+                finished = chunk.finished
+                sender.send(chunk_response(generation), flags=FINAL if chunk.finished else 0)
+            if not finished:
+                await self.engine.abort(request_id)
+                sender.send(flags=FINAL)
+                finished = True
+        except asyncio.CancelledError:
+            await self.engine.abort(request_id)
+            sender.send(flags=FINAL)
+            finished = True
+        except Exception as exc:  # every failure reaches the caller as one coded error
+            pb_utils.Logger.log_warn(f"decode {request_id} failed: {exc}")
+            if not finished:
+                sender.send(error_response(exc), flags=FINAL)
+        finally:
+            with self.lock:
+                self.running.pop(request_id, None)
+            self.unfinished.set(int(self.engine.engine.output_processor.get_num_unfinished_requests()))
+
+    def finalize(self):
+        self.loop.stop()
+        self.engine.shutdown()
+        self.store.close()

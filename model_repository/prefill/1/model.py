@@ -1,0 +1,92 @@
+"""`prefill`: a vLLM KV producer. Prompt + image references in; first token + KV transfer
+parameters out (max_tokens=1). Never receives media: its config has no image input.
+
+Thin by design: settings are read in initialize, inputs parsed by python_backends.pd_stage,
+served by python_backends.pd.engines.PrefillEngine. Decoupled (one response per request) so
+that requests run concurrently on the engine's event loop, like `llm`.
+"""
+
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.errors import EpdError
+from python_backends.event_loop import EventLoopThread
+from python_backends.llm_engine import load_engine_args
+from python_backends.model_params import ModelParameters
+from python_backends.pd.engines import PrefillEngine
+from python_backends.pd_stage import parse_stage_inputs, resolve_images
+from python_backends.store import EmbeddingStore, StoreConfig
+from python_backends.triton_edge import FINAL, error_response, read_inputs
+
+INPUT_NAMES = ("text_input", "references", "sampling_parameters")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = ModelParameters.from_model_config(args["model_config"])
+        self.max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
+        self.store = EmbeddingStore(
+            StoreConfig(
+                path=params.string("store_path"),
+                capacity_bytes=params.integer("store_capacity_bytes", 2 << 30, minimum=1),
+                merge_size=params.integer("spatial_merge_size", 2, minimum=1),
+            )
+        )
+        os.environ.update(params.vllm_environment())
+        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        self.loop = EventLoopThread()
+        self.engine = self.loop.run(PrefillEngine.start(engine_args))
+        # Scraped by tests: what crossed Triton into prefill per image (references only).
+        self.metric_family = pb_utils.MetricFamily(
+            name="epd_prefill_input_bytes",
+            description="Bytes of image inputs prefill received, by kind (reference; media is always 0)",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.reference_bytes = self.metric_family.Metric(labels={"model": args["model_name"], "kind": "reference"})
+        self.media_bytes = self.metric_family.Metric(labels={"model": args["model_name"], "kind": "media"})
+        self.count_family = pb_utils.MetricFamily(
+            name="epd_prefill_references",
+            description="Image references prefill received",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.references = self.count_family.Metric(labels={"model": args["model_name"]})
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.max_tokens_limit)
+                self.reference_bytes.increment(sum(len(r) for r in parsed.references))
+                self.references.increment(len(parsed.references))
+                images, _ = resolve_images(self.store, parsed.references)
+            except EpdError as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            self.loop.submit(self._serve(parsed, images, sender))
+
+    async def _serve(self, parsed, images, sender):
+        try:
+            result = await self.engine.prefill(parsed.text, images, parsed.sampling, request_id=uuid.uuid4().hex)
+            transfer = result.transfer.to_json() if result.transfer is not None else ""
+            outputs = [
+                pb_utils.Tensor("output_token_ids", np.array([result.first_token_id], dtype=np.int64)),
+                pb_utils.Tensor("text_output", np.array([result.first_text.encode("utf-8")], dtype=np.object_)),
+                pb_utils.Tensor("num_input_tokens", np.array([result.num_prompt_tokens], dtype=np.uint32)),
+                pb_utils.Tensor(
+                    "finish_reason", np.array([(result.finish_reason or "").encode("utf-8")], dtype=np.object_)
+                ),
+                pb_utils.Tensor("transfer_params", np.array([transfer.encode("utf-8")], dtype=np.object_)),
+            ]
+            sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+        except Exception as exc:  # every failure reaches the caller as one coded error
+            pb_utils.Logger.log_warn(f"prefill failed: {exc}")
+            sender.send(error_response(exc), flags=FINAL)
+
+    def finalize(self):
+        self.loop.stop()
+        self.engine.shutdown()
+        self.store.close()

@@ -1,0 +1,92 @@
+"""Request parsing of the ``prefill`` and ``decode`` models (Triton-free).
+
+Both take the prompt's images as **references** (``references``: BYTES [n], one signed
+reference per image, see ``store/reference.py``), never as media: their configs have no
+image input, so Triton itself refuses media. References are checked and read from the
+node's embedding store here (INVALID_ARG when malformed or tampered, NOT_FOUND when unknown
+or evicted) before any engine work.
+
+Reading: the view into the store's memory map is copied once into the engine's input
+tensor. Not zero-copy on purpose: vLLM keeps multimodal inputs and encoder outputs (its
+encoder and processor caches) beyond one request, and a view is only valid while it is
+open (the store may evict and reuse the pages afterwards), so handing vLLM the view itself
+could later feed it another entry's bytes. One memcpy of a few hundred KB per image; no
+Triton transfer, no serialization, no decode of media.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from python_backends.errors import invalid_arg
+from python_backends.pd.engines import ImageEmbeds
+from python_backends.sampling import parse_sampling_parameters
+from python_backends.store import EmbeddingStore, Reference
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    references: list[bytes]
+    sampling: dict[str, Any]
+    text: str = ""
+    transfer_params: str = ""
+    request_id: str = ""
+    stream: bool = True
+    abort: bool = False
+
+
+def _strings(array: np.ndarray | None) -> list[bytes]:
+    if array is None:
+        return []
+    if array.dtype != np.object_:
+        raise invalid_arg("string inputs must be BYTES")
+    return [bytes(x) if isinstance(x, (bytes, np.bytes_)) else str(x).encode() for x in array.reshape(-1)]
+
+
+def _one_text(inputs: Mapping[str, np.ndarray], name: str) -> str:
+    values = _strings(inputs.get(name))
+    if len(values) > 1:
+        raise invalid_arg(f"input '{name}' must hold one element")
+    try:
+        return values[0].decode("utf-8") if values else ""
+    except UnicodeDecodeError:
+        raise invalid_arg(f"input '{name}' is not valid UTF-8") from None
+
+
+def _flag(inputs: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
+    array = inputs.get(name)
+    return default if array is None or array.size == 0 else bool(array.reshape(-1)[0])
+
+
+def parse_stage_inputs(inputs: Mapping[str, np.ndarray], max_tokens_limit: int) -> StageInputs:
+    return StageInputs(
+        references=_strings(inputs.get("references")),
+        sampling=parse_sampling_parameters(_one_text(inputs, "sampling_parameters") or None, max_tokens_limit),
+        text=_one_text(inputs, "text_input"),
+        transfer_params=_one_text(inputs, "transfer_params"),
+        request_id=_one_text(inputs, "request_id"),
+        stream=_flag(inputs, "stream", True),
+        abort=_flag(inputs, "abort", False),
+    )
+
+
+def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list[ImageEmbeds], list[Reference]]:
+    """The embeddings the references name, checked against the store, as engine inputs."""
+    import torch
+
+    images: list[ImageEmbeds] = []
+    refs: list[Reference] = []
+    for index, raw in enumerate(references):
+        ref = store.parse(raw)
+        if ref.modality != "image" or ref.grid_thw is None:
+            raise invalid_arg(f"reference {index} is not an image embedding with a grid")
+        with store.open_view(ref) as view:
+            tensor = torch.from_numpy(np.array(view, dtype=np.float32, copy=True))
+        # The content key is the item's identity for vLLM (see ImageEmbeds.uuid).
+        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw), uuid=ref.key))  # type: ignore[arg-type]
+        refs.append(ref)
+    return images, refs

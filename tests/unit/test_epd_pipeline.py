@@ -1,0 +1,214 @@
+"""The epd orchestrator with a scripted fake of the stages and a real (temporary) store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from python_backends.epd_pipeline import (
+    DecodeOutput,
+    EncodedImage,
+    EpdPipeline,
+    KeyConfig,
+    PrefillOutput,
+)
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.generate_request import GenerateRequest
+from python_backends.store import EmbeddingStore, StoreConfig, parse_reference
+
+KEYS = KeyConfig({"size": 336}, "encoder-v1")
+HIDDEN = 8
+
+
+@dataclass
+class FakeStages:
+    """Scripted stages: encode gives 4 rows per image, prefill token 100, decode 101.."""
+
+    total_tokens: int = 4
+    fail: str = ""  # stage to fail
+    encoded: list[bytes] = field(default_factory=list)
+    prefill_refs: list[list[bytes]] = field(default_factory=list)
+    decode_refs: list[list[bytes]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    discarded: list[str] = field(default_factory=list)
+    hang_decode: bool = False
+
+    async def encode(self, image: bytes) -> EncodedImage:
+        self.encoded.append(image)
+        if self.fail == "encode":
+            raise EpdError("image 0 is not an image", ErrorCode.INVALID_ARG)
+        seed = int.from_bytes(image[:4].ljust(4, b"\0"), "little")
+        return EncodedImage(np.random.default_rng(seed).standard_normal((4, HIDDEN)).astype(np.float32), (1, 4, 4))
+
+    async def prefill(self, prompt, references, sampling) -> PrefillOutput:
+        self.prefill_refs.append(list(references))
+        if self.fail == "prefill":
+            raise RuntimeError("boom")
+        done = sampling.get("max_tokens", 16) <= 1
+        return PrefillOutput([100], "a", 7, "length" if done else None, "" if done else '{"t": 1}')
+
+    async def decode(self, request_id, references, transfer_params, sampling, stream):
+        self.decode_refs.append(list(references))
+        if self.fail == "decode":
+            raise EpdError("decode could not load KV transfer", ErrorCode.INVALID_ARG)
+        assert transfer_params == '{"t": 1}'
+        for n in range(2, self.total_tokens + 1):
+            if self.hang_decode and n == 3:
+                await asyncio.sleep(3600)
+            yield DecodeOutput([99 + n], "b", n, "length" if n == self.total_tokens else None, n == self.total_tokens)
+
+    async def abort_decode(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def discard_transfer(self, transfer_params: str) -> None:
+        self.discarded.append(transfer_params)
+
+
+@pytest.fixture
+def store() -> Iterator[EmbeddingStore]:
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = tempfile.mkdtemp(prefix="epd-pipeline-test-", dir=root)
+    with EmbeddingStore(StoreConfig(path=path, capacity_bytes=1 << 20, merge_size=2)) as opened:
+        yield opened
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def request(images: list[bytes], stream: bool = True, max_tokens: int = 4) -> GenerateRequest:
+    return GenerateRequest(
+        prompt="<|image_pad|>" * len(images) + "hi",
+        images=images,
+        stream=stream,
+        sampling={"max_tokens": max_tokens, "temperature": 0.0},
+        exclude_input_in_output=stream,
+    )
+
+
+def collect(pipeline: EpdPipeline, req: GenerateRequest, request_id: str = "r1"):
+    async def run():
+        return [chunk async for chunk in pipeline.run(req, request_id)]
+
+    return asyncio.run(run())
+
+
+def test_streams_first_token_then_decode_and_releases_leases(store):
+    stages = FakeStages()
+    chunks = collect(EpdPipeline(store, stages, KEYS), request([b"img-a", b"img-b"]))
+    assert [c.chunk.token_ids for c in chunks] == [[100], [101], [102], [103]]
+    assert chunks[-1].chunk.finished and chunks[-1].chunk.num_output_tokens == 4
+    assert set(chunks[-1].timings_ms) == {"hash", "lookup", "encode", "prefill", "decode"}
+    assert len(stages.encoded) == 2 and chunks[-1].cache_hits == 0
+    # Only references travel: each is a small signed JSON naming its entry.
+    refs = [parse_reference(r) for r in stages.prefill_refs[0]]
+    assert [r.shape for r in refs] == [(4, HIDDEN), (4, HIDDEN)]
+    assert all(len(r) <= 1024 for r in stages.prefill_refs[0])
+    assert stages.decode_refs == stages.prefill_refs
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_repeated_image_is_a_cache_hit(store):
+    stages = FakeStages()
+    pipeline = EpdPipeline(store, stages, KEYS)
+    collect(pipeline, request([b"img-a"]))
+    chunks = collect(pipeline, request([b"img-a", b"img-a"]))
+    assert len(stages.encoded) == 1
+    assert chunks[-1].cache_hits == 1  # one distinct image, found in the store
+    assert stages.prefill_refs[1][0] != b"" and parse_reference(stages.prefill_refs[1][0]).key == parse_reference(
+        stages.prefill_refs[1][1]
+    ).key
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_concurrent_requests_for_one_image_encode_once(store):
+    stages = FakeStages()
+    pipeline = EpdPipeline(store, stages, KEYS)
+
+    async def run_all():
+        async def one(i):
+            return [c async for c in pipeline.run(request([b"same"]), f"r{i}")]
+
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    results = asyncio.run(run_all())
+    assert all(r[-1].chunk.finished for r in results)
+    assert len(stages.encoded) == 1
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_not_streaming_gives_one_response_with_prompt(store):
+    chunks = collect(EpdPipeline(store, FakeStages(), KEYS), request([], stream=False))
+    assert len(chunks) == 1
+    assert chunks[0].chunk.token_ids == [100, 101, 102, 103]
+    assert chunks[0].chunk.text == "hi" + "a" + "bbb"
+
+
+def test_max_tokens_one_is_served_by_prefill_alone(store):
+    stages = FakeStages()
+    chunks = collect(EpdPipeline(store, stages, KEYS), request([b"x"], max_tokens=1))
+    assert [c.chunk.token_ids for c in chunks] == [[100]]
+    assert chunks[0].chunk.finish_reason == "length" and stages.decode_refs == []
+
+
+@pytest.mark.parametrize(
+    ("stage", "code", "fragment"),
+    [
+        ("encode", ErrorCode.INVALID_ARG, "encode: image 0 is not an image"),
+        ("prefill", ErrorCode.INTERNAL, "prefill failed: RuntimeError"),
+        ("decode", ErrorCode.INVALID_ARG, "decode: decode could not load KV transfer"),
+    ],
+)
+def test_a_stage_failure_is_one_coded_error_and_leaks_nothing(store, stage, code, fragment):
+    stages = FakeStages(fail=stage)
+    with pytest.raises(EpdError) as info:
+        collect(EpdPipeline(store, stages, KEYS), request([b"img-a"]))
+    assert info.value.code == code and fragment in info.value.message
+    metrics = store.metrics()
+    assert metrics["active_leases"] == 0
+    if stage == "encode":
+        assert metrics["producer_failures"] == 1 and metrics["entries"] == 0
+        # The failed claim is cleared: a later request encodes again.
+        stages.fail = ""
+        collect(EpdPipeline(store, stages, KEYS), request([b"img-a"]))
+        assert len(stages.encoded) == 2
+
+
+def test_cancelled_stream_aborts_decode_and_releases_leases(store):
+    stages = FakeStages(total_tokens=6, hang_decode=True)
+    pipeline = EpdPipeline(store, stages, KEYS)
+
+    async def run():
+        got = []
+        gen = pipeline.run(request([b"img-a"]), "cancel-me")
+        async for chunk in gen:
+            got.append(chunk)
+            if len(got) == 2:  # first token + one decode token, then the client goes away
+                break
+        await gen.aclose()
+        return got
+
+    got = asyncio.run(run())
+    assert len(got) == 2
+    assert stages.aborted == ["cancel-me"]
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_client_gone_after_the_first_token_discards_the_transfer(store):
+    stages = FakeStages()
+    pipeline = EpdPipeline(store, stages, KEYS)
+
+    async def run():
+        gen = pipeline.run(request([b"img-a"]), "early")
+        first = await gen.__anext__()
+        await gen.aclose()
+        return first
+
+    first = asyncio.run(run())
+    assert first.chunk.token_ids == [100]
+    assert stages.discarded == ['{"t": 1}'] and stages.decode_refs == [] and stages.aborted == []
+    assert store.metrics()["active_leases"] == 0
