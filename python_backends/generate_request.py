@@ -21,6 +21,7 @@ from python_backends.image_embeds import (
     parse_image_embeds,
 )
 from python_backends.media import ImageLimits, image_bytes
+from python_backends.model_params import ModelParameters
 from python_backends.sampling import parse_sampling_parameters
 
 IMAGE_PAD = "<|image_pad|>"
@@ -34,6 +35,19 @@ class RequestLimits:
     max_prompt_chars: int = 200_000
     # Precomputed embeddings accepted (``image_embeds`` + ``image_grid_thw``) when set.
     image_embeds: EmbedsSpec | None = None
+
+
+def request_limits(params: ModelParameters, image_embeds: EmbedsSpec | None = None) -> RequestLimits:
+    """The user-facing limits from a model's config.pbtxt parameters (llm, epd)."""
+    return RequestLimits(
+        images=ImageLimits(
+            max_images=params.integer("max_images", 4, minimum=0),
+            max_image_bytes=params.integer("max_image_bytes", 20 << 20, minimum=1),
+            max_image_pixels=params.integer("max_image_pixels", 4096 * 4096, minimum=1),
+        ),
+        max_tokens_limit=params.integer("max_tokens_limit", 4096, minimum=1),
+        image_embeds=image_embeds,
+    )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from PIL import Image
 
-from python_backends.errors import ErrorCode, EpdError, invalid_arg
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.generate_request import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,13 @@ def load_engine_args(path: Path) -> dict[str, Any]:
             "Qwen2-VL checkpoint"
         )
     return args
+
+
+def engine_args_for(model_args: dict[str, str], vllm_env: dict[str, str]) -> dict[str, Any]:
+    """For a Triton python model's ``initialize``: set the engine's ``VLLM_*`` environment
+    (read at engine start) and load ``engine_args.json`` from the model's version folder."""
+    os.environ.update(vllm_env)
+    return load_engine_args(Path(model_args["model_repository"]) / model_args["model_version"] / "engine_args.json")
 
 
 @dataclass

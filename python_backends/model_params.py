@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from python_backends.store import StoreConfig
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,13 @@ class ModelParameters:
     def vllm_environment(self) -> dict[str, str]:
         """``VLLM_*`` parameters: process environment for a vLLM engine started here."""
         return {key: value for key, value in self.values.items() if key.startswith("VLLM_")}
+
+    def store_config(self) -> "StoreConfig":
+        """The node's embedding store, as every store-using model opens it."""
+        from python_backends.store import StoreConfig  # noqa: PLC0415 - LMDB only where used
+
+        return StoreConfig(
+            path=self.string("store_path"),
+            capacity_bytes=self.integer("store_capacity_bytes", 2 << 30, minimum=1),
+            merge_size=self.integer("spatial_merge_size", 2, minimum=1),
+        )

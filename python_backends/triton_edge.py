@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.errors import ErrorCode, EpdError
+from python_backends.errors import EpdError, ErrorCode
 from python_backends.llm_engine import GenerationChunk
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

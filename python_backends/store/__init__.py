@@ -15,7 +15,11 @@ from python_backends.store.embedding_store import (
     StoreConfig,
 )
 from python_backends.store.keys import content_key
-from python_backends.store.reference import MAX_REFERENCE_BYTES, Reference, parse_reference
+from python_backends.store.reference import (
+    MAX_REFERENCE_BYTES,
+    Reference,
+    parse_reference,
+)
 
 __all__ = [
     "DEFAULT_STORE_PATH",

@@ -16,10 +16,9 @@ from python_backends.epd_pipeline import EpdPipeline, KeyConfig
 from python_backends.epd_triton import BlsStages, epd_response
 from python_backends.errors import EpdError
 from python_backends.event_loop import EventLoopThread
-from python_backends.generate_request import RequestLimits, parse_generate_request
-from python_backends.media import ImageLimits
+from python_backends.generate_request import parse_generate_request, request_limits
 from python_backends.model_params import ModelParameters
-from python_backends.store import EmbeddingStore, StoreConfig
+from python_backends.store import EmbeddingStore
 from python_backends.triton_edge import FINAL, error_response, read_inputs
 
 INPUT_NAMES = ("text_input", "image", "stream", "sampling_parameters", "exclude_input_in_output")
@@ -37,21 +36,8 @@ def key_config(params: ModelParameters, repository: Path) -> KeyConfig:
 class TritonPythonModel:
     def initialize(self, args):
         params = ModelParameters.from_model_config(args["model_config"])
-        self.limits = RequestLimits(
-            images=ImageLimits(
-                max_images=params.integer("max_images", 4, minimum=0),
-                max_image_bytes=params.integer("max_image_bytes", 20 << 20, minimum=1),
-                max_image_pixels=params.integer("max_image_pixels", 4096 * 4096, minimum=1),
-            ),
-            max_tokens_limit=params.integer("max_tokens_limit", 4096, minimum=1),
-        )
-        self.store = EmbeddingStore(
-            StoreConfig(
-                path=params.string("store_path"),
-                capacity_bytes=params.integer("store_capacity_bytes", 2 << 30, minimum=1),
-                merge_size=params.integer("spatial_merge_size", 2, minimum=1),
-            )
-        )
+        self.limits = request_limits(params)
+        self.store = EmbeddingStore(params.store_config())
         self.stages = BlsStages(
             params.string("encode_model", "encode"),
             params.string("prefill_model", "prefill"),

@@ -4,20 +4,23 @@ Thin by design: settings are read in initialize, requests are parsed by
 python_backends.generate_request and served by python_backends.llm_engine.
 """
 
-import os
 import uuid
-from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from python_backends.errors import EpdError
 from python_backends.event_loop import EventLoopThread
-from python_backends.generate_request import RequestLimits, parse_generate_request
+from python_backends.generate_request import parse_generate_request, request_limits
 from python_backends.image_embeds import EmbedsSpec
-from python_backends.llm_engine import LlmEngine, load_engine_args
-from python_backends.media import ImageLimits, decode_images
+from python_backends.llm_engine import LlmEngine, engine_args_for
+from python_backends.media import decode_images
 from python_backends.model_params import ModelParameters
-from python_backends.triton_edge import FINAL, chunk_response, error_response, read_inputs
+from python_backends.triton_edge import (
+    FINAL,
+    chunk_response,
+    error_response,
+    read_inputs,
+)
 
 INPUT_NAMES = (
     "text_input",
@@ -34,19 +37,13 @@ class TritonPythonModel:
     def initialize(self, args):
         params = ModelParameters.from_model_config(args["model_config"])
         hidden = params.integer("image_embeds_hidden_size", 0, minimum=1)
-        self.limits = RequestLimits(
-            images=ImageLimits(
-                max_images=params.integer("max_images", 4, minimum=0),
-                max_image_bytes=params.integer("max_image_bytes", 20 << 20, minimum=1),
-                max_image_pixels=params.integer("max_image_pixels", 4096 * 4096, minimum=1),
-            ),
-            max_tokens_limit=params.integer("max_tokens_limit", 4096, minimum=1),
+        self.limits = request_limits(
+            params,
             # Embeddings by value (the ensemble, or a client that ran encode itself);
             # refused when the repository was generated without the encoder's facts.
-            image_embeds=EmbedsSpec(hidden, params.integer("spatial_merge_size", 2, minimum=1)) if hidden else None,
+            EmbedsSpec(hidden, params.integer("spatial_merge_size", 2, minimum=1)) if hidden else None,
         )
-        os.environ.update(params.vllm_environment())
-        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        engine_args = engine_args_for(args, params.vllm_environment())
         self.loop = EventLoopThread()
         self.engine = self.loop.run(LlmEngine.start(engine_args))
         # Scraped by tests and operators: must return to 0 after cancelled streams.

@@ -6,20 +6,18 @@ served by python_backends.pd.engines.PrefillEngine. Decoupled (one response per 
 that requests run concurrently on the engine's event loop, like `llm`.
 """
 
-import os
 import uuid
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.errors import EpdError
 from python_backends.event_loop import EventLoopThread
-from python_backends.llm_engine import load_engine_args
+from python_backends.llm_engine import engine_args_for
 from python_backends.model_params import ModelParameters
 from python_backends.pd.engines import PrefillEngine
 from python_backends.pd_stage import parse_stage_inputs, resolve_images
-from python_backends.store import EmbeddingStore, StoreConfig
+from python_backends.store import EmbeddingStore
 from python_backends.triton_edge import FINAL, error_response, read_inputs
 
 INPUT_NAMES = ("text_input", "references", "sampling_parameters")
@@ -29,15 +27,8 @@ class TritonPythonModel:
     def initialize(self, args):
         params = ModelParameters.from_model_config(args["model_config"])
         self.max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
-        self.store = EmbeddingStore(
-            StoreConfig(
-                path=params.string("store_path"),
-                capacity_bytes=params.integer("store_capacity_bytes", 2 << 30, minimum=1),
-                merge_size=params.integer("spatial_merge_size", 2, minimum=1),
-            )
-        )
-        os.environ.update(params.vllm_environment())
-        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        self.store = EmbeddingStore(params.store_config())
+        engine_args = engine_args_for(args, params.vllm_environment())
         self.loop = EventLoopThread()
         self.engine = self.loop.run(PrefillEngine.start(engine_args))
         # Scraped by tests: what crossed Triton into prefill per image (references only).
