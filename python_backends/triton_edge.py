@@ -52,3 +52,28 @@ def chunk_response(chunk: GenerationChunk) -> "pb_utils.InferenceResponse":
             ),
         ]
     )
+
+
+class ModelMetrics:
+    """A model's custom metrics on Triton's /metrics.
+
+    Holds every MetricFamily for the model's lifetime: Triton requires a family to outlive
+    its metrics, so a family that is only a temporary breaks ``set``/``increment`` later.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self._labels = {"model": model_name}
+        self._families: dict[str, "pb_utils.MetricFamily"] = {}
+
+    def _metric(self, kind: int, name: str, description: str, labels: dict[str, str]) -> "pb_utils.Metric":
+        family = self._families.get(name)
+        if family is None:
+            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families[name] = family
+        return family.Metric(labels={**self._labels, **labels})
+
+    def gauge(self, name: str, description: str, **labels: str) -> "pb_utils.Metric":
+        return self._metric(pb_utils.MetricFamily.GAUGE, name, description, labels)
+
+    def counter(self, name: str, description: str, **labels: str) -> "pb_utils.Metric":
+        return self._metric(pb_utils.MetricFamily.COUNTER, name, description, labels)

@@ -53,6 +53,18 @@ class FakeRequest:
         self.inputs = {name: _Tensor(name, array) for name, array in inputs.items()}
 
 
+class _MetricFamily:
+    GAUGE, COUNTER = 0, 1
+    created: list[str] = []
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        _MetricFamily.created.append(name)
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels: dict[str, str]) -> tuple["_MetricFamily", dict[str, str]]:  # noqa: N802 - Triton's name
+        return (self, labels)
+
+
 def _get_input_tensor_by_name(request: FakeRequest, name: str) -> _Tensor | None:
     return request.inputs.get(name)
 
@@ -62,5 +74,6 @@ stub.TritonError = _TritonError
 stub.Tensor = _Tensor
 stub.InferenceResponse = _InferenceResponse
 stub.get_input_tensor_by_name = _get_input_tensor_by_name
+stub.MetricFamily = _MetricFamily
 stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 sys.modules.setdefault("triton_python_backend_utils", stub)

@@ -15,7 +15,7 @@ from python_backends.errors import ErrorCode, EpdError
 from python_backends.event_loop import EventLoopThread
 from python_backends.llm_engine import GenerationChunk, load_engine_args
 from python_backends.model_params import ModelParameters
-from python_backends.triton_edge import chunk_response, error_response, read_inputs, triton_error
+from python_backends.triton_edge import ModelMetrics, chunk_response, error_response, read_inputs, triton_error
 from python_backends.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
 from tests.unit.conftest import FakeRequest
 
@@ -114,3 +114,13 @@ def test_cli_says_how_to_start_a_server_that_is_down(protocol, capsys):
 
     assert main(["hi", "--protocol", protocol, "--url", f"127.0.0.1:{_free_port()}"]) == 1
     assert "Is the server running? Start it with `make serve`" in capsys.readouterr().err
+
+
+def test_model_metrics_share_one_family_per_name_and_label_the_model():
+    metrics = ModelMetrics("prefill")
+    family_a, labels_a = metrics.counter("epd_bytes", "d", kind="reference")
+    family_b, labels_b = metrics.counter("epd_bytes", "d", kind="media")
+    assert family_a is family_b  # Triton refuses a second family of the same name
+    assert labels_a == {"model": "prefill", "kind": "reference"} and labels_b["kind"] == "media"
+    gauge_family, _ = metrics.gauge("epd_other", "d")
+    assert gauge_family.kind == gauge_family.GAUGE and family_a.kind == family_a.COUNTER

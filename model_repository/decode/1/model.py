@@ -25,6 +25,7 @@ from python_backends.pd_stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge import (
     FINAL,
+    ModelMetrics,
     chunk_response,
     error_response,
     read_inputs,
@@ -43,12 +44,10 @@ class TritonPythonModel:
         self.engine = self.loop.run(DecodeEngine.start(engine_args))
         self.running = {}  # request_id -> future of its task (execute thread and loop thread)
         self.lock = threading.Lock()
-        self.metric_family = pb_utils.MetricFamily(
-            name="epd_decode_unfinished_requests",
-            description="Requests the decode model's vLLM engine is still tracking",
-            kind=pb_utils.MetricFamily.GAUGE,
+        self.metrics = ModelMetrics(args["model_name"])
+        self.unfinished = self.metrics.gauge(
+            "epd_decode_unfinished_requests", "Requests the decode model's vLLM engine is still tracking"
         )
-        self.unfinished = self.metric_family.Metric(labels={"model": args["model_name"]})
 
     def execute(self, requests):
         for request in requests:

@@ -19,7 +19,7 @@ from python_backends.event_loop import EventLoopThread
 from python_backends.generate_request import parse_generate_request, request_limits
 from python_backends.model_params import ModelParameters
 from python_backends.store import EmbeddingStore
-from python_backends.triton_edge import FINAL, error_response, read_inputs
+from python_backends.triton_edge import FINAL, ModelMetrics, error_response, read_inputs
 
 INPUT_NAMES = ("text_input", "image", "stream", "sampling_parameters", "exclude_input_in_output")
 
@@ -45,18 +45,13 @@ class TritonPythonModel:
         )
         self.pipeline = EpdPipeline(self.store, self.stages, key_config(params, Path(args["model_repository"]).parent))
         self.loop = EventLoopThread()
-        self.metric_family = pb_utils.MetricFamily(
-            name="epd_cache_hits",
-            description="Images served from the embedding store without encoding",
-            kind=pb_utils.MetricFamily.COUNTER,
+        self.metrics = ModelMetrics(args["model_name"])
+        self.cache_hits = self.metrics.counter(
+            "epd_cache_hits", "Images served from the embedding store without encoding"
         )
-        self.cache_hits = self.metric_family.Metric(labels={"model": args["model_name"]})
-        self.lease_family = pb_utils.MetricFamily(
-            name="epd_store_active_leases",
-            description="Embedding store leases held by running requests (all processes)",
-            kind=pb_utils.MetricFamily.GAUGE,
+        self.active_leases = self.metrics.gauge(
+            "epd_store_active_leases", "Embedding store leases held by running requests (all processes)"
         )
-        self.active_leases = self.lease_family.Metric(labels={"model": args["model_name"]})
 
     def execute(self, requests):
         for request in requests:

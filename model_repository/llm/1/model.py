@@ -17,6 +17,7 @@ from python_backends.media import decode_images
 from python_backends.model_params import ModelParameters
 from python_backends.triton_edge import (
     FINAL,
+    ModelMetrics,
     chunk_response,
     error_response,
     read_inputs,
@@ -47,13 +48,10 @@ class TritonPythonModel:
         self.loop = EventLoopThread()
         self.engine = self.loop.run(LlmEngine.start(engine_args))
         # Scraped by tests and operators: must return to 0 after cancelled streams.
-        # The family must outlive its metrics (Triton deletes them in that order).
-        self.metric_family = pb_utils.MetricFamily(
-            name="epd_llm_unfinished_requests",
-            description="Requests the llm model's vLLM engine is still tracking",
-            kind=pb_utils.MetricFamily.GAUGE,
+        self.metrics = ModelMetrics(args["model_name"])
+        self.unfinished = self.metrics.gauge(
+            "epd_llm_unfinished_requests", "Requests the llm model's vLLM engine is still tracking"
         )
-        self.unfinished = self.metric_family.Metric(labels={"model": args["model_name"]})
 
     def execute(self, requests):
         for request in requests:

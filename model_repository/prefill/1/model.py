@@ -18,7 +18,7 @@ from python_backends.model_params import ModelParameters
 from python_backends.pd.engines import PrefillEngine
 from python_backends.pd_stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
-from python_backends.triton_edge import FINAL, error_response, read_inputs
+from python_backends.triton_edge import FINAL, ModelMetrics, error_response, read_inputs
 
 INPUT_NAMES = ("text_input", "references", "sampling_parameters")
 
@@ -32,19 +32,13 @@ class TritonPythonModel:
         self.loop = EventLoopThread()
         self.engine = self.loop.run(PrefillEngine.start(engine_args))
         # Scraped by tests: what crossed Triton into prefill per image (references only).
-        self.metric_family = pb_utils.MetricFamily(
-            name="epd_prefill_input_bytes",
-            description="Bytes of image inputs prefill received, by kind (reference; media is always 0)",
-            kind=pb_utils.MetricFamily.COUNTER,
+        self.metrics = ModelMetrics(args["model_name"])
+        input_bytes = "Bytes of image inputs prefill received, by kind (reference; media is always 0)"
+        self.reference_bytes = self.metrics.counter("epd_prefill_input_bytes", input_bytes, kind="reference")
+        self.media_bytes = self.metrics.counter("epd_prefill_input_bytes", input_bytes, kind="media")
+        self.references = self.metrics.counter(
+            "epd_prefill_references", "Image references prefill received"
         )
-        self.reference_bytes = self.metric_family.Metric(labels={"model": args["model_name"], "kind": "reference"})
-        self.media_bytes = self.metric_family.Metric(labels={"model": args["model_name"], "kind": "media"})
-        self.count_family = pb_utils.MetricFamily(
-            name="epd_prefill_references",
-            description="Image references prefill received",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        self.references = self.count_family.Metric(labels={"model": args["model_name"]})
 
     def execute(self, requests):
         for request in requests:

@@ -14,7 +14,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.encode_stage import EncoderProvenance, EncoderStage
 from python_backends.errors import EpdError
 from python_backends.model_params import ModelParameters
-from python_backends.triton_edge import error_response, read_inputs
+from python_backends.triton_edge import ModelMetrics, error_response, read_inputs
 from python_backends.vit_onnx import OnnxVisionEncoder
 
 
@@ -34,24 +34,14 @@ class TritonPythonModel:
         megabytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*")) / 1e6
         pb_utils.Logger.log_info(provenance.describe(onnx_path.name, megabytes, seconds))
         self.stage = EncoderStage(encoder)
-        # Families must outlive their metrics (Triton deletes them in that order).
-        self.shard_family = pb_utils.MetricFamily(
-            name="epd_vit_encoder_checkpoint_shards",
-            description="Checkpoint shard files behind the served encoder: read (vision) and total",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        self.load_family = pb_utils.MetricFamily(
-            name="epd_vit_encoder_load_seconds",
-            description="Seconds the vit_encoder instance took to load its weights",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        labels = {"model": args["model_name"]}
-        self.metrics = [
-            self.shard_family.Metric(labels={**labels, "shards": "read"}),
-            self.shard_family.Metric(labels={**labels, "shards": "total"}),
-            self.load_family.Metric(labels=labels),
+        self.metrics = ModelMetrics(args["model_name"])
+        shards = "Checkpoint shard files behind the served encoder: read (vision) and total"
+        gauges = [
+            self.metrics.gauge("epd_vit_encoder_checkpoint_shards", shards, shards="read"),
+            self.metrics.gauge("epd_vit_encoder_checkpoint_shards", shards, shards="total"),
+            self.metrics.gauge("epd_vit_encoder_load_seconds", "Seconds the vit_encoder instance took to load its weights"),
         ]
-        for metric, value in zip(self.metrics, (provenance.vision_shards, provenance.checkpoint_shards, seconds)):
+        for metric, value in zip(gauges, (provenance.vision_shards, provenance.checkpoint_shards, seconds)):
             metric.set(value)
 
     def execute(self, requests):
