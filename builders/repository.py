@@ -20,6 +20,9 @@ Models per target (names are a contract, DESIGN.md):
 - ``vit_positions`` (``gpu`` only): the TensorRT graph takes rotary position ids and
   ``cu_seqlens`` as inputs (DESIGN.md, ONNX export recipe); this python model computes them
   from ``image_grid_thw`` (on ``cpu`` the ONNX Runtime model does so itself).
+- ``encoder_<i>`` (``CachePolicy.encoders`` of them): encode by reference -- image in, content
+  key, store claim (hit / single-flight join / encode through ``encode`` and write the store),
+  signed reference out (``python_backends/cached_encoder.py``).
 - ``encode``: ensemble ``preprocess -> [vit_positions ->] vit_encoder``; in: ``image`` (uint8,
   the encoded file); out: ``image_embeds`` and ``image_grid_thw`` per image. A request of one
   image has the same wire shapes on both targets (``[1, bytes]`` in, ``[1, tokens, hidden]``
@@ -34,6 +37,7 @@ repository takes well under a second and a changed input rebuilds only what depe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -97,6 +101,45 @@ class EncodeStage:
 
 
 @dataclass(frozen=True)
+class CachePolicy:
+    """The embedding cache, in one place: every store-using model (``encoder_<i>``, ``epd``,
+    ``prefill``, ``decode``) gets these as config parameters.
+
+    Keys always cover the media bytes, the preprocessing config and the encoder version (the
+    served encoder file's digest), so a rebuilt encoder or a changed resize setting never
+    meets old embeddings. ``scope``: ``node`` -- one key space for every encoder of the node
+    (an image encoded by one is a hit for all); ``instance`` -- each encoder model its own
+    (the per-instance baseline the shared store is measured against).
+    """
+
+    path: str = "/dev/shm/triton-epd-embeddings"  # the node's store (LMDB on tmpfs)
+    capacity_bytes: int = 1 << 30
+    eviction: Literal["lru"] = "lru"
+    ttl_s: float = 0.0  # 0: entries live until evicted
+    scope: Literal["node", "instance"] = "node"
+    encoders: int = 2  # encoder models encoder_0 .. encoder_<n-1>
+
+    def __post_init__(self) -> None:
+        if self.encoders < 1:
+            raise RepositoryBuildError("CachePolicy.encoders must be at least 1")
+        if self.scope not in ("node", "instance"):
+            raise RepositoryBuildError(f"CachePolicy.scope must be 'node' or 'instance', got {self.scope!r}")
+
+    @property
+    def encoder_models(self) -> tuple[str, ...]:
+        return tuple(f"encoder_{i}" for i in range(self.encoders))
+
+    def parameters(self) -> dict[str, Any]:
+        return {
+            "store_path": self.path,
+            "store_capacity_bytes": self.capacity_bytes,
+            "store_eviction": self.eviction,
+            "store_ttl_s": self.ttl_s,
+            "cache_scope": self.scope,
+        }
+
+
+@dataclass(frozen=True)
 class PdStage:
     """How a target serves ``prefill`` / ``decode`` (vLLM KV producer / consumer) and ``epd``.
 
@@ -105,8 +148,6 @@ class PdStage:
     ``prefill`` and ``decode`` do not all pile onto one core).
     """
 
-    store_path: str = "/dev/shm/triton-epd-embeddings"  # the node's embedding store (LMDB)
-    store_capacity_bytes: int = 1 << 30
     kv_store_path: str = "/dev/shm/triton-epd-kv"  # TransferIdConnector's folder (tmpfs)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
@@ -121,6 +162,7 @@ class Target:
     vllm_env: dict[str, str]
     encode: EncodeStage
     pd: PdStage = field(default_factory=PdStage)
+    cache: CachePolicy = field(default_factory=CachePolicy)
     # Request limits of the user-facing models (image limits also bind ``preprocess``).
     limits: dict[str, int] = field(
         default_factory=lambda: {
@@ -133,7 +175,7 @@ class Target:
 
     @property
     def models(self) -> tuple[str, ...]:
-        return ("llm", *self.encode.models, "ensemble", *PD_MODELS)
+        return ("llm", *self.encode.models, "ensemble", *self.cache.encoder_models, *PD_MODELS)
 
 
 TARGETS: dict[str, Target] = {
@@ -569,11 +611,46 @@ def _reference_inputs() -> list[TensorSpec]:
 
 
 def _store_parameters(target: Target, facts: EncoderFacts) -> dict[str, Any]:
+    return {**target.cache.parameters(), "spatial_merge_size": facts.merge_size}
+
+
+def _key_parameters(target: Target, model_dir: Path) -> dict[str, Any]:
+    """What content keys cover besides the media (read by ``epd`` and the encoders alike)."""
+    encoder_file = PLAN_FILE if target.encode.device == "gpu" else ONNX_FILE
     return {
-        "store_path": target.pd.store_path,
-        "store_capacity_bytes": target.pd.store_capacity_bytes,
-        "spatial_merge_size": facts.merge_size,
+        "preprocessor_config": str((model_dir / "preprocessor_config.json").resolve()),
+        # Relative to the model repository: its digest is the encoder version in content keys.
+        "encoder_file": f"vit_encoder/1/{encoder_file}",
     }
+
+
+ENCODER_MODEL_TEMPLATE = "encoder_model.py"
+
+
+def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    """``encoder_<i>``: media in, store write, references out (one model per encoder)."""
+    model_py = (TEMPLATES / ENCODER_MODEL_TEMPLATE).read_text()
+    inputs = [
+        TensorSpec("image", "TYPE_STRING", (-1,)),
+        # The pid of the process the leases are for (``epd``); absent: no lease (warm-up).
+        TensorSpec("lease_owner", "TYPE_INT64", (1,), optional=True),
+    ]
+    outputs = [
+        TensorSpec("references", "TYPE_STRING", (-1,)),
+        TensorSpec("mm_hash", "TYPE_STRING", (-1,)),
+        TensorSpec("cache_hit", "TYPE_BOOL", (-1,)),
+    ]
+    parameters = {
+        **_store_parameters(target, facts),
+        **_key_parameters(target, model_dir),
+        "encode_model": "encode",
+        "max_image_bytes": target.limits["max_image_bytes"],
+    }
+    files: dict[str, str] = {}
+    for name in target.cache.encoder_models:
+        files[f"{name}/config.pbtxt"] = _python_model_config(target, name, inputs, outputs, parameters)
+        files[f"{name}/1/model.py"] = model_py
+    return files
 
 
 def _python_model_config(target: Target, name: str, inputs: list[TensorSpec], outputs: list[TensorSpec], parameters: dict[str, Any]) -> str:
@@ -643,12 +720,10 @@ def pd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, 
         {
             **target.limits,
             **store,
-            "encode_model": "encode",
+            **_key_parameters(target, model_dir),
+            "encoder_models": ",".join(target.cache.encoder_models),
             "prefill_model": "prefill",
             "decode_model": "decode",
-            "preprocessor_config": str((model_dir / "preprocessor_config.json").resolve()),
-            # Relative to the model repository: its digest is the encoder version in content keys.
-            "encoder_file": f"vit_encoder/1/{ONNX_FILE}",
         },
     )
     return files
@@ -663,6 +738,7 @@ def repository_files(target: Target, model_dir: Path, facts: EncoderFacts) -> di
     files.update(vit_encoder_files(target, facts))
     files.update(encode_files(target, facts))
     files.update(ensemble_files(target, facts))
+    files.update(encoder_files(target, model_dir, facts))
     files.update(pd_files(target, model_dir, facts))
     return files
 
@@ -881,7 +957,8 @@ def _prune_other_targets(target: Target, out: Path) -> list[Path]:
     """Remove generated files of models that only another target has (e.g. gpu's
     ``vit_positions`` when the cpu repository is written over a gpu one)."""
     removed = []
-    others = {m for t in TARGETS.values() for m in t.models} - set(target.models)
+    encoders = {p.name for p in out.glob("encoder_*") if re.fullmatch(r"encoder_\d+", p.name)}
+    others = ({m for t in TARGETS.values() for m in t.models} | encoders) - set(target.models)
     for model in sorted(others):
         model_dir = out / model
         candidates = [model_dir / "config.pbtxt", model_dir / "1" / "model.py"]
@@ -898,12 +975,19 @@ def _prune_other_targets(target: Target, out: Path) -> list[Path]:
 
 
 def write_repository(
-    target_name: str, model_dir: Path, out: Path = DEFAULT_REPOSITORY, stamp_dir: Path = DEFAULT_STAMPS
+    target_name: str,
+    model_dir: Path,
+    out: Path = DEFAULT_REPOSITORY,
+    stamp_dir: Path = DEFAULT_STAMPS,
+    cache: CachePolicy | None = None,
 ) -> list[Path]:
-    """Build the artefacts (once) and write every generated file; returns the paths written."""
+    """Build the artefacts (once) and write every generated file; returns the paths written.
+    ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark)."""
     if target_name not in TARGETS:
         raise ValueError(f"unknown target {target_name!r}; choose one of {sorted(TARGETS)}")
     target = TARGETS[target_name]
+    if cache is not None:
+        target = dataclasses.replace(target, cache=cache)
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)
@@ -930,15 +1014,39 @@ def write_repository(
     return written
 
 
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Command-line overrides of the target's :class:`CachePolicy` (builders and launcher)."""
+    group = parser.add_argument_group("embedding cache (default: the target's CachePolicy)")
+    group.add_argument("--cache-scope", choices=("node", "instance"), help="one shared cache or one per encoder")
+    group.add_argument("--cache-capacity-bytes", type=int, help="embedding bytes the store may hold")
+    group.add_argument("--cache-ttl-s", type=float, help="expire unleased entries older than this (0: never)")
+    group.add_argument("--encoders", type=int, help="number of encoder models (encoder_0..)")
+
+
+def cache_policy_from(args: argparse.Namespace, target_name: str) -> CachePolicy | None:
+    overrides = {
+        field_name: value
+        for field_name, value in (
+            ("scope", args.cache_scope),
+            ("capacity_bytes", args.cache_capacity_bytes),
+            ("ttl_s", args.cache_ttl_s),
+            ("encoders", args.encoders),
+        )
+        if value is not None
+    }
+    return dataclasses.replace(TARGETS[target_name].cache, **overrides) if overrides else None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=sorted(TARGETS), default="cpu")
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     parser.add_argument("--out", type=Path, default=DEFAULT_REPOSITORY)
+    add_cache_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per folded constant
-    for path in write_repository(args.target, args.model, args.out):
+    for path in write_repository(args.target, args.model, args.out, cache=cache_policy_from(args, args.target)):
         print(f"wrote {path}")
 
 

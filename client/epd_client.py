@@ -54,6 +54,10 @@ class GenerateResult:
     # Arrival time (time.perf_counter) of each response, for TTFT/ITL measurements.
     chunk_times: list[float] = field(default_factory=list)
     started_at: float = 0.0
+    # ``epd``'s optional outputs, sent with its last response: images served from the
+    # embedding cache, and the pipeline's time per stage.
+    cache_hits: int | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
     def add(self, outputs: dict[str, np.ndarray]) -> None:
         self.chunk_times.append(time.perf_counter())
@@ -68,9 +72,13 @@ class GenerateResult:
         if "finish_reason" in outputs:
             reason = _as_text(outputs["finish_reason"].reshape(-1)[0])
             self.finish_reason = reason or self.finish_reason
+        if "cache_hits" in outputs:
+            self.cache_hits = int(outputs["cache_hits"].reshape(-1)[0])
+        for name, value in outputs.items():
+            if name.startswith("timing_") and name.endswith("_ms"):
+                self.timings_ms[name[len("timing_") : -len("_ms")]] = float(value.reshape(-1)[0])
 
 
-OUTPUT_NAMES = ("text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason")
 # Models whose ``image`` is the one encoded file as UINT8 [1, bytes] (what ``preprocess`` takes):
 # the static ``ensemble`` DAG encodes exactly one image per request.
 ONE_IMAGE_MODELS = frozenset({"ensemble"})
@@ -146,11 +154,14 @@ class GrpcClient:
         on_text: Callable[[str], None] | None = None,
         cancel_after_chunks: int | None = None,
         timeout_s: float = 600.0,
+        parameters: dict[str, Any] | None = None,
     ) -> GenerateResult:
         """One streaming request; raises ClientError with Triton's status on failure.
 
         ``cancel_after_chunks`` cancels the request after that many responses (used to
-        test that cancellation frees everything on the server).
+        test that cancellation frees everything on the server). ``parameters``: Triton
+        request parameters (``epd``: ``{"encoder": "encoder_1"}`` pins its encodes). An
+        image item ``b"mm_hash:<hex>"`` names an image pre-encoded with :meth:`warm_up`.
         """
         check_images_for(self.model, images)
         responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
@@ -163,8 +174,8 @@ class GrpcClient:
             self._client.async_stream_infer(
                 self.model,
                 build_inputs(self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS),
-                outputs=[self._module.InferRequestedOutput(n) for n in OUTPUT_NAMES],
-                enable_empty_final_response=True,
+                enable_empty_final_response=True,  # every output the model sends
+                parameters=parameters,
             )
             while True:
                 try:
@@ -173,7 +184,7 @@ class GrpcClient:
                     raise ClientError(f"no response from '{self.model}' in {timeout_s:.0f} s") from None
                 if error is not None:
                     raise ClientError(error.message(), error.status())
-                outputs = {n: response.as_numpy(n) for n in OUTPUT_NAMES if response.as_numpy(n) is not None}
+                outputs = {o.name: response.as_numpy(o.name) for o in response.get_response().outputs}
                 if outputs:
                     before = len(result.text)
                     result.add(outputs)
@@ -185,6 +196,29 @@ class GrpcClient:
                 if cancel_after_chunks is not None and len(result.chunk_times) >= cancel_after_chunks:
                     self._client.stop_stream(cancel_requests=True)
                     return result
+        finally:
+            self._client.stop_stream()
+
+    def warm_up(self, images: Sequence[bytes], encoder: str = "encoder_0", timeout_s: float = 600.0) -> list[str]:
+        """Pre-encode ``images`` into the server's embedding cache through an encoder model;
+        returns each image's ``mm_hash``, to send later as ``b"mm_hash:" + hash`` instead of
+        the bytes (``epd`` answers NOT_FOUND once an entry is evicted: send the bytes then)."""
+        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        image = self._module.InferInput("image", [len(images)], "BYTES")
+        image.set_data_from_numpy(np.array(list(images), dtype=np.object_))
+        try:
+            self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        except Exception as exc:
+            raise _server_down(self.url, "gRPC", exc) from None
+        try:
+            self._client.async_stream_infer(encoder, [image])
+            try:
+                response, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise ClientError(f"no response from '{encoder}' in {timeout_s:.0f} s") from None
+            if error is not None:
+                raise ClientError(error.message(), error.status())
+            return [_as_text(h) for h in response.as_numpy("mm_hash").reshape(-1)]
         finally:
             self._client.stop_stream()
 

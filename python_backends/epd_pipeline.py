@@ -9,14 +9,17 @@ event loop and turns each :class:`EpdChunk` into a response. Unit tests pass a s
 
 The fixed sequence of steps, per request:
 
-1. **hash**: ``content_key(image bytes, preprocessing config, encoder version)`` per image.
-2. **lookup**: ``store.claim`` per distinct key: HIT (a leased reference at once), PRODUCE
-   (this request encodes it) or JOIN (another request is encoding it; wait for it).
-3. **encode** the PRODUCE keys, all at once (one ``encode`` call per image, concurrently: the
-   encode models' dynamic batcher packs them), and write each result into the store
-   (``fulfil``; ``abandon`` on failure so joined waiters get the error, not a hang). The
-   orchestrator writes the store because it holds the single-flight claim (see the README);
-   from here on only references (<= 1 KB each) travel.
+1. **hash**: the content key of each image (media bytes + preprocessing config + encoder
+   version). An image sent as ``mm_hash:<key>`` (pre-encoded, see ``cached_encoder.py``) is
+   its key already.
+2. **lookup** (node-wide cache only): a stored key is a hit at once, leased for this request,
+   with no call to any encoder. A ``mm_hash`` that is not stored is NOT_FOUND, with a hint.
+3. **encode**: every other image goes to one encoder model (``encoder_<i>``), all at once;
+   the encoder claims the key in the store (single-flight across every process), encodes
+   misses through the ``encode`` ensemble, writes the store and returns a reference leased
+   for this process. Which encoder: the one a request pins (Triton request parameter
+   ``encoder``), else the key's home (key modulo the number of encoders: the same image
+   always meets the same encoder, which matters for per-instance caches).
 4. **prefill** with the prompt and the references (max_tokens=1): the first token and the KV
    transfer parameters. Streaming requests get the first token at once.
 5. **decode** with the references and the transfer parameters: tokens 2..N.
@@ -29,38 +32,23 @@ names the stage; errors that already carry a code keep it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import GenerateRequest
+from python_backends.generate_request import CachedImage, GenerateRequest
 from python_backends.llm_engine import GenerationChunk
-from python_backends.store import (
-    Claim,
-    ClaimKind,
-    EmbeddingStore,
-    EntryMeta,
-    Reference,
-    content_key,
-)
+from python_backends.store import EmbeddingStore, KeyConfig, Reference
 
 log = logging.getLogger(__name__)
 
 STAGES = ("hash", "lookup", "encode", "prefill", "decode")
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
-
-
-@dataclass(frozen=True)
-class EncodedImage:
-    """What ``encode`` returns for one image."""
-
-    embeds: np.ndarray  # [tokens, hidden]
-    grid_thw: tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -90,7 +78,10 @@ class StageClient(Protocol):
     """How the orchestrator reaches the stages. Implemented with BLS in ``epd_triton.py``
     and by a scripted fake in the unit tests. Methods run on the ``epd`` event loop."""
 
-    async def encode(self, image: bytes) -> EncodedImage: ...
+    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+        """One image through encoder model ``encoder``: its reference (leased for the process
+        ``lease_owner``) and whether the store already had it (or another request made it)."""
+        ...
 
     async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> PrefillOutput: ...
 
@@ -108,21 +99,14 @@ class StageClient(Protocol):
     async def discard_transfer(self, transfer_params: str) -> None: ...
 
 
-@dataclass(frozen=True)
-class KeyConfig:
-    """What the content key covers besides the media bytes."""
-
-    preprocess_config: Mapping[str, Any]
-    encoder_version: str
-
-
 @dataclass
 class EpdChunk:
     """One response to the client: a generation chunk plus what the pipeline measured."""
 
     chunk: GenerationChunk
     timings_ms: dict[str, float] = field(default_factory=dict)
-    cache_hits: int = 0
+    cache_hits: int = 0  # images served from the store, by epd itself or by an encoder
+    fast_hits: int = 0  # of those, found by epd's own lookup (no encoder call)
 
 
 @dataclass
@@ -132,7 +116,24 @@ class _Media:
     references: list[Reference] = field(default_factory=list)
     leases: list[Reference] = field(default_factory=list)
     cache_hits: int = 0
+    fast_hits: int = 0
     encoded: int = 0
+
+
+def pinned_encoder(request_parameters: str | None) -> str | None:
+    """The encoder model a request pins (Triton request parameter ``encoder``), if any."""
+    if not request_parameters:
+        return None
+    try:
+        parameters = json.loads(request_parameters)
+    except ValueError:
+        return None  # Triton gives JSON; anything else carries no pin
+    value = parameters.get("encoder") if isinstance(parameters, dict) else None
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise EpdError("request parameter 'encoder' must be the name of an encoder model", ErrorCode.INVALID_ARG)
+    return value
 
 
 def _stage_error(stage: str, exc: BaseException) -> EpdError:
@@ -147,28 +148,45 @@ class EpdPipeline:
         store: EmbeddingStore,
         stages: StageClient,
         keys: KeyConfig,
+        encoders: Sequence[str],
         *,
-        run_blocking: Callable[..., Any] | None = None,
+        node_cache: bool = True,
     ) -> None:
+        if not encoders:
+            raise ValueError("epd needs at least one encoder model")
         self.store = store
         self.stages = stages
         self.keys = keys
-        # Store calls are short LMDB transactions; waiting for another request's encode is
-        # not, so it runs off the loop (``run_blocking(fn, *args)`` -> awaitable).
-        self._run_blocking = run_blocking or (lambda fn, *args: asyncio.to_thread(fn, *args))
+        self.encoders = list(encoders)
+        # Per-instance caches (``node_cache=False``) hold keys only their encoder can compute:
+        # every image then goes to its encoder, which is what that setting is for.
+        self.node_cache = node_cache
 
-    async def run(self, request: GenerateRequest, request_id: str) -> AsyncIterator[EpdChunk]:
-        """Serve one request. Closing the iterator early (client cancelled) aborts decode and
-        releases every lease, like finishing does."""
+    def encoder_for(self, key: str, pinned: str | None = None) -> str:
+        """The encoder model an image goes to: the pinned one, else the key's home."""
+        if pinned is None:
+            return self.encoders[int(key[:16], 16) % len(self.encoders)]
+        if pinned in self.encoders:
+            return pinned
+        raise EpdError(f"unknown encoder {pinned!r}; this epd serves {', '.join(self.encoders)}", ErrorCode.INVALID_ARG)
+
+    async def run(
+        self, request: GenerateRequest, request_id: str, encoder: str | None = None
+    ) -> AsyncIterator[EpdChunk]:
+        """Serve one request (``encoder``: pin its images' encodes to that encoder model).
+        Closing the iterator early (client cancelled) aborts decode and releases every lease,
+        like finishing does."""
         timings: dict[str, float] = {}
         media = _Media()
         decode_started = False
         unclaimed_transfer = ""  # prefilled KV that no decode has taken yet
         try:
+            if encoder is not None:
+                self.encoder_for("0" * 16, encoder)  # an unknown name fails before any work
             start = time.perf_counter()
-            keys = [content_key(image, self.keys.preprocess_config, self.keys.encoder_version) for image in request.images]
+            keys = [image.mm_hash if isinstance(image, CachedImage) else self.keys.key(image) for image in request.images]
             timings["hash"] = _ms(start)
-            await self._references(request.images, keys, media, timings)
+            await self._references(request.images, keys, encoder, media, timings)
 
             start = time.perf_counter()
             sampling = dict(request.sampling)
@@ -190,7 +208,7 @@ class EpdPipeline:
                 finished=done,
             )
             if done or request.stream:
-                yield EpdChunk(first_chunk, dict(timings) if done else {}, media.cache_hits)
+                yield EpdChunk(first_chunk, dict(timings) if done else {}, media.cache_hits, media.fast_hits)
             if done:
                 return
 
@@ -212,13 +230,13 @@ class EpdPipeline:
                         finished=out.finished,
                     )
                     if request.stream:
-                        yield EpdChunk(chunk, dict(timings) if out.finished else {}, media.cache_hits)
+                        yield EpdChunk(chunk, dict(timings) if out.finished else {}, media.cache_hits, media.fast_hits)
                     else:
                         text += out.text
                         token_ids += out.token_ids
                         if out.finished:
                             chunk.text, chunk.token_ids = text, token_ids
-                            yield EpdChunk(chunk, dict(timings), media.cache_hits)
+                            yield EpdChunk(chunk, dict(timings), media.cache_hits, media.fast_hits)
             except Exception as exc:  # noqa: BLE001 - one coded error names the stage
                 raise _stage_error("decode", exc) from None
         finally:
@@ -235,95 +253,76 @@ class EpdPipeline:
             self._release(media)
 
     async def _references(
-        self, images: Sequence[bytes], keys: Sequence[str], media: _Media, timings: dict[str, float]
+        self,
+        images: Sequence[bytes | CachedImage],
+        keys: Sequence[str],
+        pinned: str | None,
+        media: _Media,
+        timings: dict[str, float],
     ) -> None:
         """Steps 2 and 3: a leased reference per image, encoding only what no one has."""
         start = time.perf_counter()
         found: dict[str, Reference] = {}
-        produce: dict[str, tuple[Claim, bytes]] = {}
-        join: dict[str, Claim] = {}
+        to_encode: dict[str, bytes] = {}
         try:
             for key, image in zip(keys, images):
-                if key in found or key in produce or key in join:
+                if key in found or key in to_encode:
                     continue
-                claim = self.store.claim(key)
-                if claim.kind is ClaimKind.HIT:
-                    assert claim.reference is not None
-                    found[key] = claim.reference
-                    media.leases.append(claim.reference)
-                    media.cache_hits += 1
-                elif claim.kind is ClaimKind.PRODUCE:
-                    produce[key] = (claim, image)
+                if isinstance(image, CachedImage):
+                    found[key] = self._cached(image)
+                elif self.node_cache and (ref := self.store.lookup(key, count_miss=False)) is not None:
+                    found[key] = ref
                 else:
-                    join[key] = claim
+                    to_encode[key] = image
+                    continue
+                media.leases.append(found[key])
+                media.cache_hits += 1
+                media.fast_hits += 1
         except EpdError as exc:
-            self._abandon(produce.values(), exc)
             raise _stage_error("lookup", exc) from None
         timings["lookup"] = _ms(start)
 
-        start = time.perf_counter()
-        if produce:
-            try:
-                results = await asyncio.gather(
-                    *(self.stages.encode(image) for _, image in produce.values()), return_exceptions=True
-                )
-            except asyncio.CancelledError as exc:  # the client went away: free the claims
-                self._abandon(produce.values(), exc)
-                raise
-            failure: BaseException | None = None
-            for (key, (claim, _)), result in zip(produce.items(), results):
-                if isinstance(result, BaseException):
-                    self.store.abandon(claim, result)
-                    failure = failure or result
-                    continue
-                try:
-                    ref = self.store.fulfil(
-                        claim, result.embeds, EntryMeta(modality="image", grid_thw=result.grid_thw)
-                    )
-                except EpdError as exc:
-                    self.store.abandon(claim, exc)
-                    failure = failure or exc
-                    continue
-                found[key] = ref
-                media.leases.append(ref)
-                media.encoded += 1
-            if failure is not None:
-                raise _stage_error("encode", failure)
-        for key, claim in join.items():
-            try:
-                ref = await self._run_blocking(self.store.wait_for, claim)
-                if ref is None:  # the producer vanished: produce it ourselves
-                    ref = await self._encode_one(key, images[list(keys).index(key)])
-                else:
-                    media.cache_hits += 1
-            except EpdError as exc:
-                raise _stage_error("encode", exc) from None
-            found[key] = ref
-            media.leases.append(ref)
-        if produce or join:
+        if to_encode:
+            start = time.perf_counter()
+            await self._encode(to_encode, pinned, found, media)
             timings["encode"] = _ms(start)
         media.references = [found[key] for key in keys]
 
-    async def _encode_one(self, key: str, image: bytes) -> Reference:
-        claim = self.store.claim(key)
-        if claim.kind is ClaimKind.HIT:
-            assert claim.reference is not None
-            return claim.reference
-        if claim.kind is ClaimKind.JOIN:
-            ref = await self._run_blocking(self.store.wait_for, claim)
-            if ref is None:
-                raise EpdError(f"embedding {key[:16]} could not be produced", ErrorCode.UNAVAILABLE)
-            return ref
-        try:
-            result = await self.stages.encode(image)
-            return self.store.fulfil(claim, result.embeds, EntryMeta(modality="image", grid_thw=result.grid_thw))
-        except BaseException as exc:
-            self.store.abandon(claim, exc)
-            raise
+    def _cached(self, image: CachedImage) -> Reference:
+        ref = self.store.lookup(image.mm_hash)
+        if ref is None:
+            raise EpdError(
+                f"image mm_hash:{image.mm_hash[:16]}... is not in the embedding cache (never encoded, evicted or "
+                "encoded by another encoder version); send the image bytes instead",
+                ErrorCode.NOT_FOUND,
+            )
+        return ref
 
-    def _abandon(self, claims: Any, exc: BaseException) -> None:
-        for claim, _ in claims:
-            self.store.abandon(claim, exc)
+    async def _encode(
+        self, to_encode: Mapping[str, bytes], pinned: str | None, found: dict[str, Reference], media: _Media
+    ) -> None:
+        """All misses at once, each through its encoder; leases are recorded as soon as each
+        answer arrives, so a failure or cancellation releases every one that was taken."""
+        owner = os.getpid()
+
+        async def one(key: str, image: bytes) -> None:
+            wire, cache_hit = await self.stages.encode_reference(self.encoder_for(key, pinned), image, owner)
+            ref = self.store.parse(wire)
+            media.leases.append(ref)
+            found[key] = ref
+            media.cache_hits += int(cache_hit)
+            media.encoded += int(not cache_hit)
+
+        tasks = [asyncio.ensure_future(one(key, image)) for key, image in to_encode.items()]
+        try:
+            await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+        except asyncio.CancelledError:
+            # The BLS calls run on; their leases must be recorded before ``run`` releases.
+            await asyncio.wait(tasks)
+            raise
+        failures = [t.exception() for t in tasks if t.exception() is not None]
+        if failures:
+            raise _stage_error("encode", failures[0])
 
     def _release(self, media: _Media) -> None:
         for ref in media.leases:

@@ -22,12 +22,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.epd_pipeline import (
-    DecodeOutput,
-    EncodedImage,
-    EpdChunk,
-    PrefillOutput,
-)
+from python_backends.cached_encoder import EncodedImage
+from python_backends.epd_pipeline import DecodeOutput, EpdChunk, PrefillOutput
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.triton_edge import chunk_response
 
@@ -63,13 +59,10 @@ def _int(array: np.ndarray | None, default: int = 0) -> int:
     return default if array is None or array.size == 0 else int(array.reshape(-1)[0])
 
 
-class BlsStages:
-    """:class:`python_backends.epd_pipeline.StageClient` over BLS (inside ``epd`` only)."""
+class BlsCaller:
+    """BLS calls on a dedicated thread pool (one thread per call in flight)."""
 
-    def __init__(self, encode_model: str, prefill_model: str, decode_model: str, max_threads: int = 256) -> None:
-        self.encode_model = encode_model
-        self.prefill_model = prefill_model
-        self.decode_model = decode_model
+    def __init__(self, max_threads: int = 256) -> None:
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="epd-bls")
 
     def close(self) -> None:
@@ -77,17 +70,6 @@ class BlsStages:
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def encode(self, image: bytes) -> EncodedImage:
-        request = pb_utils.InferenceRequest(
-            model_name=self.encode_model,
-            inputs=[pb_utils.Tensor("image", np.frombuffer(image, dtype=np.uint8)[None].copy())],
-            requested_output_names=["image_embeds", "image_grid_thw"],
-        )
-        out = _checked(await self._call(request.exec), self.encode_model)
-        embeds = out["image_embeds"]
-        grid = out["image_grid_thw"].reshape(-1)
-        return EncodedImage(embeds.reshape(-1, embeds.shape[-1]), (int(grid[0]), int(grid[1]), int(grid[2])))
 
     def _stream(self, model: str, inputs: list[pb_utils.Tensor]) -> AsyncIterator[dict[str, np.ndarray]]:
         async def responses() -> AsyncIterator[dict[str, np.ndarray]]:
@@ -102,6 +84,47 @@ class BlsStages:
                     yield out
 
         return responses()
+
+
+class BlsEncode(BlsCaller):
+    """One image through the ``encode`` ensemble, embeddings by value (inside an encoder
+    model, which writes them into the store)."""
+
+    def __init__(self, encode_model: str, max_threads: int = 64) -> None:
+        super().__init__(max_threads)
+        self.encode_model = encode_model
+
+    async def __call__(self, image: bytes) -> EncodedImage:
+        request = pb_utils.InferenceRequest(
+            model_name=self.encode_model,
+            inputs=[pb_utils.Tensor("image", np.frombuffer(image, dtype=np.uint8)[None].copy())],
+            requested_output_names=["image_embeds", "image_grid_thw"],
+        )
+        out = _checked(await self._call(request.exec), self.encode_model)
+        embeds = out["image_embeds"]
+        grid = out["image_grid_thw"].reshape(-1)
+        return EncodedImage(embeds.reshape(-1, embeds.shape[-1]), (int(grid[0]), int(grid[1]), int(grid[2])))
+
+
+class BlsStages(BlsCaller):
+    """:class:`python_backends.epd_pipeline.StageClient` over BLS (inside ``epd`` only)."""
+
+    def __init__(self, prefill_model: str, decode_model: str, max_threads: int = 256) -> None:
+        super().__init__(max_threads)
+        self.prefill_model = prefill_model
+        self.decode_model = decode_model
+
+    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+        inputs = [
+            _bytes_tensor("image", [image]),
+            pb_utils.Tensor("lease_owner", np.array([lease_owner], dtype=np.int64)),
+        ]
+        out: dict[str, np.ndarray] | None = None
+        async for response in self._stream(encoder, inputs):
+            out = response
+        if out is None:
+            raise EpdError(f"{encoder} returned no response", ErrorCode.INTERNAL)
+        return bytes(out["references"].reshape(-1)[0]), bool(out["cache_hit"].reshape(-1)[0])
 
     async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> PrefillOutput:
         inputs = [

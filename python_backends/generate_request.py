@@ -8,6 +8,7 @@ without Triton; ``model.py`` only reads the tensors and maps errors to codes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,9 @@ from python_backends.model_params import ModelParameters
 from python_backends.sampling import parse_sampling_parameters
 
 IMAGE_PAD = "<|image_pad|>"
+# An ``image`` item that names a pre-encoded image instead of carrying it (``epd`` only).
+MM_HASH_PREFIX = b"mm_hash:"
+_MM_HASH = re.compile(rb"mm_hash:([0-9a-f]{64})")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
@@ -35,9 +39,13 @@ class RequestLimits:
     max_prompt_chars: int = 200_000
     # Precomputed embeddings accepted (``image_embeds`` + ``image_grid_thw``) when set.
     image_embeds: EmbedsSpec | None = None
+    # ``mm_hash:<key>`` image items accepted (models with an embedding store).
+    accept_mm_hash: bool = False
 
 
-def request_limits(params: ModelParameters, image_embeds: EmbedsSpec | None = None) -> RequestLimits:
+def request_limits(
+    params: ModelParameters, image_embeds: EmbedsSpec | None = None, accept_mm_hash: bool = False
+) -> RequestLimits:
     """The user-facing limits from a model's config.pbtxt parameters (llm, epd)."""
     return RequestLimits(
         images=ImageLimits(
@@ -47,13 +55,22 @@ def request_limits(params: ModelParameters, image_embeds: EmbedsSpec | None = No
         ),
         max_tokens_limit=params.integer("max_tokens_limit", 4096, minimum=1),
         image_embeds=image_embeds,
+        accept_mm_hash=accept_mm_hash,
     )
+
+
+@dataclass(frozen=True)
+class CachedImage:
+    """An image already in the embedding store, named by its ``mm_hash`` (the content key a
+    warm-up encode returned)."""
+
+    mm_hash: str
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str  # with one image placeholder per image, in order
-    images: list[bytes]  # encoded images (not decoded yet)
+    images: list[bytes | CachedImage]  # encoded images (not decoded yet) or pre-encoded ones
     stream: bool
     sampling: dict[str, Any]  # keyword arguments for vllm.SamplingParams
     exclude_input_in_output: bool
@@ -108,6 +125,17 @@ def with_image_placeholders(text: str, num_images: int) -> str:
     )
 
 
+def _image_item(item: bytes, index: int, limits: RequestLimits) -> bytes | CachedImage:
+    if not item.startswith(MM_HASH_PREFIX):
+        return image_bytes(item, index)
+    if not limits.accept_mm_hash:
+        raise invalid_arg(f"image {index}: mm_hash references are served by epd; send the image bytes to this model")
+    match = _MM_HASH.fullmatch(item.strip())
+    if match is None:
+        raise invalid_arg(f"image {index}: an mm_hash reference is 'mm_hash:' + 64 lowercase hex characters")
+    return CachedImage(match.group(1).decode())
+
+
 def parse_generate_request(
     inputs: Mapping[str, np.ndarray], limits: RequestLimits
 ) -> GenerateRequest:
@@ -135,7 +163,7 @@ def parse_generate_request(
             f"request has {len(raw_images)} images, above the limit of "
             f"{limits.images.max_images} (max_images)"
         )
-    images = [image_bytes(item, i) for i, item in enumerate(raw_images)]
+    images = [_image_item(item, i, limits) for i, item in enumerate(raw_images)]
     num_images = len(images) + (embeds.num_images if embeds is not None else 0)
     if not text and not num_images:
         raise invalid_arg("text_input is empty and no image was given")

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
@@ -20,13 +21,14 @@ SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
 SAMPLE_PROMPT = "What is in this picture?"
 
 
-def prepare(target: str, model: Path | None, repository: Path) -> Path:
-    """Default model (or the given checkpoint) + generated repository; returns the model dir."""
+def prepare(target: str, model: Path | None, repository: Path, cache: Any = None) -> Path:
+    """Default model (or the given checkpoint) + generated repository; returns the model dir.
+    ``cache``: a ``builders.repository.CachePolicy`` replacing the target's."""
     from builders.default_model import build_default_model, resolve_model  # noqa: PLC0415
     from builders.repository import write_repository  # noqa: PLC0415
 
     model_dir = resolve_model(model) if model else build_default_model()
-    write_repository(target, model_dir, repository)
+    write_repository(target, model_dir, repository, cache=cache)
     return model_dir
 
 
@@ -40,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-file", type=Path, help="tritonserver log (default: the terminal)")
     parser.add_argument("--demo", action="store_true", help="answer the bundled sample request, then stop")
+    from builders.repository import add_cache_arguments  # noqa: PLC0415 - light, no torch
+
+    add_cache_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -73,7 +78,9 @@ def _interrupt(*_: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
-    model_dir = prepare(args.target, args.model, args.model_repository)
+    from builders.repository import cache_policy_from  # noqa: PLC0415
+
+    model_dir = prepare(args.target, args.model, args.model_repository, cache_policy_from(args, args.target))
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     server = TritonServer(ServerOptions(args.model_repository, ports), args.log_file)
     print(f"model: {model_dir}\nstarting: {' '.join(server.command())}", flush=True)

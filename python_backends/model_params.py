@@ -50,6 +50,18 @@ class ModelParameters:
             raise self._fail(key, f"must be >= {minimum}, got {value}")
         return value
 
+    def number(self, key: str, default: float, minimum: float = 0.0) -> float:
+        text = self.values.get(key)
+        if text is None or text == "":
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            raise self._fail(key, f"must be a number, got {text!r}") from None
+        if not value >= minimum:  # also refuses NaN
+            raise self._fail(key, f"must be >= {minimum:g}, got {text}")
+        return value
+
     def boolean(self, key: str, default: bool) -> bool:
         text = self.values.get(key)
         if text is None or text == "":
@@ -68,8 +80,11 @@ class ModelParameters:
         """The node's embedding store, as every store-using model opens it."""
         from python_backends.store import StoreConfig  # noqa: PLC0415 - LMDB only where used
 
+        ttl_s = self.number("store_ttl_s", 0.0)
         return StoreConfig(
             path=self.string("store_path"),
             capacity_bytes=self.integer("store_capacity_bytes", 2 << 30, minimum=1),
             merge_size=self.integer("spatial_merge_size", 2, minimum=1),
+            eviction=self.string("store_eviction", "lru"),
+            ttl_s=ttl_s if ttl_s > 0 else None,
         )

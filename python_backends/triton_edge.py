@@ -6,6 +6,7 @@ The only module under ``python_backends`` that imports ``triton_python_backend_u
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 import numpy as np
@@ -77,3 +78,53 @@ class ModelMetrics:
 
     def counter(self, name: str, description: str, **labels: str) -> "pb_utils.Metric":
         return self._metric(pb_utils.MetricFamily.COUNTER, name, description, labels)
+
+
+class CacheMetrics:
+    """The embedding cache on /metrics, for one model.
+
+    Counters are what this model saw (``epd_cache_lookups{result=hit|miss|join}``,
+    ``epd_cache_encodes``). With ``node_gauges`` (one model per node: ``epd``) it also exports
+    the node store's state as ``epd_store_*`` gauges, refreshed by :meth:`refresh`.
+    """
+
+    STORE_GAUGES = {
+        "bytes_used": "Embedding bytes held by the node's store",
+        "capacity_bytes": "Capacity of the node's store in bytes",
+        "entries": "Embeddings held by the node's store",
+        "evictions": "Entries evicted (LRU) from the node's store since it was created",
+        "expirations": "Entries dropped by TTL from the node's store since it was created",
+        "active_leases": "Embedding store leases held by running requests (all processes)",
+    }
+
+    def __init__(self, metrics: ModelMetrics, store: "object", node_gauges: bool = False) -> None:
+        self._metrics = metrics  # keeps the families alive as long as their metrics
+        self._store = store
+        lookups = "Embedding cache lookups of this model's images, by result"
+        self._lookups = {
+            result: metrics.counter("epd_cache_lookups", lookups, result=result) for result in ("hit", "miss", "join")
+        }
+        self._encodes = metrics.counter("epd_cache_encodes", "Images this model encoded and wrote to the store")
+        self._gauges = {
+            name: metrics.gauge(f"epd_store_{name}", description)
+            for name, description in (self.STORE_GAUGES.items() if node_gauges else ())
+        }
+
+    def count(self, result: str, n: int = 1) -> None:
+        if n:
+            self._lookups[result].increment(n)
+            if result == "miss":
+                self._encodes.increment(n)
+
+    def refresh(self) -> None:
+        if not self._gauges:
+            return
+        snapshot = self._store.metrics()  # type: ignore[attr-defined]
+        for name, gauge in self._gauges.items():
+            gauge.set(snapshot[name])
+
+    async def refresh_every(self, period_s: float) -> None:
+        """Keep the gauges current between requests (other processes change the store too)."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(period_s)

@@ -13,8 +13,9 @@ from python_backends.store.embedding_store import (
     EntryMeta,
     ReapReport,
     StoreConfig,
+    StoreFullError,
 )
-from python_backends.store.keys import content_key
+from python_backends.store.keys import KeyConfig, content_key
 from python_backends.store.reference import (
     MAX_REFERENCE_BYTES,
     Reference,
@@ -28,9 +29,11 @@ __all__ = [
     "ClaimKind",
     "EmbeddingStore",
     "EntryMeta",
+    "KeyConfig",
     "ReapReport",
     "Reference",
     "StoreConfig",
+    "StoreFullError",
     "content_key",
     "parse_reference",
 ]

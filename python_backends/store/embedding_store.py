@@ -47,6 +47,10 @@ LRU eviction
     evicting a leased entry. Reads through views do not count as use (they are
     read-only); callers hold leases instead.
 
+Expiry (optional)
+    With ``ttl_s`` set, an entry older than that is a miss for ``lookup``/``claim`` and is
+    dropped then (counted as an expiration), unless a lease holds it: an entry in use stays.
+
 Single-flight
     ``claim`` atomically answers HIT (entry there), PRODUCE (caller must produce it; a
     pending record with a token marks the key) or JOIN (another process or thread is
@@ -110,6 +114,13 @@ from python_backends.store.reference import (
 )
 
 DEFAULT_STORE_PATH = "/dev/shm/triton-epd-embeddings"
+
+
+class StoreFullError(EpdError):
+    """UNAVAILABLE because leases of running requests hold every byte: waiting can help."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ErrorCode.UNAVAILABLE)
 _MIB = 1 << 20
 
 
@@ -132,6 +143,8 @@ class StoreConfig:
     max_lease_age_s: float | None = None  # reaping also ends leases older than this (a safety net)
     max_poll_interval_s: float = 0.02
     merge_size: int | None = None  # when set, reference grids are checked against placeholder counts
+    eviction: str = "lru"  # the only policy so far; named so that a config says what it gets
+    ttl_s: float | None = None  # entries older than this are misses (and dropped) unless leased
 
     def validate(self) -> None:
         if not self.path:
@@ -147,6 +160,10 @@ class StoreConfig:
                 raise invalid_arg(f"embedding store {name} must be positive")
         if self.merge_size is not None and self.merge_size < 1:
             raise invalid_arg(f"embedding store merge_size must be positive, got {self.merge_size}")
+        if self.eviction != "lru":
+            raise invalid_arg(f"embedding store eviction must be 'lru', got {self.eviction!r}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise invalid_arg("embedding store ttl_s must be positive or None (no expiry)")
         if self.max_lease_age_s is not None and self.max_lease_age_s <= 0:
             raise invalid_arg("embedding store max_lease_age_s must be positive or None")
         check_location(self.effective_location())
@@ -312,7 +329,7 @@ class EmbeddingStore:
     def _store_payload(
         self, txn: lmdb.Transaction, key: str, payload: _Payload, lease: bool, owner_pid: int | None
     ) -> Reference:
-        existing = self._entry(txn, key)
+        existing = self._live_entry(txn, key)
         if existing is not None:
             return self._serve(txn, key, existing, lease, owner_pid)
         nbytes = int(payload.data.nbytes)
@@ -328,6 +345,7 @@ class EmbeddingStore:
             grid_thw=payload.meta.grid_thw,
             tick=self._add(txn, CLOCK, 1),
             leases=0,
+            created=time.time(),
         )
         txn.put(key.encode(), memoryview(payload.data).cast("B"), db=self._db["data"])
         self._write_entry(txn, key, entry)
@@ -354,11 +372,10 @@ class EmbeddingStore:
             self._reap(txn)
             freed += self._evict_lru(txn, needed - freed)
         if freed < needed:
-            raise EpdError(
+            raise StoreFullError(
                 f"embedding store is full: {self._counter(txn, 'bytes_used')} of {capacity} bytes are held by "
                 f"{self._counter(txn, 'active_leases')} leases of running requests; "
-                "retry later or raise capacity_bytes",
-                ErrorCode.UNAVAILABLE,
+                "retry later or raise capacity_bytes"
             )
 
     def _evict_lru(self, txn: lmdb.Transaction, needed: int) -> int:
@@ -387,13 +404,30 @@ class EmbeddingStore:
 
     # --- finding ------------------------------------------------------------------------------
 
-    def lookup(self, key: str, *, lease: bool = True, owner_pid: int | None = None) -> Reference | None:
-        """The reference of a stored key (a hit, leased unless ``lease=False``) or None (a miss)."""
+    def lookup(
+        self, key: str, *, lease: bool = True, owner_pid: int | None = None, count_miss: bool = True
+    ) -> Reference | None:
+        """The reference of a stored key (a hit, leased unless ``lease=False``) or None (a miss).
+
+        ``count_miss=False``: a fast-path probe whose miss goes on to a ``claim`` (which counts it),
+        so that one request's miss is not counted twice."""
         _check_key(key)
         with self._write() as txn:
-            entry = self._entry(txn, key)
-            self._add(txn, "misses" if entry is None else "hits", 1)
+            entry = self._live_entry(txn, key)
+            if entry is not None or count_miss:
+                self._add(txn, "misses" if entry is None else "hits", 1)
             return None if entry is None else self._serve(txn, key, entry, lease, owner_pid)
+
+    def _live_entry(self, txn: lmdb.Transaction, key: str) -> EntryRecord | None:
+        """The entry of ``key`` unless it outlived ``ttl_s`` with no lease on it (then it is
+        dropped here and counted as an expiration). A leased entry is in use: it stays."""
+        entry = self._entry(txn, key)
+        ttl = self._config.ttl_s
+        if entry is None or ttl is None or entry.leases or time.time() - entry.created < ttl:
+            return entry
+        self._delete_entry(txn, key, entry)
+        self._add(txn, "expirations", 1)
+        return None
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is stored now. Counts nothing and touches nothing."""
@@ -557,7 +591,7 @@ class EmbeddingStore:
         (call ``wait_for``). Counts a hit, a miss or a join."""
         _check_key(key)
         with self._write() as txn:
-            entry = self._entry(txn, key)
+            entry = self._live_entry(txn, key)
             if entry is not None:
                 self._add(txn, "hits", 1)
                 return Claim(key, ClaimKind.HIT, reference=self._serve(txn, key, entry, lease, owner_pid))
@@ -648,7 +682,7 @@ class EmbeddingStore:
 
     def _serve_if_present(self, key: str, lease: bool, owner_pid: int | None) -> Reference | None:
         with self._write() as txn:
-            entry = self._entry(txn, key)
+            entry = self._live_entry(txn, key)
             return None if entry is None else self._serve(txn, key, entry, lease, owner_pid)
 
     def _claim_is_live(self, pending: PendingRecord) -> bool:

@@ -7,8 +7,11 @@ encoder or a new resize setting can never be served old embeddings.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -19,18 +22,25 @@ from python_backends.errors import invalid_arg
 _KEY_DOMAIN = b"triton-epd/content-key/v1"
 
 
-def content_key(media: bytes, preprocess_config: Mapping[str, Any], encoder_version: str) -> str:
+def content_key(
+    media: bytes, preprocess_config: Mapping[str, Any], encoder_version: str, namespace: str = ""
+) -> str:
     """BLAKE3 (256-bit, hex) of media bytes + canonical preprocessing config + encoder version.
 
     Each part is length-prefixed so that no two different inputs frame to the same bytes.
     The config is canonical JSON (sorted keys), so dict order does not change the key.
+    ``namespace`` (empty for the node-wide cache) separates key spaces that must not share
+    entries, e.g. per-encoder-instance caches.
     """
     if not isinstance(media, (bytes, bytearray, memoryview)) or len(media) == 0:
         raise invalid_arg("content_key needs the media as non-empty bytes")
     if not isinstance(encoder_version, str) or not encoder_version:
         raise invalid_arg("content_key needs a non-empty encoder version string")
     hasher = blake3.blake3(_KEY_DOMAIN)
-    for part in (bytes(media), _canonical_config(preprocess_config), encoder_version.encode("utf-8")):
+    parts = [bytes(media), _canonical_config(preprocess_config), encoder_version.encode("utf-8")]
+    if namespace:  # absent for the node-wide space, so its keys stay what they were
+        parts.append(namespace.encode("utf-8"))
+    for part in parts:
         hasher.update(len(part).to_bytes(8, "little"))
         hasher.update(part)
     return hasher.hexdigest()
@@ -43,3 +53,26 @@ def _canonical_config(config: Mapping[str, Any]) -> bytes:
         return json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise invalid_arg(f"preprocessing config must be plain JSON data to be part of a key: {exc}") from None
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    """What a content key covers besides the media bytes: the preprocessing config and the
+    encoder version (the digest of the served encoder file). Every model that computes keys
+    (``epd``, the ``encoder_<i>`` models) builds it from the same two files."""
+
+    preprocess_config: Mapping[str, Any]
+    encoder_version: str
+
+    @classmethod
+    def from_files(cls, preprocessor_config: Path, encoder_file: Path) -> KeyConfig:
+        if not encoder_file.is_file():
+            raise ValueError(f"encoder file {encoder_file} does not exist; regenerate the repository")
+        digest = hashlib.sha256()
+        with encoder_file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return cls(json.loads(preprocessor_config.read_text()), digest.hexdigest())
+
+    def key(self, media: bytes, namespace: str = "") -> str:
+        return content_key(media, self.preprocess_config, self.encoder_version, namespace)

@@ -31,6 +31,7 @@ CUMULATIVE_COUNTERS = (
     "misses",
     "joins",
     "evictions",
+    "expirations",
     "puts",
     "encodes",
     "producer_failures",
@@ -62,6 +63,7 @@ class EntryRecord:
     grid_thw: tuple[int, int, int] | None
     tick: int
     leases: int
+    created: float = 0.0  # time.time() at insert; TTL expiry counts from here
 
     def to_bytes(self) -> bytes:
         return _to_json(self)

@@ -12,25 +12,27 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from python_backends.epd_pipeline import (
-    DecodeOutput,
-    EncodedImage,
-    EpdPipeline,
-    KeyConfig,
-    PrefillOutput,
-)
+from python_backends.cached_encoder import CachedEncoder, EncodedImage, cache_namespace
+from python_backends.epd_pipeline import DecodeOutput, EpdPipeline, PrefillOutput, pinned_encoder
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import GenerateRequest
-from python_backends.store import EmbeddingStore, StoreConfig, parse_reference
+from python_backends.generate_request import CachedImage, GenerateRequest
+from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig, parse_reference
 
 KEYS = KeyConfig({"size": 336}, "encoder-v1")
 HIDDEN = 8
 
 
+ENCODERS = ("encoder_0", "encoder_1")
+
+
 @dataclass
 class FakeStages:
-    """Scripted stages: encode gives 4 rows per image, prefill token 100, decode 101.."""
+    """Scripted stages: encode gives 4 rows per image, prefill token 100, decode 101..
+    The encoder models are real :class:`CachedEncoder` objects on the test's store whose
+    ``encode`` (the ensemble) is scripted."""
 
+    store: EmbeddingStore
+    scope: str = "node"
     total_tokens: int = 4
     fail: str = ""  # stage to fail
     encoded: list[bytes] = field(default_factory=list)
@@ -39,6 +41,17 @@ class FakeStages:
     aborted: list[str] = field(default_factory=list)
     discarded: list[str] = field(default_factory=list)
     hang_decode: bool = False
+    routed: list[str] = field(default_factory=list)
+    encoders: dict[str, CachedEncoder] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ENCODERS:
+            self.encoders[name] = CachedEncoder(self.store, KEYS, self.encode, namespace=cache_namespace(self.scope, name))
+
+    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+        self.routed.append(encoder)
+        answer = await self.encoders[encoder].reference(image, lease_owner)
+        return answer.reference.to_bytes(), answer.cache_hit
 
     async def encode(self, image: bytes) -> EncodedImage:
         self.encoded.append(image)
@@ -90,16 +103,20 @@ def request(images: list[bytes], stream: bool = True, max_tokens: int = 4) -> Ge
     )
 
 
-def collect(pipeline: EpdPipeline, req: GenerateRequest, request_id: str = "r1"):
+def make_pipeline(stages: FakeStages) -> EpdPipeline:
+    return EpdPipeline(stages.store, stages, KEYS, ENCODERS, node_cache=stages.scope == "node")
+
+
+def collect(pipeline: EpdPipeline, req: GenerateRequest, request_id: str = "r1", encoder: str | None = None):
     async def run():
-        return [chunk async for chunk in pipeline.run(req, request_id)]
+        return [chunk async for chunk in pipeline.run(req, request_id, encoder)]
 
     return asyncio.run(run())
 
 
 def test_streams_first_token_then_decode_and_releases_leases(store):
-    stages = FakeStages()
-    chunks = collect(EpdPipeline(store, stages, KEYS), request([b"img-a", b"img-b"]))
+    stages = FakeStages(store)
+    chunks = collect(make_pipeline(stages), request([b"img-a", b"img-b"]))
     assert [c.chunk.token_ids for c in chunks] == [[100], [101], [102], [103]]
     assert chunks[-1].chunk.finished and chunks[-1].chunk.num_output_tokens == 4
     assert set(chunks[-1].timings_ms) == {"hash", "lookup", "encode", "prefill", "decode"}
@@ -113,12 +130,13 @@ def test_streams_first_token_then_decode_and_releases_leases(store):
 
 
 def test_repeated_image_is_a_cache_hit(store):
-    stages = FakeStages()
-    pipeline = EpdPipeline(store, stages, KEYS)
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
     collect(pipeline, request([b"img-a"]))
     chunks = collect(pipeline, request([b"img-a", b"img-a"]))
     assert len(stages.encoded) == 1
     assert chunks[-1].cache_hits == 1  # one distinct image, found in the store
+    assert chunks[-1].fast_hits == 1 and len(stages.routed) == 1  # by epd's lookup, no encoder call
     assert stages.prefill_refs[1][0] != b"" and parse_reference(stages.prefill_refs[1][0]).key == parse_reference(
         stages.prefill_refs[1][1]
     ).key
@@ -126,8 +144,8 @@ def test_repeated_image_is_a_cache_hit(store):
 
 
 def test_concurrent_requests_for_one_image_encode_once(store):
-    stages = FakeStages()
-    pipeline = EpdPipeline(store, stages, KEYS)
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
 
     async def run_all():
         async def one(i):
@@ -142,15 +160,15 @@ def test_concurrent_requests_for_one_image_encode_once(store):
 
 
 def test_not_streaming_gives_one_response_with_prompt(store):
-    chunks = collect(EpdPipeline(store, FakeStages(), KEYS), request([], stream=False))
+    chunks = collect(make_pipeline(FakeStages(store)), request([], stream=False))
     assert len(chunks) == 1
     assert chunks[0].chunk.token_ids == [100, 101, 102, 103]
     assert chunks[0].chunk.text == "hi" + "a" + "bbb"
 
 
 def test_max_tokens_one_is_served_by_prefill_alone(store):
-    stages = FakeStages()
-    chunks = collect(EpdPipeline(store, stages, KEYS), request([b"x"], max_tokens=1))
+    stages = FakeStages(store)
+    chunks = collect(make_pipeline(stages), request([b"x"], max_tokens=1))
     assert [c.chunk.token_ids for c in chunks] == [[100]]
     assert chunks[0].chunk.finish_reason == "length" and stages.decode_refs == []
 
@@ -164,9 +182,9 @@ def test_max_tokens_one_is_served_by_prefill_alone(store):
     ],
 )
 def test_a_stage_failure_is_one_coded_error_and_leaks_nothing(store, stage, code, fragment):
-    stages = FakeStages(fail=stage)
+    stages = FakeStages(store, fail=stage)
     with pytest.raises(EpdError) as info:
-        collect(EpdPipeline(store, stages, KEYS), request([b"img-a"]))
+        collect(make_pipeline(stages), request([b"img-a"]))
     assert info.value.code == code and fragment in info.value.message
     metrics = store.metrics()
     assert metrics["active_leases"] == 0
@@ -174,13 +192,13 @@ def test_a_stage_failure_is_one_coded_error_and_leaks_nothing(store, stage, code
         assert metrics["producer_failures"] == 1 and metrics["entries"] == 0
         # The failed claim is cleared: a later request encodes again.
         stages.fail = ""
-        collect(EpdPipeline(store, stages, KEYS), request([b"img-a"]))
+        collect(make_pipeline(stages), request([b"img-a"]))
         assert len(stages.encoded) == 2
 
 
 def test_cancelled_stream_aborts_decode_and_releases_leases(store):
-    stages = FakeStages(total_tokens=6, hang_decode=True)
-    pipeline = EpdPipeline(store, stages, KEYS)
+    stages = FakeStages(store, total_tokens=6, hang_decode=True)
+    pipeline = make_pipeline(stages)
 
     async def run():
         got = []
@@ -199,8 +217,8 @@ def test_cancelled_stream_aborts_decode_and_releases_leases(store):
 
 
 def test_client_gone_after_the_first_token_discards_the_transfer(store):
-    stages = FakeStages()
-    pipeline = EpdPipeline(store, stages, KEYS)
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
 
     async def run():
         gen = pipeline.run(request([b"img-a"]), "early")
@@ -212,3 +230,51 @@ def test_client_gone_after_the_first_token_discards_the_transfer(store):
     assert first.chunk.token_ids == [100]
     assert stages.discarded == ['{"t": 1}'] and stages.decode_refs == [] and stages.aborted == []
     assert store.metrics()["active_leases"] == 0
+
+
+def test_images_go_to_their_home_encoder_or_the_pinned_one(store):
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
+    images = [f"img-{i}".encode() for i in range(8)]
+    collect(pipeline, request(images[:4]))
+    homes = [pipeline.encoder_for(KEYS.key(image)) for image in images[:4]]
+    assert sorted(stages.routed) == sorted(homes)
+    assert set(pipeline.encoder_for(KEYS.key(image)) for image in images) == set(ENCODERS)  # both get work
+    stages.routed.clear()
+    collect(pipeline, request(images[4:6]), encoder="encoder_1")
+    assert stages.routed == ["encoder_1", "encoder_1"]
+    with pytest.raises(EpdError) as info:
+        collect(pipeline, request(images[6:7]), encoder="encoder_9")
+    assert info.value.code is ErrorCode.INVALID_ARG and "encoder_0, encoder_1" in info.value.message
+
+
+@pytest.mark.parametrize(("scope", "encodes"), [("node", 1), ("instance", 2)])
+def test_an_image_moved_to_another_encoder_is_encoded_again_only_with_per_instance_caches(store, scope, encodes):
+    stages = FakeStages(store, scope=scope)
+    pipeline = make_pipeline(stages)
+    collect(pipeline, request([b"img-a"]), encoder="encoder_0")
+    chunks = collect(pipeline, request([b"img-a"]), encoder="encoder_1")
+    assert len(stages.encoded) == encodes
+    assert chunks[-1].cache_hits == (1 if scope == "node" else 0)
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_a_pre_encoded_image_is_used_by_mm_hash_and_an_unknown_one_is_not_found(store):
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
+    warm = asyncio.run(stages.encoders["encoder_0"].reference(b"catalogue-1"))  # warm-up: no lease
+    assert warm.reference.lease_id == "" and store.metrics()["active_leases"] == 0
+    chunks = collect(pipeline, request([CachedImage(warm.reference.mm_hash)]))  # type: ignore[list-item]
+    assert chunks[-1].cache_hits == 1 and stages.encoded == [b"catalogue-1"]
+    assert parse_reference(stages.prefill_refs[-1][0]).key == warm.reference.key
+    with pytest.raises(EpdError) as info:
+        collect(pipeline, request([CachedImage("ab" * 32)]))  # type: ignore[list-item]
+    assert info.value.code is ErrorCode.NOT_FOUND and "send the image bytes" in info.value.message
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_pinned_encoder_comes_from_triton_request_parameters():
+    assert pinned_encoder(None) is None and pinned_encoder("{}") is None
+    assert pinned_encoder('{"encoder": "encoder_1", "other": 3}') == "encoder_1"
+    with pytest.raises(EpdError):
+        pinned_encoder('{"encoder": 3}')

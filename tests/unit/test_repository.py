@@ -15,7 +15,9 @@ from builders import repository
 from builders.default_model import build_default_model
 from builders.repository import (
     TARGETS,
+    CachePolicy,
     EncoderFacts,
+    RepositoryBuildError,
     build_dali_artifact,
     ensure_artifact,
     render_template,
@@ -89,6 +91,7 @@ def test_files_of_each_target(model_dir: Path) -> None:
         "epd/config.pbtxt",
     }
     common |= {"ensemble/config.pbtxt"}  # static DAG: encode's steps -> llm
+    common |= {f"encoder_{i}/{name}" for i in range(2) for name in ("config.pbtxt", "1/model.py")}
     assert cpu == common
     assert gpu == common | {"vit_positions/config.pbtxt", "vit_positions/1/model.py"}
     for target in TARGETS.values():  # the description's model list is what gets written
@@ -349,13 +352,50 @@ def test_write_repository_switches_targets_cleanly(tmp_path: Path, model_dir: Pa
     write_repository("gpu", model_dir, out, stamps)
     assert (out / "vit_positions" / "1" / "model.py").is_file()
     assert (out / "encode" / "1").is_dir()  # Triton needs the ensemble's version folder
+    written = write_repository("cpu", model_dir, out, stamps, cache=CachePolicy(encoders=3))
+    assert (out / "encoder_2" / "config.pbtxt").is_file()
     written = write_repository("cpu", model_dir, out, stamps)
     assert not (out / "vit_positions").exists()  # gpu-only model gone, nothing half-left
+    assert not (out / "encoder_2").exists()  # an encoder the description no longer has
     assert all(path.exists() for path in written)
     assert 'backend: "python"' in (out / "preprocess" / "config.pbtxt").read_text()
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     write_repository("cpu", model_dir, out, stamps)  # idempotent: nothing rewritten
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_every_store_user_gets_the_one_cache_policy(target: str, model_dir: Path) -> None:
+    parsed = configs(target, model_dir)
+    policy = TARGETS[target].cache
+    users = ["epd", "prefill", "decode", *policy.encoder_models]
+    for name in users:
+        params = {k: v.string_value for k, v in parsed[name].parameters.items()}
+        for key, value in policy.parameters().items():
+            assert params[key] == str(value), (name, key)
+    epd = {k: v.string_value for k, v in parsed["epd"].parameters.items()}
+    encoder = {k: v.string_value for k, v in parsed["encoder_0"].parameters.items()}
+    assert epd["encoder_models"] == "encoder_0,encoder_1"
+    # Both compute content keys from the same files: the same image is the same key.
+    assert epd["encoder_file"] == encoder["encoder_file"] and epd["preprocessor_config"] == encoder["preprocessor_config"]
+    assert encoder["encoder_file"].endswith("model.plan" if target == "gpu" else "model.onnx")
+    assert parsed["encoder_0"].model_transaction_policy.decoupled
+    assert [t.name for t in parsed["encoder_0"].output] == ["references", "mm_hash", "cache_hit"]
+
+
+def test_cache_policy_overrides_and_checks(model_dir: Path) -> None:
+    import dataclasses
+
+    target = dataclasses.replace(TARGETS["cpu"], cache=CachePolicy(scope="instance", encoders=3, ttl_s=60))
+    files = repository_files(target, model_dir, FACTS)
+    assert "encoder_2/config.pbtxt" in files
+    epd = text_format.Parse(files["epd/config.pbtxt"], Config())
+    params = {k: v.string_value for k, v in epd.parameters.items()}
+    assert params["cache_scope"] == "instance" and params["store_ttl_s"] == "60"
+    with pytest.raises(RepositoryBuildError):
+        CachePolicy(encoders=0)
+    with pytest.raises(RepositoryBuildError):
+        CachePolicy(scope="cluster")  # type: ignore[arg-type]
 
 
 def test_unknown_target_is_refused(tmp_path: Path, model_dir: Path) -> None:

@@ -1,0 +1,174 @@
+"""An encoder instance in front of the node's embedding store: media in, references out.
+
+Who calls what: each ``encoder_<i>`` model (template ``builders/templates/encoder_model.py``)
+builds one :class:`CachedEncoder` with the node's :class:`EmbeddingStore`, the key config and
+an ``encode`` coroutine that runs the ``encode`` ensemble (preprocess -> vit_encoder) by BLS.
+``epd`` calls the encoder models for the images it did not find in the store; clients may
+call them directly to pre-encode media (warm-up) and later send only the ``mm_hash``.
+
+Per image: content key -> ``claim``: HIT (a reference at once), JOIN (another request, in
+any process, is encoding it: wait) or PRODUCE (encode, then ``fulfil``; ``abandon`` on
+failure so joined waiters get the error instead of a hang). The embeddings are written here,
+on the encode side; only the reference (<= 1 KB) goes back through Triton.
+
+Leases are taken for ``lease_owner`` (the caller's pid: ``epd`` releases them when its
+request ends, and the store reaps them if that process dies) or not at all (warm-up).
+
+Cache scope (one setting, ``CachePolicy.scope`` in ``builders/repository.py``): ``node``
+keys are shared by every encoder of the node (an image encoded by one is a hit for all);
+``instance`` keys carry the encoder's name, so each encoder has its own cache (the
+baseline the shared store is measured against).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from python_backends.errors import invalid_arg
+from python_backends.media import image_bytes
+from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """What the ``encode`` ensemble returns for one image."""
+
+    embeds: np.ndarray  # [tokens, hidden]
+    grid_thw: tuple[int, int, int]
+
+
+class Outcome(str, Enum):
+    HIT = "hit"  # stored already
+    JOIN = "join"  # another request was encoding it; this one waited
+    MISS = "miss"  # encoded by this call
+
+
+@dataclass(frozen=True)
+class EncoderAnswer:
+    reference: Reference
+    outcome: Outcome
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.outcome is not Outcome.MISS
+
+
+EncodeFn = Callable[[bytes], Awaitable[EncodedImage]]
+
+
+def parse_encoder_inputs(
+    inputs: Mapping[str, np.ndarray], max_images: int, max_image_bytes: int
+) -> tuple[list[bytes], int | None]:
+    """An encoder model's request: ``image`` (BYTES, one or more encoded images, raw or
+    base64) and optional ``lease_owner`` (INT64 pid). Content keys are taken over the decoded
+    bytes, as ``epd`` takes them, so a warm-up's ``mm_hash`` matches a later request."""
+    array = inputs.get("image")
+    if array is None or array.size == 0:
+        raise invalid_arg("input 'image' needs at least one encoded image")
+    if array.dtype != np.object_:
+        raise invalid_arg("input 'image' must be BYTES (encoded images)")
+    if array.size > max_images:
+        raise invalid_arg(f"request has {array.size} images, above the limit of {max_images}")
+    images = [
+        image_bytes(bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"", i)
+        for i, item in enumerate(array.reshape(-1))
+    ]
+    for i, image in enumerate(images):
+        if len(image) > max_image_bytes:
+            raise invalid_arg(f"image[{i}] has {len(image)} bytes, above the limit of {max_image_bytes}")
+    owner = inputs.get("lease_owner")
+    if owner is None:
+        return images, None
+    if owner.size != 1 or owner.dtype != np.int64 or int(owner.reshape(-1)[0]) <= 0:
+        raise invalid_arg("input 'lease_owner' must be one positive INT64 (a process id)")
+    return images, int(owner.reshape(-1)[0])
+
+
+def cache_namespace(scope: str, encoder_name: str) -> str:
+    """The key namespace of an encoder: "" (node-wide) or its own name (per instance)."""
+    if scope == "node":
+        return ""
+    if scope == "instance":
+        return f"instance:{encoder_name}"
+    raise ValueError(f"cache scope must be 'node' or 'instance', got {scope!r}")
+
+
+class CachedEncoder:
+    def __init__(
+        self,
+        store: EmbeddingStore,
+        keys: KeyConfig,
+        encode: EncodeFn,
+        *,
+        namespace: str = "",
+        full_store_wait_s: float = 30.0,
+        run_blocking: Callable[..., Awaitable[Any]] | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.namespace = namespace
+        self._encode = encode
+        self._full_store_wait_s = full_store_wait_s
+        # Waiting for another process's encode polls LMDB: off the event loop.
+        self._run_blocking = run_blocking or (lambda fn, *args, **kwargs: asyncio.to_thread(fn, *args, **kwargs))
+
+    def key(self, image: bytes) -> str:
+        return self.keys.key(image, self.namespace)
+
+    async def references(self, images: list[bytes], lease_owner: int | None = None) -> list[EncoderAnswer]:
+        """Every image at once. All or nothing: if one fails, the leases taken for the others
+        are released (their owner never sees them) and the first error is raised."""
+        results = await asyncio.gather(*(self.reference(image, lease_owner) for image in images), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if not failures:
+            return [r for r in results if isinstance(r, EncoderAnswer)]
+        for result in results:
+            if isinstance(result, EncoderAnswer) and result.reference.lease_id:
+                self.store.release(result.reference)
+        raise failures[0]
+
+    async def reference(self, image: bytes, lease_owner: int | None = None) -> EncoderAnswer:
+        """The stored embedding of ``image``, encoding it only if no one has or is doing so."""
+        key = self.key(image)
+        lease = lease_owner is not None
+        while True:
+            claim = self.store.claim(key, lease=lease, owner_pid=lease_owner)
+            if claim.kind is ClaimKind.HIT:
+                assert claim.reference is not None  # a HIT always carries one
+                return EncoderAnswer(claim.reference, Outcome.HIT)
+            if claim.kind is ClaimKind.JOIN:
+                found = await self._run_blocking(self.store.wait_for, claim, lease=lease, owner_pid=lease_owner)
+                if found is not None:
+                    return EncoderAnswer(found, Outcome.JOIN)
+                continue  # the producer vanished or its entry went at once: claim again
+            try:
+                encoded = await self._encode(image)
+                meta = EntryMeta(modality="image", grid_thw=encoded.grid_thw)  # mm_hash = the key
+                reference = await self._fulfil(claim, encoded, meta, lease_owner)
+            except BaseException as exc:  # the mark must go whatever happened, or waiters hang
+                self.store.abandon(claim, exc)
+                raise
+            return EncoderAnswer(reference, Outcome.MISS)
+
+    async def _fulfil(self, claim: Any, encoded: EncodedImage, meta: EntryMeta, lease_owner: int | None) -> Reference:
+        """Store the embedding; when leases of running requests fill the store, wait (bounded)
+        for them to end instead of failing this request at once."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StoreFullError),
+            wait=wait_exponential(multiplier=0.01, max=0.5),
+            stop=stop_after_delay(self._full_store_wait_s),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return self.store.fulfil(
+                    claim, encoded.embeds, meta, lease=lease_owner is not None, owner_pid=lease_owner
+                )
+        raise AssertionError("unreachable: tenacity re-raises the last error")
