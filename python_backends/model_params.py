@@ -81,10 +81,12 @@ class ModelParameters:
         from python_backends.store import StoreConfig  # noqa: PLC0415 - LMDB only where used
 
         ttl_s = self.number("store_ttl_s", 0.0)
-        return StoreConfig(
+        config = StoreConfig(
             path=self.string("store_path"),
             capacity_bytes=self.integer("store_capacity_bytes", 2 << 30, minimum=1),
             merge_size=self.integer("spatial_merge_size", 2, minimum=1),
             eviction=self.string("store_eviction", "lru"),
             ttl_s=ttl_s if ttl_s > 0 else None,
         )
+        config.validate()  # at load, with the store's own message
+        return config

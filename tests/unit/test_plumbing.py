@@ -14,6 +14,7 @@ from client.epd_client import GenerateResult, chat_prompt
 from python_backends.errors import ErrorCode, EpdError
 from python_backends.event_loop import EventLoopThread
 from python_backends.llm_engine import GenerationChunk, load_engine_args
+from python_backends.errors import EpdError
 from python_backends.model_params import ModelParameters
 from python_backends.triton_edge import ModelMetrics, chunk_response, error_response, read_inputs, triton_error
 from python_backends.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
@@ -54,6 +55,19 @@ def test_model_parameters_are_checked_with_actionable_messages():
     assert params.vllm_environment() == {"VLLM_A": "1"}
     with pytest.raises(ValueError, match="is required"):
         params.string("missing")
+
+
+def test_store_config_comes_from_the_cache_policy_parameters():
+    values = {"store_path": "/dev/shm/x", "store_capacity_bytes": "4096", "store_eviction": "lru", "store_ttl_s": "0"}
+    config = ModelParameters("epd", values).store_config()
+    assert (config.path, config.capacity_bytes, config.eviction, config.ttl_s) == ("/dev/shm/x", 4096, "lru", None)
+    assert ModelParameters("epd", {**values, "store_ttl_s": "2.5"}).store_config().ttl_s == 2.5
+    with pytest.raises(ValueError, match="'store_ttl_s' must be >= 0"):
+        ModelParameters("epd", {**values, "store_ttl_s": "-1"}).store_config()
+    with pytest.raises(ValueError, match="must be a number"):
+        ModelParameters("epd", {**values, "store_ttl_s": "soon"}).store_config()
+    with pytest.raises(EpdError, match="eviction must be 'lru'"):
+        ModelParameters("epd", {**values, "store_eviction": "fifo"}).store_config()
 
 
 def test_event_loop_thread_runs_and_tracks_coroutines():
