@@ -47,8 +47,6 @@ from python_backends.store import EmbeddingStore, KeyConfig, Reference
 
 log = logging.getLogger(__name__)
 
-STAGES = ("hash", "lookup", "encode", "prefill", "decode")
-DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 
 
 @dataclass(frozen=True)
@@ -117,7 +115,6 @@ class _Media:
     leases: list[Reference] = field(default_factory=list)
     cache_hits: int = 0
     fast_hits: int = 0
-    encoded: int = 0
 
 
 def pinned_encoder(request_parameters: str | None) -> str | None:
@@ -311,7 +308,6 @@ class EpdPipeline:
             media.leases.append(ref)
             found[key] = ref
             media.cache_hits += int(cache_hit)
-            media.encoded += int(not cache_hit)
 
         tasks = [asyncio.ensure_future(one(key, image)) for key, image in to_encode.items()]
         try:

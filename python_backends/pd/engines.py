@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.pd import transfer as tx
+from python_backends.sampling import DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,6 @@ Role = Literal["prefill", "decode"]
 CONNECTOR_NAME = "TransferIdConnector"
 CONNECTOR_MODULE = "python_backends.pd.connector"
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 
 
 @dataclass(frozen=True)
