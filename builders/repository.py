@@ -605,6 +605,15 @@ def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
 PD_MODELS = ("prefill", "decode", "epd")
 
 
+def _stage_error_specs() -> tuple[TensorSpec, TensorSpec]:
+    """Input and output of stages that ``epd`` calls over BLS: errors as an output on request
+    (why: ``python_backends/triton_edge.py``, ERROR_OUTPUT)."""
+    return (
+        TensorSpec("errors_as_outputs", "TYPE_BOOL", (1,), optional=True),
+        TensorSpec("error", "TYPE_STRING", (1,)),
+    )
+
+
 def _reference_inputs() -> list[TensorSpec]:
     # One signed reference (<= 1 KB JSON) per image; never media.
     return [TensorSpec("references", "TYPE_STRING", (-1,), optional=True)]
@@ -634,11 +643,13 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
         TensorSpec("image", "TYPE_STRING", (-1,)),
         # The pid of the process the leases are for (``epd``); absent: no lease (warm-up).
         TensorSpec("lease_owner", "TYPE_INT64", (1,), optional=True),
+        _stage_error_specs()[0],
     ]
     outputs = [
         TensorSpec("references", "TYPE_STRING", (-1,)),
         TensorSpec("mm_hash", "TYPE_STRING", (-1,)),
         TensorSpec("cache_hit", "TYPE_BOOL", (-1,)),
+        _stage_error_specs()[1],
     ]
     parameters = {
         **_store_parameters(target, facts),
@@ -700,10 +711,15 @@ def pd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, 
             TensorSpec("abort", "TYPE_BOOL", (1,), optional=True),
         ],
     }
+    error_input, error_output = _stage_error_specs()
     for role in ("prefill", "decode"):
         env = {**target.vllm_env, **target.pd.role_env.get(role, {})}
         files[f"{role}/config.pbtxt"] = _python_model_config(
-            target, role, stage_inputs[role], stage_outputs[role], {**limit, **env, **store}
+            target,
+            role,
+            [*stage_inputs[role], error_input],
+            [*stage_outputs[role], error_output],
+            {**limit, **env, **store},
         )
         args = pd_engine_args(base, role, target.pd.kv_store_path)  # type: ignore[arg-type]
         files[f"{role}/1/engine_args.json"] = json.dumps(args, indent=2, sort_keys=True) + "\n"

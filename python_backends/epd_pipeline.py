@@ -281,7 +281,8 @@ class EpdPipeline:
 
         if to_encode:
             start = time.perf_counter()
-            await self._encode(to_encode, pinned, found, media)
+            indices = {key: keys.index(key) for key in to_encode}
+            await self._encode(to_encode, indices, pinned, found, media)
             timings["encode"] = _ms(start)
         media.references = [found[key] for key in keys]
 
@@ -296,14 +297,22 @@ class EpdPipeline:
         return ref
 
     async def _encode(
-        self, to_encode: Mapping[str, bytes], pinned: str | None, found: dict[str, Reference], media: _Media
+        self,
+        to_encode: Mapping[str, bytes],
+        indices: Mapping[str, int],
+        pinned: str | None,
+        found: dict[str, Reference],
+        media: _Media,
     ) -> None:
         """All misses at once, each through its encoder; leases are recorded as soon as each
         answer arrives, so a failure or cancellation releases every one that was taken."""
         owner = os.getpid()
 
         async def one(key: str, image: bytes) -> None:
-            wire, cache_hit = await self.stages.encode_reference(self.encoder_for(key, pinned), image, owner)
+            try:
+                wire, cache_hit = await self.stages.encode_reference(self.encoder_for(key, pinned), image, owner)
+            except EpdError as exc:  # the encoder saw one image: name it as the client did
+                raise EpdError(exc.message.replace("image[0]", f"image[{indices[key]}]", 1), exc.code) from None
             ref = self.store.parse(wire)
             media.leases.append(ref)
             found[key] = ref

@@ -25,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.cached_encoder import EncodedImage
 from python_backends.epd_pipeline import DecodeOutput, EpdChunk, PrefillOutput
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.triton_edge import chunk_response
+from python_backends.triton_edge import ERROR_OUTPUT, ERRORS_AS_OUTPUTS, chunk_response
 
 
 def _code_of(error: pb_utils.TritonError) -> ErrorCode:
@@ -46,7 +46,11 @@ def _checked(response: pb_utils.InferenceResponse, model: str) -> dict[str, np.n
     if response.has_error():
         error = response.error()
         raise EpdError(error.message(), _code_of(error))
-    return {t.name(): t.as_numpy() for t in response.output_tensors()}
+    outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+    if ERROR_OUTPUT in outputs:  # a stage's error, as we asked for it (triton_edge)
+        payload = json.loads(_text(outputs[ERROR_OUTPUT]))
+        raise EpdError(str(payload["message"]), ErrorCode(payload["code"]))
+    return outputs
 
 
 def _text(array: np.ndarray | None) -> str:
@@ -73,7 +77,8 @@ class BlsCaller:
 
     def _stream(self, model: str, inputs: list[pb_utils.Tensor]) -> AsyncIterator[dict[str, np.ndarray]]:
         async def responses() -> AsyncIterator[dict[str, np.ndarray]]:
-            request = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=[])
+            flag = pb_utils.Tensor(ERRORS_AS_OUTPUTS, np.array([True], dtype=bool))
+            request = pb_utils.InferenceRequest(model_name=model, inputs=[*inputs, flag], requested_output_names=[])
             iterator = await self._call(lambda: iter(request.exec(decoupled=True)))
             while True:
                 response = await self._call(next, iterator, None)

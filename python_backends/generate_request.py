@@ -21,7 +21,7 @@ from python_backends.image_embeds import (
     ImageEmbedsInput,
     parse_image_embeds,
 )
-from python_backends.media import ImageLimits, image_bytes
+from python_backends.media import ImageLimits, check_image_header, image_bytes
 from python_backends.model_params import ModelParameters
 from python_backends.sampling import parse_sampling_parameters
 
@@ -188,3 +188,12 @@ def parse_generate_request(
         exclude_input_in_output=exclude,
         image_embeds=embeds,
     )
+
+
+def check_image_headers(request: GenerateRequest, limits: RequestLimits) -> None:
+    """Header checks (bytes, pixels, aspect ratio) of every image sent as bytes, at the edge,
+    so that a bad image is refused with its own index before any stage works on the request
+    (``epd``; ``llm`` checks while decoding)."""
+    for index, image in enumerate(request.images):
+        if isinstance(image, bytes):
+            check_image_header(image, index, limits.images)

@@ -22,6 +22,14 @@ from python_backends.generate_request import GenerateRequest
 log = logging.getLogger(__name__)
 
 
+def rejected_by_engine(exc: BaseException) -> bool:
+    """Whether vLLM refused the request's input (prompt above the context, bad image): it
+    raises ValueError or, for validation, VLLMClientError (not a ValueError in 0.32)."""
+    from vllm.exceptions import VLLMClientError  # noqa: PLC0415 - vLLM loads only where used
+
+    return isinstance(exc, (ValueError, VLLMClientError))
+
+
 @dataclass
 class GenerationChunk:
     text: str  # new text since the previous chunk (all of it when not streaming)
@@ -112,10 +120,9 @@ class LlmEngine:
                 )
         except EpdError:
             raise
-        except ValueError as exc:
-            # vLLM rejects inputs it cannot serve (prompt too long, bad image) this way.
-            raise invalid_arg(f"request rejected by the engine: {exc}") from None
         except Exception as exc:
+            if rejected_by_engine(exc):
+                raise invalid_arg(f"request rejected by the engine: {exc}") from None
             log.exception("vLLM generation failed")
             raise EpdError(f"generation failed: {type(exc).__name__}", ErrorCode.INTERNAL) from None
         finally:

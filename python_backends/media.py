@@ -62,6 +62,10 @@ def image_bytes(item: bytes, index: int) -> bytes:
     )
 
 
+# transformers' smart_resize refuses more elongated images; refuse them first, with a message.
+MAX_ASPECT_RATIO = 200
+
+
 def check_image_header(data: bytes, index: int, limits: ImageLimits) -> tuple[int, int]:
     """(width, height) from the header; rejects oversized images before decoding."""
     if len(data) > limits.max_image_bytes:
@@ -87,6 +91,11 @@ def check_image_header(data: bytes, index: int, limits: ImageLimits) -> tuple[in
         raise invalid_arg(
             f"image[{index}] is {width}x{height} = {width * height} pixels, above the limit "
             f"of {limits.max_image_pixels} (max_image_pixels)"
+        )
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise invalid_arg(
+            f"image[{index}] is {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO} "
+            "is not supported by Qwen2-VL"
         )
     return width, height
 

@@ -35,9 +35,6 @@ from python_backends.media import ImageLimits, check_image_header, image_bytes
 
 LOGGER = logging.getLogger(__name__)
 
-# transformers' smart_resize refuses more elongated images; refuse them first, with a message.
-MAX_ASPECT_RATIO = 200
-
 # What DALI's CPU and nvJPEG-based decoders read. GIF is accepted by media.py for the colocated
 # path but DALI cannot decode it, so this path names it instead of failing inside DALI.
 _DALI_FORMAT_MAGIC: tuple[tuple[str, bytes], ...] = (
@@ -90,14 +87,9 @@ def validate_encoded_image(item: bytes, index: int, limits: ImageLimits) -> byte
     Callers on the GPU target (the BLS in front of the DALI backend) use this too.
     """
     data = image_bytes(item, index)  # empty, non-image and base64 handling
-    width, height = check_image_header(data, index, limits)
+    check_image_header(data, index, limits)
     if _dali_format(data) is None:
         raise invalid_arg(f"image[{index}]: format not supported here; send one of {DALI_FORMATS}")
-    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-        raise invalid_arg(
-            f"image[{index}] is {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO} "
-            "is not supported by Qwen2-VL"
-        )
     return data
 
 

@@ -7,6 +7,7 @@ The only module under ``python_backends`` that imports ``triton_python_backend_u
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterable
 
 import numpy as np
@@ -38,6 +39,31 @@ def triton_error(exc: BaseException) -> "pb_utils.TritonError":
 
 def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(exc))
+
+
+# Stage models called by ``epd`` over BLS (encoder_<i>, prefill, decode) put errors in an
+# ``error`` output when the caller sets ``errors_as_outputs``: Triton 2.51's python backend
+# sometimes drops a decoupled model's error response (sent with the final flag) on its way
+# to a BLS caller, which then sees the stream end with no answer. Clients calling a stage
+# directly still get ordinary Triton errors.
+ERROR_OUTPUT = "error"
+ERRORS_AS_OUTPUTS = "errors_as_outputs"
+
+
+def wants_error_outputs(request: "pb_utils.InferenceRequest") -> bool:
+    tensor = pb_utils.get_input_tensor_by_name(request, ERRORS_AS_OUTPUTS)
+    return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
+
+
+def stage_error_response(exc: BaseException, as_output: bool) -> "pb_utils.InferenceResponse":
+    if not as_output:
+        return error_response(exc)
+    if isinstance(exc, EpdError):
+        payload = {"code": exc.code.value, "message": exc.message}
+    else:
+        payload = {"code": ErrorCode.INTERNAL.value, "message": f"internal error: {type(exc).__name__}"}
+    error = np.array([json.dumps(payload).encode("utf-8")], dtype=np.object_)
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(ERROR_OUTPUT, error)])
 
 
 def chunk_response(chunk: GenerationChunk) -> "pb_utils.InferenceResponse":

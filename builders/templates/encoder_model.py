@@ -20,7 +20,14 @@ from python_backends.errors import EpdError
 from python_backends.event_loop import EventLoopThread
 from python_backends.model_params import ModelParameters
 from python_backends.store import EmbeddingStore, KeyConfig
-from python_backends.triton_edge import FINAL, CacheMetrics, ModelMetrics, error_response, read_inputs
+from python_backends.triton_edge import (
+    FINAL,
+    CacheMetrics,
+    ModelMetrics,
+    read_inputs,
+    stage_error_response,
+    wants_error_outputs,
+)
 
 INPUT_NAMES = ("image", "lease_owner")
 
@@ -42,14 +49,15 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            as_output = wants_error_outputs(request)
             try:
                 images, owner = parse_encoder_inputs(read_inputs(request, INPUT_NAMES), self.max_images, self.max_image_bytes)
             except EpdError as exc:
-                sender.send(error_response(exc), flags=FINAL)
+                sender.send(stage_error_response(exc, as_output), flags=FINAL)
                 continue
-            self.loop.submit(self._serve(images, owner, sender))
+            self.loop.submit(self._serve(images, owner, sender, as_output))
 
-    async def _serve(self, images, owner, sender):
+    async def _serve(self, images, owner, sender, as_output):
         try:
             answers = await self.encoder.references(images, owner)
             for answer in answers:
@@ -62,7 +70,7 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
         except Exception as exc:  # every failure reaches the caller as one coded error
             pb_utils.Logger.log_warn(f"encoder failed: {exc}")
-            sender.send(error_response(exc), flags=FINAL)
+            sender.send(stage_error_response(exc, as_output), flags=FINAL)
 
     def finalize(self):
         self.loop.stop()

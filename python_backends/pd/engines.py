@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.llm_engine import rejected_by_engine
 from python_backends.pd import transfer as tx
 from python_backends.sampling import DEFAULT_MAX_TOKENS
 
@@ -234,8 +235,10 @@ class PrefillEngine:
                 final = output
         except EpdError:
             raise
-        except ValueError as exc:
-            raise invalid_arg(f"request rejected by the prefill engine: {exc}") from None
+        except Exception as exc:
+            if rejected_by_engine(exc):
+                raise invalid_arg(f"request rejected by the prefill engine: {exc}") from None
+            raise
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             tx.remove_transfer(self.store, transfer_id)
             raise EpdError("prefill produced no token", ErrorCode.INTERNAL)
@@ -363,8 +366,10 @@ class DecodeEngine:
                 )
         except EpdError:
             raise
-        except ValueError as exc:
-            raise invalid_arg(f"request rejected by the decode engine: {exc}") from None
+        except Exception as exc:
+            if rejected_by_engine(exc):
+                raise invalid_arg(f"request rejected by the decode engine: {exc}") from None
+            raise
 
     def _load_error(self, params: tx.TransferParams) -> EpdError:
         try:

@@ -55,6 +55,8 @@ class FakeStages:
 
     async def encode(self, image: bytes) -> EncodedImage:
         self.encoded.append(image)
+        if image == b"corrupt":
+            raise EpdError("image[0] cannot be read: corrupt header", ErrorCode.INVALID_ARG)
         if self.fail == "encode":
             raise EpdError("image 0 is not an image", ErrorCode.INVALID_ARG)
         seed = int.from_bytes(image[:4].ljust(4, b"\0"), "little")
@@ -278,3 +280,12 @@ def test_pinned_encoder_comes_from_triton_request_parameters():
     assert pinned_encoder('{"encoder": "encoder_1", "other": 3}') == "encoder_1"
     with pytest.raises(EpdError):
         pinned_encoder('{"encoder": 3}')
+
+
+def test_an_encoder_error_names_the_image_by_its_index_in_the_request(store):
+    stages = FakeStages(store)
+    with pytest.raises(EpdError) as info:
+        collect(make_pipeline(stages), request([b"img-a", b"corrupt"]))
+    assert info.value.code is ErrorCode.INVALID_ARG
+    assert info.value.message == "encode: image[1] cannot be read: corrupt header"
+    assert store.metrics()["active_leases"] == 0

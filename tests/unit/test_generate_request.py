@@ -10,7 +10,9 @@ from tests.images import header_only_png
 from python_backends.errors import ErrorCode, EpdError
 from python_backends.generate_request import (
     IMAGE_PLACEHOLDER,
+    CachedImage,
     RequestLimits,
+    check_image_headers,
     parse_generate_request,
     with_image_placeholders,
 )
@@ -145,3 +147,22 @@ def test_exif_orientation_is_applied_like_the_dali_path():
     img.save(buf, format="JPEG", exif=exif)
     (decoded,) = decode_images([buf.getvalue()], ImageLimits())
     assert decoded.size == (20, 40)
+
+
+def test_mm_hash_items_only_where_accepted_and_well_formed():
+    key = "ab" * 32
+    inputs = {"text_input": text("hi"), "image": images(png(), f"mm_hash:{key}".encode())}
+    assert "served by epd" in invalid(lambda: parse_generate_request(inputs, LIMITS))
+    epd_limits = RequestLimits(images=LIMITS.images, accept_mm_hash=True)
+    parsed = parse_generate_request(inputs, epd_limits)
+    assert parsed.images[1] == CachedImage(key) and isinstance(parsed.images[0], bytes)
+    bad = {"text_input": text("hi"), "image": images(b"mm_hash:XYZ")}
+    assert "64 lowercase hex" in invalid(lambda: parse_generate_request(bad, epd_limits))
+
+
+def test_edge_header_checks_name_the_bad_image_by_index():
+    inputs = {"text_input": text("hi"), "image": images(png(), png(1000, 4))}
+    parsed = parse_generate_request(inputs, LIMITS)
+    assert invalid(lambda: check_image_headers(parsed, LIMITS)).startswith("image[1] is 1000x4: aspect ratio above 200")
+    big = parse_generate_request({"text_input": text("hi"), "image": images(png(1200, 1000))}, LIMITS)
+    assert "max_image_pixels" in invalid(lambda: check_image_headers(big, LIMITS))

@@ -380,7 +380,10 @@ def test_every_store_user_gets_the_one_cache_policy(target: str, model_dir: Path
     assert epd["encoder_file"] == encoder["encoder_file"] and epd["preprocessor_config"] == encoder["preprocessor_config"]
     assert encoder["encoder_file"].endswith("model.plan" if target == "gpu" else "model.onnx")
     assert parsed["encoder_0"].model_transaction_policy.decoupled
-    assert [t.name for t in parsed["encoder_0"].output] == ["references", "mm_hash", "cache_hit"]
+    assert [t.name for t in parsed["encoder_0"].output] == ["references", "mm_hash", "cache_hit", "error"]
+    for stage in ("encoder_0", "prefill", "decode"):  # epd asks BLS stages for errors as outputs
+        assert tensor(parsed[stage], "errors_as_outputs").optional
+        assert tensor(parsed[stage], "error").data_type == DataType.TYPE_STRING
 
 
 def test_cache_policy_overrides_and_checks(model_dir: Path) -> None:

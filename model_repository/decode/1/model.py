@@ -27,8 +27,9 @@ from python_backends.triton_edge import (
     FINAL,
     ModelMetrics,
     chunk_response,
-    error_response,
     read_inputs,
+    stage_error_response,
+    wants_error_outputs,
 )
 
 INPUT_NAMES = ("references", "transfer_params", "sampling_parameters", "stream", "request_id", "abort")
@@ -52,6 +53,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            as_output = wants_error_outputs(request)
             try:
                 parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.max_tokens_limit)
                 if parsed.abort:
@@ -63,11 +65,11 @@ class TritonPythonModel:
                     continue
                 images, _ = resolve_images(self.store, parsed.references)
             except EpdError as exc:
-                sender.send(error_response(exc), flags=FINAL)
+                sender.send(stage_error_response(exc, as_output), flags=FINAL)
                 continue
             request_id = parsed.request_id or uuid.uuid4().hex
             with self.lock:
-                self.running[request_id] = self.loop.submit(self._serve(parsed, images, sender, request_id))
+                self.running[request_id] = self.loop.submit(self._serve(parsed, images, sender, request_id, as_output))
 
     def _abort(self, request_id):
         with self.lock:
@@ -75,7 +77,7 @@ class TritonPythonModel:
         if future is not None:
             future.cancel()
 
-    async def _serve(self, parsed, images, sender, request_id):
+    async def _serve(self, parsed, images, sender, request_id, as_output):
         finished = False
         try:
             async for chunk in self.engine.decode(
@@ -104,7 +106,7 @@ class TritonPythonModel:
         except Exception as exc:  # every failure reaches the caller as one coded error
             pb_utils.Logger.log_warn(f"decode {request_id} failed: {exc}")
             if not finished:
-                sender.send(error_response(exc), flags=FINAL)
+                sender.send(stage_error_response(exc, as_output), flags=FINAL)
         finally:
             with self.lock:
                 self.running.pop(request_id, None)

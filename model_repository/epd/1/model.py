@@ -14,7 +14,7 @@ from python_backends.epd_pipeline import EpdPipeline, pinned_encoder
 from python_backends.epd_triton import BlsStages, epd_response
 from python_backends.errors import EpdError
 from python_backends.event_loop import EventLoopThread
-from python_backends.generate_request import parse_generate_request, request_limits
+from python_backends.generate_request import check_image_headers, parse_generate_request, request_limits
 from python_backends.model_params import ModelParameters
 from python_backends.store import EmbeddingStore, KeyConfig
 from python_backends.triton_edge import FINAL, CacheMetrics, ModelMetrics, error_response, read_inputs
@@ -50,6 +50,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 parsed = parse_generate_request(read_inputs(request, INPUT_NAMES), self.limits)
+                check_image_headers(parsed, self.limits)
                 encoder = pinned_encoder(request.parameters())
             except EpdError as exc:
                 sender.send(error_response(exc), flags=FINAL)

@@ -18,7 +18,7 @@ from python_backends.model_params import ModelParameters
 from python_backends.pd.engines import PrefillEngine
 from python_backends.pd_stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
-from python_backends.triton_edge import FINAL, ModelMetrics, error_response, read_inputs
+from python_backends.triton_edge import FINAL, ModelMetrics, read_inputs, stage_error_response, wants_error_outputs
 
 INPUT_NAMES = ("text_input", "references", "sampling_parameters")
 
@@ -43,17 +43,18 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            as_output = wants_error_outputs(request)
             try:
                 parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.max_tokens_limit)
                 self.reference_bytes.increment(sum(len(r) for r in parsed.references))
                 self.references.increment(len(parsed.references))
                 images, _ = resolve_images(self.store, parsed.references)
             except EpdError as exc:
-                sender.send(error_response(exc), flags=FINAL)
+                sender.send(stage_error_response(exc, as_output), flags=FINAL)
                 continue
-            self.loop.submit(self._serve(parsed, images, sender))
+            self.loop.submit(self._serve(parsed, images, sender, as_output))
 
-    async def _serve(self, parsed, images, sender):
+    async def _serve(self, parsed, images, sender, as_output):
         try:
             result = await self.engine.prefill(parsed.text, images, parsed.sampling, request_id=uuid.uuid4().hex)
             transfer = result.transfer.to_json() if result.transfer is not None else ""
@@ -69,7 +70,7 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
         except Exception as exc:  # every failure reaches the caller as one coded error
             pb_utils.Logger.log_warn(f"prefill failed: {exc}")
-            sender.send(error_response(exc), flags=FINAL)
+            sender.send(stage_error_response(exc, as_output), flags=FINAL)
 
     def finalize(self):
         self.loop.stop()
