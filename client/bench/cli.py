@@ -1,10 +1,11 @@
-"""``python -m client.bench {run,compare,perf-analyzer-inputs}``: see each ``--help``."""
+"""``python -m client.bench {run,peers,compare,perf-analyzer-inputs}``: see each ``--help``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shlex
 import sys
@@ -17,7 +18,13 @@ from python_backends.tritonserver import REPO_ROOT
 
 DEFAULT_MODES = ("llm", "ensemble", "epd", "epd:repeated")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
-DEFAULT_TOKENIZER = REPO_ROOT / "build" / "models" / "tiny-qwen2-vl" / "tokenizer.json"
+DEFAULT_MODEL_DIR = REPO_ROOT / "build" / "models" / "tiny-qwen2-vl"
+DEFAULT_TOKENIZER = DEFAULT_MODEL_DIR / "tokenizer.json"
+# bench-peers: ours and the two vLLM peers, each with unique and with repeated media.
+DEFAULT_PEER_MODES = (
+    "llm", "llm:repeated", "epd", "epd:repeated",
+    "vllm-colocated", "vllm-colocated:repeated", "vllm-epd", "vllm-epd:repeated",
+)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -36,6 +43,9 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths then vary)")
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--tokenizer", type=Path, help=f"tokenizer.json for exact prompt lengths (default: {DEFAULT_TOKENIZER} if present)")
+    group.add_argument("--media-salt", default=None,
+                       help="mixed into synthetic image content; 'auto' = a new one per run, so images are new to caches that "
+                            "outlive a server (the embedding store in /dev/shm); give a run's salt to repeat it exactly")
 
 
 def _workload_spec(args: argparse.Namespace) -> Any:
@@ -56,7 +66,46 @@ def _workload_spec(args: argparse.Namespace) -> Any:
         ignore_eos=not args.no_ignore_eos,
         temperature=args.temperature,
         tokenizer=tokenizer,
+        media_salt=_media_salt(getattr(args, "media_salt", None), getattr(args, "default_media_salt", "")),
     )
+
+
+def _media_salt(given: str | None, default: str) -> str:
+    value = default if given is None else given
+    return time.strftime("%Y%m%dT%H%M%S") if value == "auto" else value
+
+
+def _sweep_arguments(parser: argparse.ArgumentParser, default_out: Path, default_title: str, default_prime_pool: bool = False) -> None:
+    """Load points, repetitions, bounds, SLOs, outputs and the workload: shared by run and peers."""
+    parser.add_argument("--baseline", default="llm", help="mode the ratios are taken against")
+    parser.add_argument("--concurrency", nargs="*", type=int, default=list(DEFAULT_CONCURRENCY), help="closed-loop points")
+    parser.add_argument("--request-rate", nargs="*", type=float, default=[], help="open-loop points, req/s")
+    parser.add_argument("--arrival", choices=("poisson", "burst"), default="poisson", help="open-loop arrival pattern")
+    parser.add_argument("--burst-size", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=32, help="measured requests per point and repetition")
+    parser.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (excluded)")
+    parser.add_argument("--reps", type=int, default=1, help="repetitions per point; the median is reported")
+    parser.add_argument("--max-seconds-per-point", type=float, default=120.0, help="stop issuing requests after this")
+    parser.add_argument("--request-timeout", type=float, default=120.0)
+    parser.add_argument("--time-budget", type=float, help="seconds for the whole sweep, shared evenly by the modes that run; points past a mode's share are reported as not run")
+    parser.add_argument("--max-inflight", type=int, default=256, help="open-loop cap on requests in flight")
+    parser.add_argument("--max-noise", type=float, metavar="SHARE",
+                        help="measure a repetition again (fresh requests) when other processes took more than this share "
+                             "of the CPUs during it, e.g. 0.25 on a shared machine")
+    parser.add_argument("--noise-retries", type=int, default=2, help="at most this many re-measurements per repetition")
+    parser.add_argument("--prime-pool", action=argparse.BooleanOptionalAction, default=default_prime_pool,
+                        help="warm-up of modes with reuse starts with one request per pool image, so their measured "
+                             "requests find all their repeated media cached")
+    parser.add_argument("--slo-ttft-ms", type=float)
+    parser.add_argument("--slo-tpot-ms", type=float)
+    parser.add_argument("--slo-e2e-ms", type=float)
+    parser.add_argument("--cache-hit-metric", default=None, help="counter on /metrics counting cache hits")
+    parser.add_argument("--encode-metric", default=None, help="counter on /metrics counting media encodes")
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--title", default=default_title)
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    _workload_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,28 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--server-pid", type=int, help="server pid for CPU accounting (default: found from the port when local)")
     run.add_argument("--model", type=Path, help="checkpoint for the server started here (default: the tiny built-in model)")
     run.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help="MODEL[:unique|:repeated] ...; missing models are skipped")
-    run.add_argument("--baseline", default="llm", help="mode the ratios are taken against")
-    run.add_argument("--concurrency", nargs="*", type=int, default=list(DEFAULT_CONCURRENCY), help="closed-loop points")
-    run.add_argument("--request-rate", nargs="*", type=float, default=[], help="open-loop points, req/s")
-    run.add_argument("--arrival", choices=("poisson", "burst"), default="poisson", help="open-loop arrival pattern")
-    run.add_argument("--burst-size", type=int, default=4)
-    run.add_argument("--requests", type=int, default=32, help="measured requests per point and repetition")
-    run.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (excluded)")
-    run.add_argument("--reps", type=int, default=1, help="repetitions per point; the median is reported")
-    run.add_argument("--max-seconds-per-point", type=float, default=120.0, help="stop issuing requests after this")
-    run.add_argument("--request-timeout", type=float, default=120.0)
-    run.add_argument("--time-budget", type=float, help="seconds for the whole sweep, shared evenly by the modes that run; points past a mode's share are reported as not run")
-    run.add_argument("--max-inflight", type=int, default=256, help="open-loop cap on requests in flight")
-    run.add_argument("--slo-ttft-ms", type=float)
-    run.add_argument("--slo-tpot-ms", type=float)
-    run.add_argument("--slo-e2e-ms", type=float)
-    run.add_argument("--cache-hit-metric", default=None, help="counter on /metrics counting cache hits")
-    run.add_argument("--encode-metric", default=None, help="counter on /metrics counting media encodes")
-    run.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "latest" / "bench")
-    run.add_argument("--title", default="triton-epd benchmark")
-    run.add_argument("--no-plots", action="store_true")
-    run.add_argument("--no-progress", action="store_true")
-    _workload_arguments(run)
+    _sweep_arguments(run, REPO_ROOT / "results" / "latest" / "bench", "triton-epd benchmark")
+
+    peers = commands.add_parser(
+        "peers",
+        help="our modes vs vLLM's native EPD and colocated vLLM, same model/machine/workload, one server group at a time",
+    )
+    peers.add_argument("--model", type=Path, help=f"checkpoint for every server (default: {DEFAULT_MODEL_DIR})")
+    peers.add_argument("--modes", nargs="+", default=list(DEFAULT_PEER_MODES),
+                       help="MODEL[:unique|:repeated]; MODEL is one of ours (llm, epd, ensemble) or vllm-colocated, vllm-epd")
+    peers.add_argument("--equality-requests", type=int, nargs=2, default=[8, 8], metavar=("UNIQUE", "REPEATED"),
+                       help="requests of the equality pass (sent one at a time to every served model)")
+    peers.add_argument("--peer-start-timeout", type=float, default=600.0, help="seconds for a vllm serve to become healthy")
+    peers.add_argument("--ec-storage", type=Path, default=Path("/dev/shm/triton-epd-bench-vllm-ec"),
+                       help="vLLM-EPD's EC connector storage (emptied before and after)")
+    peers.add_argument("--logs", type=Path, default=REPO_ROOT / "build" / "bench" / "peers", help="server logs")
+    peers.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                       help="before each server group, wait up to this long until other processes use < 25%% of the CPUs")
+    _sweep_arguments(peers, REPO_ROOT / "results" / "latest" / "peers", "Peers: triton-epd vs vLLM native EPD vs colocated vLLM",
+                     default_prime_pool=True)
+    # Fresh images every run: our store keeps the last run's, vLLM's caches die with the process.
+    peers.set_defaults(url=None, metrics_url=None, server_pid=None, default_media_salt="auto")
 
     compare = commands.add_parser("compare", help="diff two results (summary.json files or their folders)")
     compare.add_argument("old", type=Path)
@@ -144,20 +192,22 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
         }
 
 
-def command_run(args: argparse.Namespace) -> int:
+def _sweep_config(args: argparse.Namespace) -> Any:
+    """The SweepConfig the options describe; None (after a message) when there is no load point."""
     from client.bench.loadgen import LoadPoint  # noqa: PLC0415
-    from client.bench.machine import describe_machine  # noqa: PLC0415
     from client.bench.metrics import Slo  # noqa: PLC0415
-    from client.bench.report import markdown, write_outputs  # noqa: PLC0415
-    from client.bench.server_stats import DEFAULT_CACHE_HIT_METRIC, DEFAULT_ENCODE_METRIC  # noqa: PLC0415
-    from client.bench.sweep import ModeSpec, Sweep, SweepConfig  # noqa: PLC0415
+    from client.bench.server_stats import (  # noqa: PLC0415
+        DEFAULT_CACHE_HIT_METRIC,
+        DEFAULT_ENCODE_METRIC,
+    )
+    from client.bench.sweep import ModeSpec, SweepConfig  # noqa: PLC0415
 
     points = [LoadPoint("concurrency", c) for c in args.concurrency]
     points += [LoadPoint("rate", r, args.arrival, args.burst_size) for r in args.request_rate]
     if not points:
         print("error: give --concurrency and/or --request-rate values", file=sys.stderr)
-        return 2
-    config = SweepConfig(
+        return None
+    return SweepConfig(
         modes=[ModeSpec.parse(m) for m in args.modes],
         points=points,
         workload=_workload_spec(args),
@@ -173,22 +223,65 @@ def command_run(args: argparse.Namespace) -> int:
         cache_hit_metric=args.cache_hit_metric or DEFAULT_CACHE_HIT_METRIC,
         encode_metric=args.encode_metric or DEFAULT_ENCODE_METRIC,
         progress=not args.no_progress,
+        max_noise=args.max_noise,
+        noise_retries=args.noise_retries,
+        prime_pool=args.prime_pool,
     )
-    machine = describe_machine()
-    wall_started = time.perf_counter()
-    with _server_for(args, REPO_ROOT / "build" / "bench") as server:
-        output = asyncio.run(Sweep(config, server["grpc_url"], server["metrics_url"], server["pid"]).run())
-    output.summary["meta"] = {
+
+
+def _meta(args: argparse.Namespace, machine: dict[str, Any], started: float, origin: str) -> dict[str, Any]:
+    return {
         "title": args.title,
         "command": "python -m client.bench " + shlex.join(args.argv),
         "machine": machine,
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "server_origin": server["origin"],
-        "wall_s_with_server_start": time.perf_counter() - wall_started,
+        "server_origin": origin,
+        "wall_s_with_server_start": time.perf_counter() - started,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from client.bench.machine import describe_machine  # noqa: PLC0415
+    from client.bench.report import markdown, write_outputs  # noqa: PLC0415
+    from client.bench.sweep import Sweep  # noqa: PLC0415
+
+    config = _sweep_config(args)
+    if config is None:
+        return 2
+    machine = describe_machine()
+    wall_started = time.perf_counter()
+    with _server_for(args, REPO_ROOT / "build" / "bench") as server:
+        output = asyncio.run(Sweep(config, server["grpc_url"], server["metrics_url"], server["pid"]).run())
+    output.summary["meta"] = _meta(args, machine, wall_started, server["origin"])
     written = write_outputs(args.out, output.summary, output.raw, plots=not args.no_plots)
     print(markdown(output.summary, []))
+    print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def command_peers(args: argparse.Namespace) -> int:
+    from builders.default_model import build_default_model, resolve_model  # noqa: PLC0415
+    from client.bench.machine import describe_machine  # noqa: PLC0415
+    from client.bench.peers import PeerRun, PeerRunConfig, PeerSettings  # noqa: PLC0415
+    from client.bench.peers_report import peers_markdown, write_peer_outputs  # noqa: PLC0415
+
+    config = _sweep_config(args)
+    if config is None:
+        return 2
+    model_dir = resolve_model(args.model) if args.model else build_default_model()
+    settings = dataclasses.replace(
+        PeerSettings.from_target(model_dir, args.logs, args.ec_storage), start_timeout_s=args.peer_start_timeout
+    )
+    machine = describe_machine()
+    wall_started = time.perf_counter()
+    unique, repeated = args.equality_requests
+    run = PeerRun(PeerRunConfig(config, settings, unique, repeated, wait_quiet_s=args.wait_quiet),
+                  lambda: _server_for(args, args.logs))
+    output = run.run()
+    output.summary["meta"] = _meta(args, machine, wall_started, "each server group started and stopped by the harness")
+    written = write_peer_outputs(args.out, output.summary, output.raw, plots=not args.no_plots)
+    print(peers_markdown(output.summary))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 
@@ -237,5 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in the results: the exact command that produced them
-    handlers = {"run": command_run, "compare": command_compare, "perf-analyzer-inputs": command_perf_analyzer_inputs}
+    handlers = {
+        "run": command_run,
+        "peers": command_peers,
+        "compare": command_compare,
+        "perf-analyzer-inputs": command_perf_analyzer_inputs,
+    }
     return handlers[args.command](args)

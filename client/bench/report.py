@@ -98,9 +98,12 @@ def markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> st
         + (f", {meta['server_origin']}" if "server_origin" in meta else ""),
         f"- Command: `{meta['command']}`" if "command" in meta else "",
         f"- Workload: {_workload_text(config['workload'])}",
-        f"- Per point: {config['warmup_requests']} warm-up requests (excluded), then {config['requests_per_point']} "
+        f"- Per point: {config['warmup_requests']} warm-up requests (excluded"
+        + ("; modes with reuse first send one per pool image" if config.get("prime_pool") else "")
+        + f"), then {config['requests_per_point']} "
         f"measured requests x {reps} repetition(s), median reported; bounded by {config['max_seconds_per_point']:g} s "
         f"per point; run took {summary['run_wall_s']:.0f} s",
+        _noise_line(summary),
         "",
         f"## Latency and throughput (median of {reps})",
         "",
@@ -123,6 +126,18 @@ def markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> st
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
+def _noise_line(summary: dict[str, Any]) -> str | None:
+    limit = summary["config"].get("max_noise")
+    if limit is None:
+        return None
+    redone = sum(int(rep.get("noisy_attempts_discarded") or 0) for p in ran_points(summary) for rep in p.get("reps", []))
+    return (
+        f"- Noise guard: a repetition during which other processes took more than {limit:.0%} of the CPUs was measured "
+        f"again with fresh requests (at most {summary['config'].get('noise_retries')} times); {redone} re-measurement(s) "
+        "in this run; what was kept is in results.csv (`other_processes_cpu_share`)"
+    )
+
+
 def _workload_text(w: dict[str, Any]) -> str:
     media = f"images from {w['image_dir']}" if w["image_dir"] else f"synthetic {w['image_format']} {', '.join(w['image_sizes'])}"
     return (
@@ -130,6 +145,7 @@ def _workload_text(w: dict[str, Any]) -> str:
         f"(ignore_eos={w['ignore_eos']}, temperature {w['temperature']}); {w['images_per_request']} image(s) per request, "
         f"{media}; reuse ratio {w['reuse_ratio']} (`:repeated` modes {w['repeated_reuse_ratio']}, pool of "
         f"{w['media_pool_size']})"
+        + (f"; media salt `{w['media_salt']}` (repeat with `--media-salt {w['media_salt']}`)" if w.get("media_salt") else "")
     )
 
 

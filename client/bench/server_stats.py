@@ -224,14 +224,20 @@ def machine_busy_s() -> float:
 
 
 class CpuMeter:
-    """CPU seconds of this process (all its threads), of the server's process tree and of
-    the whole machine (what is left is other work: noise on a shared machine)."""
+    """CPU seconds of this process (all its threads), of the server's process tree(s) and of
+    the whole machine (what is left is other work: noise on a shared machine).
+
+    ``server_pids``: the roots of the server's process trees; one for tritonserver, several
+    for a server made of separate processes (the vLLM peers: engines + router)."""
 
     def __init__(self, server_pid: int | None) -> None:
-        self.server_pid = server_pid
+        self.server_pids: list[int] = [server_pid] if server_pid else []
 
     def sample(self) -> CpuSample:
-        server = process_tree_cpu_s(self.server_pid) if self.server_pid else None
+        server = None
+        if self.server_pids:
+            trees = [process_tree_cpu_s(pid) for pid in self.server_pids]
+            server = None if any(t is None for t in trees) else sum(t for t in trees if t is not None)
         return CpuSample(time.perf_counter(), time.process_time(), server, machine_busy_s())
 
 

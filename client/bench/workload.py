@@ -118,6 +118,10 @@ class WorkloadSpec:
     ignore_eos: bool = True
     temperature: float = 0.0
     tokenizer: Path | None = None
+    # Mixed into synthetic image content (not prompts or lengths). Caches that outlive a
+    # server (our embedding store in /dev/shm) still hold the images of an earlier run with
+    # the same seed; a salt of its own makes a run's "unique" images new to every server.
+    media_salt: str = ""
 
     def __post_init__(self) -> None:
         for name in ("reuse_ratio", "repeated_reuse_ratio"):
@@ -143,6 +147,7 @@ class WorkloadSpec:
             "ignore_eos": self.ignore_eos,
             "temperature": self.temperature,
             "tokenizer": str(self.tokenizer) if self.tokenizer else None,
+            "media_salt": self.media_salt,
         }
 
 
@@ -186,9 +191,11 @@ def synthetic_image(width: int, height: int, seed: int, fmt: str = "JPEG") -> by
 class SyntheticMedia:
     seed: int
     fmt: str = "JPEG"
+    salt: str = ""  # WorkloadSpec.media_salt
 
     def image(self, key: str, size: tuple[int, int]) -> bytes:
-        return synthetic_image(size[0], size[1], _stable_seed(f"{self.seed}/{key}"), self.fmt)
+        name = f"{self.seed}/{self.salt}/{key}" if self.salt else f"{self.seed}/{key}"
+        return synthetic_image(size[0], size[1], _stable_seed(name), self.fmt)
 
 
 class FolderMedia:
@@ -207,7 +214,7 @@ class FolderMedia:
 
 
 def media_source(spec: WorkloadSpec) -> MediaSource:
-    return FolderMedia(spec.image_dir, spec.seed) if spec.image_dir else SyntheticMedia(spec.seed, spec.image_format)
+    return FolderMedia(spec.image_dir, spec.seed) if spec.image_dir else SyntheticMedia(spec.seed, spec.image_format, spec.media_salt)
 
 
 class PromptMaker:
@@ -230,7 +237,7 @@ class PromptMaker:
         return self._tokenizer.decode(ids)
 
 
-PHASES = {"measure": 0, "warmup": 1, "perf_analyzer": 2}
+PHASES = {"measure": 0, "warmup": 1, "perf_analyzer": 2, "equality": 3}
 
 
 @dataclass
@@ -252,20 +259,34 @@ class WorkloadBuilder:
         reuse = np.random.default_rng([self.spec.seed, PHASES[phase], point, rep, 1])
         return [self._request(f"{phase}/{point}/{rep}/{i}", shapes, reuse, reuse_ratio) for i in range(count)]
 
-    def _request(self, key: str, shapes: np.random.Generator, reuse: np.random.Generator, reuse_ratio: float) -> BenchRequest:
+    def pool_primers(self) -> list[BenchRequest]:
+        """One request per image of the reused pool, each showing that image only: the
+        warm-up of a mode with reuse, so its measured requests find the whole pool cached
+        (what "repeated media" means) instead of first-seen pool images in the first rep."""
+        shapes = np.random.default_rng([self.spec.seed, PHASES["warmup"], 1 << 20])
+        return [
+            self._request(f"warmup/pool/{i}", shapes, np.random.default_rng(0), 1.0, pool_index=i, num_images=1)
+            for i in range(self.spec.media_pool_size)
+        ]
+
+    def _request(
+        self, key: str, shapes: np.random.Generator, reuse: np.random.Generator, reuse_ratio: float,
+        pool_index: int | None = None, num_images: int | None = None,
+    ) -> BenchRequest:
         spec = self.spec
         prompt_tokens = spec.prompt_tokens.sample(shapes)
         output_tokens = spec.output_tokens.sample(shapes)
-        num_images = spec.images_per_request.sample(shapes)
+        sampled_images = spec.images_per_request.sample(shapes)
+        num_images = sampled_images if num_images is None else num_images
         text = self.prompts.text(prompt_tokens, shapes)
         images, keys, reused = [], [], 0
         for slot in range(num_images):
             size = spec.image_sizes[int(shapes.integers(len(spec.image_sizes)))]
-            if reuse.random() < reuse_ratio:
-                pool_index = int(reuse.integers(spec.media_pool_size))
-                image_key = f"pool/{pool_index}"
+            if pool_index is not None or reuse.random() < reuse_ratio:
+                index = pool_index if pool_index is not None else int(reuse.integers(spec.media_pool_size))
+                image_key = f"pool/{index}"
                 # A pool image keeps one size, whatever the slot drew.
-                size = spec.image_sizes[pool_index % len(spec.image_sizes)]
+                size = spec.image_sizes[index % len(spec.image_sizes)]
                 reused += 1
             else:
                 image_key = f"unique/{key}/{slot}"
