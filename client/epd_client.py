@@ -138,6 +138,15 @@ class GrpcClient:
         self.model = model
         self._client = grpcclient.InferenceServerClient(url)
 
+    def _start_stream(self) -> "queue.Queue[tuple[Any, Any]]":
+        """Open the client's (one) gRPC stream; its responses and errors land in the queue."""
+        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        try:
+            self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        except Exception as exc:
+            raise _server_down(self.url, "gRPC", exc) from None
+        return responses
+
     def check_ready(self) -> None:
         try:
             ready = self._client.is_model_ready(self.model)
@@ -164,12 +173,8 @@ class GrpcClient:
         image item ``b"mm_hash:<hex>"`` names an image pre-encoded with :meth:`warm_up`.
         """
         check_images_for(self.model, images)
-        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
         result = GenerateResult(started_at=time.perf_counter())
-        try:
-            self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        except Exception as exc:
-            raise _server_down(self.url, "gRPC", exc) from None
+        responses = self._start_stream()
         try:
             self._client.async_stream_infer(
                 self.model,
@@ -203,13 +208,9 @@ class GrpcClient:
         """Pre-encode ``images`` into the server's embedding cache through an encoder model;
         returns each image's ``mm_hash``, to send later as ``b"mm_hash:" + hash`` instead of
         the bytes (``epd`` answers NOT_FOUND once an entry is evicted: send the bytes then)."""
-        responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
         image = self._module.InferInput("image", [len(images)], "BYTES")
         image.set_data_from_numpy(np.array(list(images), dtype=np.object_))
-        try:
-            self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        except Exception as exc:
-            raise _server_down(self.url, "gRPC", exc) from None
+        responses = self._start_stream()
         try:
             self._client.async_stream_infer(encoder, [image])
             try:

@@ -31,11 +31,25 @@ def server(model_dir: Path) -> Iterator[TritonServer]:
         yield running
 
 
-@pytest.fixture
-def grpc_client(server: TritonServer) -> Iterator[GrpcClient]:
-    client = GrpcClient(server.grpc_url, "llm")
+def _client(server: TritonServer, model: str) -> Iterator[GrpcClient]:
+    client = GrpcClient(server.grpc_url, model)
     yield client
     client.close()
+
+
+@pytest.fixture
+def grpc_client(server: TritonServer) -> Iterator[GrpcClient]:
+    yield from _client(server, "llm")
+
+
+@pytest.fixture
+def llm(server: TritonServer) -> Iterator[GrpcClient]:
+    yield from _client(server, "llm")
+
+
+@pytest.fixture
+def epd(server: TritonServer) -> Iterator[GrpcClient]:
+    yield from _client(server, "epd")
 
 
 @pytest.fixture

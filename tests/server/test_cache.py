@@ -8,7 +8,6 @@ import concurrent.futures
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
@@ -49,20 +48,6 @@ def _counters(server: TritonServer) -> dict[tuple[str, str], float]:
 
 def _delta(before: dict, after: dict, name: str, key: str) -> float:
     return after.get((name, key), 0.0) - before.get((name, key), 0.0)
-
-
-@pytest.fixture
-def epd(server: TritonServer) -> Iterator[GrpcClient]:
-    client = GrpcClient(server.grpc_url, "epd")
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def llm(server: TritonServer) -> Iterator[GrpcClient]:
-    client = GrpcClient(server.grpc_url, "llm")
-    yield client
-    client.close()
 
 
 def test_an_image_encoded_by_one_encoder_is_a_hit_for_the_other_and_metrics_count_it(server, epd):

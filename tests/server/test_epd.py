@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from client.epd_client import ClientError, GrpcClient, chat_prompt
+from client.epd_client import ClientError, chat_prompt
 from python_backends.pd.transfer import TransferParams
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 from python_backends.tritonserver import TritonServer
@@ -49,20 +49,6 @@ def _metric(server: TritonServer, name: str, **labels: str) -> float:
             found = True
     assert found, f"metric {name} {labels} is not exported"
     return total
-
-
-@pytest.fixture
-def epd(server: TritonServer):
-    client = GrpcClient(server.grpc_url, "epd")
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def llm(server: TritonServer):
-    client = GrpcClient(server.grpc_url, "llm")
-    yield client
-    client.close()
 
 
 def test_greedy_tokens_equal_llm_over_grpc_streaming(epd, llm):
