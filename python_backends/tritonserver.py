@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -47,13 +48,31 @@ class Ports:
     @classmethod
     def free(cls) -> "Ports":
         """Three ports the OS says are free now (for tests that run beside a server)."""
-        return cls(*(_free_port() for _ in range(3)))
+        ports: list[int] = []
+        while len(ports) < 3:
+            port = _free_port()
+            if port not in ports:
+                ports.append(port)
+        return cls(*ports)
+
+
+# Below Linux's ephemeral range (32768-60999): tritonserver binds its ports only after every
+# model has loaded (tens of seconds), and meanwhile the vLLM engines it starts take ephemeral
+# ports of their own (bind to port 0) -- a port the OS handed out as free could be gone.
+_PORT_RANGE = (20000, 32000)
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 def find_tritonserver(build_dir: Path = REPO_ROOT / "build") -> TritonInstall:
