@@ -50,7 +50,7 @@ class Ports:
         """Three ports the OS says are free now (for tests that run beside a server)."""
         ports: list[int] = []
         while len(ports) < 3:
-            port = _free_port()
+            port = free_port()
             if port not in ports:
                 ports.append(port)
         return cls(*ports)
@@ -62,7 +62,8 @@ class Ports:
 _PORT_RANGE = (20000, 32000)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free now, outside the range the OS hands out for bind(0)."""
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(*_PORT_RANGE)

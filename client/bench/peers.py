@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -65,6 +64,7 @@ from client.bench.sweep import (
     ratios_vs_baseline,
 )
 from client.bench.workload import BenchRequest, WorkloadBuilder
+from python_backends.tritonserver import free_port
 
 COLOCATED = "vllm-colocated"
 VLLM_EPD = "vllm-epd"
@@ -76,12 +76,6 @@ E2E_GOAL_FACTOR = 1.15
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,9 +124,9 @@ def test_client_chat_prompt_and_result_accumulation():
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cli_says_how_to_start_a_server_that_is_down(protocol, capsys):
     from client.cli import main
-    from python_backends.tritonserver import _free_port
+    from python_backends.tritonserver import free_port
 
-    assert main(["hi", "--protocol", protocol, "--url", f"127.0.0.1:{_free_port()}"]) == 1
+    assert main(["hi", "--protocol", protocol, "--url", f"127.0.0.1:{free_port()}"]) == 1
     assert "Is the server running? Start it with `make serve`" in capsys.readouterr().err
 
 
