@@ -138,3 +138,22 @@ def test_model_metrics_share_one_family_per_name_and_label_the_model():
     assert labels_a == {"model": "prefill", "kind": "reference"} and labels_b["kind"] == "media"
     gauge_family, _ = metrics.gauge("epd_other", "d")
     assert gauge_family.kind == gauge_family.GAUGE and family_a.kind == family_a.COUNTER
+
+
+def test_cancel_watch_asks_triton_at_most_once_per_interval():
+    class Sender:
+        calls = 0
+        answer = False
+
+        def is_cancelled(self):
+            Sender.calls += 1
+            return Sender.answer
+
+    from python_backends.triton_edge import CancelWatch
+
+    watch = CancelWatch(Sender(), interval_s=3600)
+    assert [watch.cancelled() for _ in range(100)] == [False] * 100
+    assert Sender.calls == 1  # the first token asks; the rest reuse the answer
+    now = CancelWatch(Sender(), interval_s=0.0)
+    Sender.answer = True
+    assert now.cancelled() and now.cancelled() and Sender.calls == 2  # a cancel sticks, asked once

@@ -25,6 +25,7 @@ from python_backends.pd_stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge import (
     FINAL,
+    CancelWatch,
     ModelMetrics,
     chunk_response,
     read_inputs,
@@ -79,11 +80,12 @@ class TritonPythonModel:
 
     async def _serve(self, parsed, images, sender, request_id, as_output):
         finished = False
+        cancel = CancelWatch(sender)
         try:
             async for chunk in self.engine.decode(
                 parsed.transfer_params, images, parsed.sampling, request_id=request_id, stream=parsed.stream
             ):
-                if sender.is_cancelled():
+                if cancel.cancelled():
                     break
                 generation = GenerationChunk(
                     text=chunk.text,

@@ -17,7 +17,7 @@ from python_backends.event_loop import EventLoopThread
 from python_backends.generate_request import check_image_headers, parse_generate_request, request_limits
 from python_backends.model_params import ModelParameters
 from python_backends.store import EmbeddingStore, KeyConfig
-from python_backends.triton_edge import FINAL, CacheMetrics, ModelMetrics, error_response, read_inputs
+from python_backends.triton_edge import FINAL, CacheMetrics, CancelWatch, ModelMetrics, error_response, read_inputs
 
 INPUT_NAMES = ("text_input", "image", "stream", "sampling_parameters", "exclude_input_in_output")
 
@@ -60,9 +60,10 @@ class TritonPythonModel:
     async def _serve(self, parsed, encoder, sender):
         request_id = uuid.uuid4().hex
         stream = self.pipeline.run(parsed, request_id, encoder)
+        cancel = CancelWatch(sender)
         try:
             async for item in stream:
-                if sender.is_cancelled():
+                if cancel.cancelled():
                     sender.send(flags=FINAL)
                     return
                 if item.timings_ms:

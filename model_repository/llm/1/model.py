@@ -17,6 +17,7 @@ from python_backends.media import decode_images
 from python_backends.model_params import ModelParameters
 from python_backends.triton_edge import (
     FINAL,
+    CancelWatch,
     ModelMetrics,
     chunk_response,
     error_response,
@@ -68,9 +69,10 @@ class TritonPythonModel:
     async def _serve(self, parsed, images, sender):
         request_id = uuid.uuid4().hex
         stream = self.engine.generate(parsed, images, request_id)
+        cancel = CancelWatch(sender)
         try:
             async for chunk in stream:
-                if sender.is_cancelled():
+                if cancel.cancelled():
                     await self.engine.abort(request_id)
                     sender.send(flags=FINAL)
                     return
