@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,17 @@ from python_backends.generate_request import GenerateRequest
 log = logging.getLogger(__name__)
 
 
-def rejected_by_engine(exc: BaseException) -> bool:
-    """Whether vLLM refused the request's input (prompt above the context, bad image): it
-    raises ValueError or, for validation, VLLMClientError (not a ValueError in 0.32)."""
+@contextmanager
+def input_rejections(engine: str) -> Iterator[None]:
+    """vLLM refuses input it cannot serve (prompt above the context, bad image) with ValueError
+    or, for validation, VLLMClientError (not a ValueError in 0.32): INVALID_ARG with vLLM's
+    message. Anything else goes on as it is."""
     from vllm.exceptions import VLLMClientError  # noqa: PLC0415 - vLLM loads only where used
 
-    return isinstance(exc, (ValueError, VLLMClientError))
+    try:
+        yield
+    except (ValueError, VLLMClientError) as exc:
+        raise invalid_arg(f"request rejected by the {engine}: {exc}") from None
 
 
 @dataclass
@@ -103,26 +109,25 @@ class LlmEngine:
         produced = 0
         first = True
         try:
-            async for output in self.engine.generate(prompt, params, request_id):
-                completion = output.outputs[0]
-                produced += len(completion.token_ids)
-                text = completion.text
-                if first and not request.exclude_input_in_output:
-                    text = (output.prompt or "") + text
-                first = False
-                yield GenerationChunk(
-                    text=text,
-                    token_ids=list(completion.token_ids),
-                    num_input_tokens=len(output.prompt_token_ids or []),
-                    num_output_tokens=produced,
-                    finish_reason=completion.finish_reason,
-                    finished=output.finished,
-                )
+            with input_rejections("engine"):
+                async for output in self.engine.generate(prompt, params, request_id):
+                    completion = output.outputs[0]
+                    produced += len(completion.token_ids)
+                    text = completion.text
+                    if first and not request.exclude_input_in_output:
+                        text = (output.prompt or "") + text
+                    first = False
+                    yield GenerationChunk(
+                        text=text,
+                        token_ids=list(completion.token_ids),
+                        num_input_tokens=len(output.prompt_token_ids or []),
+                        num_output_tokens=produced,
+                        finish_reason=completion.finish_reason,
+                        finished=output.finished,
+                    )
         except EpdError:
             raise
         except Exception as exc:
-            if rejected_by_engine(exc):
-                raise invalid_arg(f"request rejected by the engine: {exc}") from None
             log.exception("vLLM generation failed")
             raise EpdError(f"generation failed: {type(exc).__name__}", ErrorCode.INTERNAL) from None
         finally:

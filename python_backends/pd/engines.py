@@ -39,10 +39,10 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.llm_engine import rejected_by_engine
+from python_backends.llm_engine import input_rejections
 from python_backends.pd import transfer as tx
 from python_backends.sampling import DEFAULT_MAX_TOKENS
 
@@ -185,17 +185,28 @@ class DecodeChunk:
     finished: bool
 
 
-class PrefillEngine:
-    """A vLLM AsyncLLM that is a KV producer. Methods run on the event loop thread."""
+class _KvEngine:
+    """A vLLM AsyncLLM with our KV connector in ``ROLE``. Methods run on the event loop thread."""
+
+    ROLE: Role
 
     def __init__(self, engine: Any, store: Path) -> None:
         self.engine = engine
         self.store = store
 
     @classmethod
-    async def start(cls, engine_args: Mapping[str, Any]) -> PrefillEngine:
-        store = check_engine_args(engine_args, "prefill")
+    async def start(cls, engine_args: Mapping[str, Any]) -> Self:
+        store = check_engine_args(engine_args, cls.ROLE)
         return cls(await _start_async_llm(engine_args), store)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class PrefillEngine(_KvEngine):
+    """The KV producer: prompt + embeddings -> first token + a committed transfer."""
+
+    ROLE = "prefill"
 
     async def prefill(
         self,
@@ -230,15 +241,9 @@ class PrefillEngine:
         if cache_salt:
             vllm_prompt["cache_salt"] = cache_salt
         final = None
-        try:
+        with input_rejections("prefill engine"):
             async for output in self.engine.generate(vllm_prompt, params, request_id or transfer_id):
                 final = output
-        except EpdError:
-            raise
-        except Exception as exc:
-            if rejected_by_engine(exc):
-                raise invalid_arg(f"request rejected by the prefill engine: {exc}") from None
-            raise
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             tx.remove_transfer(self.store, transfer_id)
             raise EpdError("prefill produced no token", ErrorCode.INTERNAL)
@@ -269,21 +274,11 @@ class PrefillEngine:
             transfer=transfer,
         )
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
 
+class DecodeEngine(_KvEngine):
+    """The KV consumer: loads a transfer instead of computing the prompt, streams the rest."""
 
-class DecodeEngine:
-    """A vLLM AsyncLLM that is a KV consumer. Methods run on the event loop thread."""
-
-    def __init__(self, engine: Any, store: Path) -> None:
-        self.engine = engine
-        self.store = store
-
-    @classmethod
-    async def start(cls, engine_args: Mapping[str, Any]) -> DecodeEngine:
-        store = check_engine_args(engine_args, "decode")
-        return cls(await _start_async_llm(engine_args), store)
+    ROLE = "decode"
 
     def resolve(self, transfer_params: str | bytes | Mapping[str, Any] | tx.TransferParams) -> tuple[tx.TransferParams, tx.Manifest]:
         """Validate transfer parameters against the committed transfer (no engine work)."""
@@ -341,7 +336,7 @@ class DecodeEngine:
         request_id = request_id or f"decode-{params.transfer_id}"
         produced = 1  # prefill's first token
         first = True
-        try:
+        with input_rejections("decode engine"):
             async for output in self.engine.generate(prompt, vllm_params, request_id):
                 completion = output.outputs[0]
                 if completion.finish_reason == "error":
@@ -364,12 +359,6 @@ class DecodeEngine:
                     finish_reason=completion.finish_reason,
                     finished=output.finished,
                 )
-        except EpdError:
-            raise
-        except Exception as exc:
-            if rejected_by_engine(exc):
-                raise invalid_arg(f"request rejected by the decode engine: {exc}") from None
-            raise
 
     def _load_error(self, params: tx.TransferParams) -> EpdError:
         try:
@@ -384,6 +373,3 @@ class DecodeEngine:
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
