@@ -60,6 +60,16 @@ Single-flight
     whose owner died, or older than ``producer_timeout_s``, is taken over. ``get_or_create``
     puts the pieces together for one key; a batching caller can use them directly.
 
+GPU stores
+    With ``device="cuda:N"`` the bytes live in device memory shared by CUDA IPC instead of
+    in LMDB (``arena.py``: one block per node, ranges placed through LMDB); everything else
+    above holds unchanged. ``put``/``fulfil`` take a numpy array or a CUDA array (torch
+    tensor, CuPy array: one device-to-device copy); ``open_view`` yields a ``DeviceView``
+    (``torch.as_tensor(view, device="cuda")`` wraps it without a copy) and holds a lease
+    for the block's duration (the reference's own, which must still be held, or a temporary
+    one), because freed device ranges are reused at once: no snapshot protects them.
+    Kernels that read a view must finish inside the block. ``resolve`` copies to the host.
+
 Metrics
     Counters (hits, misses, joins, evictions, puts, encodes, producer failures, reaped
     leases and claims) and gauges (bytes used, entries, active leases, capacity) are
@@ -77,22 +87,27 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import lmdb
 import numpy as np
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.store.arena import Arena
+from python_backends.store.device_memory import CudaIpcMemory, DeviceArray, DeviceMemory, DeviceView, cuda_device_index
 from python_backends.store.processes import process_is_alive, process_start_time
 from python_backends.store.records import (
+    ARENA,
     CLOCK,
     CUMULATIVE_COUNTERS,
     DATABASE_NAMES,
     GAUGE_COUNTERS,
     GENERATION,
     SCHEMA_VERSION,
+    ArenaRecord,
     EntryRecord,
     FailureRecord,
     LeaseRecord,
@@ -130,7 +145,9 @@ class StoreConfig:
 
     ``capacity_bytes`` bounds the embedding bytes held; the last process to open the store
     sets it for all. ``map_size_bytes`` bounds the LMDB file (0: twice the capacity plus
-    64 MiB, room for copy-on-write pages and open views).
+    64 MiB, room for copy-on-write pages and open views; 256 MiB of records on a GPU store).
+    ``device``: "cpu" (bytes in shared memory) or "cuda[:N]" (bytes in that GPU's memory,
+    shared by CUDA IPC; the arena is ``capacity_bytes`` of it, allocated at the first write).
     """
 
     path: str = DEFAULT_STORE_PATH
@@ -145,6 +162,7 @@ class StoreConfig:
     merge_size: int | None = None  # when set, reference grids are checked against placeholder counts
     eviction: str = "lru"  # the only policy so far; named so that a config says what it gets
     ttl_s: float | None = None  # entries older than this are misses (and dropped) unless leased
+    device: str = "cpu"
 
     def validate(self) -> None:
         if not self.path:
@@ -166,13 +184,23 @@ class StoreConfig:
             raise invalid_arg("embedding store ttl_s must be positive or None (no expiry)")
         if self.max_lease_age_s is not None and self.max_lease_age_s <= 0:
             raise invalid_arg("embedding store max_lease_age_s must be positive or None")
+        cuda_device_index(self.device)
         check_location(self.effective_location())
 
     def effective_map_size(self) -> int:
-        return self.map_size_bytes or 2 * self.capacity_bytes + 64 * _MIB
+        if self.map_size_bytes:
+            return self.map_size_bytes
+        return 256 * _MIB if self.device_index is not None else 2 * self.capacity_bytes + 64 * _MIB
 
     def effective_location(self) -> str:
-        return self.location or f"shm://{socket.gethostname()}"
+        if self.location:
+            return self.location
+        host = socket.gethostname()
+        return f"shm://{host}" if self.device_index is None else f"cuda://{host}/gpu{self.device_index}"
+
+    @property
+    def device_index(self) -> int | None:
+        return cuda_device_index(self.device)
 
 
 @dataclass(frozen=True)
@@ -216,7 +244,7 @@ Producer = Callable[[], "tuple[np.ndarray, EntryMeta]"]
 class _Payload:
     """An array made ready for storing, checked before any write transaction starts."""
 
-    data: np.ndarray  # C-contiguous, little-endian
+    data: np.ndarray | DeviceArray  # C-contiguous, little-endian; a DeviceArray for GPU stores only
     dtype: str
     meta: EntryMeta
 
@@ -224,23 +252,37 @@ class _Payload:
     def shape(self) -> tuple[int, ...]:
         return tuple(int(d) for d in self.data.shape)
 
+    @property
+    def pointer(self) -> int:
+        return self.data.pointer if isinstance(self.data, DeviceArray) else int(self.data.ctypes.data)
+
 
 class EmbeddingStore:
     """One process's handle on the node's store. Safe to share between threads; open one
     per process (an LMDB environment must not cross ``fork``)."""
 
-    def __init__(self, config: StoreConfig | None = None) -> None:
+    def __init__(self, config: StoreConfig | None = None, device_memory: DeviceMemory | None = None) -> None:
+        """``device_memory``: how a GPU store reaches its device (default: CUDA IPC on
+        ``config.device``); ignored by host stores."""
         self._config = config or StoreConfig()
         self._config.validate()
         self._pid = os.getpid()
         self._env = _open_environment(self._config)
         self._db = {name: self._env.open_db(name.encode()) for name in DATABASE_NAMES}
         self._store_id, self._secret = self._open_identity()
+        device = self._config.device_index
+        self._arena: Arena | None = None
+        if device is not None:
+            memory = device_memory or CudaIpcMemory(device)
+            self._arena = Arena(memory, self._db["config"], self._db["extents"])
 
     # --- lifecycle and identity ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the environment. Arrays from views must not be touched afterwards."""
+        """Close the environment. Arrays from views must not be touched afterwards. A GPU
+        store's process that allocated the arena frees it here: its entries are lost."""
+        if self._arena is not None:
+            self._arena.close()
         self._env.close()
 
     def __enter__(self) -> EmbeddingStore:
@@ -284,29 +326,38 @@ class EmbeddingStore:
     def put(
         self,
         key: str,
-        array: np.ndarray,
+        array: np.ndarray | Any,
         meta: EntryMeta | None = None,
         *,
         lease: bool = True,
         owner_pid: int | None = None,
     ) -> Reference:
         """Store ``array`` under ``key`` and return a reference (leased unless ``lease=False``).
+        ``array``: numpy, or on a GPU store also a CUDA array (``__cuda_array_interface__``).
 
         Content-addressed: if ``key`` is already stored, the existing entry is kept and its
         reference returned. Evicts least recently used unleased entries to make room;
         raises UNAVAILABLE when leased entries leave no room, INVALID_ARG on a bad layout.
         """
         payload = self._payload(key, array, meta or EntryMeta())
+        self._ensure_arena()
         with self._write() as txn:
             return self._store_payload(txn, key, payload, lease, owner_pid)
 
-    def _payload(self, key: str, array: np.ndarray, meta: EntryMeta) -> _Payload:
+    def _payload(self, key: str, array: np.ndarray | Any, meta: EntryMeta) -> _Payload:
         _check_key(key)
-        if not isinstance(array, np.ndarray):
+        data: np.ndarray | DeviceArray
+        if isinstance(array, np.ndarray):
+            dtype = _wire_dtype(array.dtype, meta.dtype)
+            data = np.ascontiguousarray(array, dtype=np.dtype(DTYPES[dtype]))
+        elif self._arena is None:
             raise invalid_arg(f"embedding must be a numpy array, got {type(array).__name__}")
-        dtype = _wire_dtype(array, meta.dtype)
-        data = np.ascontiguousarray(array, dtype=np.dtype(DTYPES[dtype]))
-        rows = int(data.shape[0]) if data.ndim else 0
+        else:
+            data = DeviceArray.of(array)
+            dtype = _wire_dtype(data.dtype, meta.dtype)
+            if data.dtype != np.dtype(DTYPES[dtype]):
+                raise invalid_arg(f"a CUDA embedding must be little-endian {dtype}, got {data.dtype.str}")
+        rows = int(data.shape[0]) if data.shape else 0
         meta = EntryMeta(
             modality=meta.modality,
             mm_hash=meta.mm_hash or key,
@@ -333,7 +384,8 @@ class EmbeddingStore:
         if existing is not None:
             return self._serve(txn, key, existing, lease, owner_pid)
         nbytes = int(payload.data.nbytes)
-        self._make_room(txn, nbytes)
+        arena = self._live_arena(txn)
+        offset = self._make_room(txn, nbytes)
         entry = EntryRecord(
             generation=self._add(txn, GENERATION, 1),
             dtype=payload.dtype,
@@ -346,8 +398,13 @@ class EmbeddingStore:
             tick=self._add(txn, CLOCK, 1),
             leases=0,
             created=time.time(),
+            arena=0 if arena is None else arena.arena_id,
+            offset=offset,
         )
-        txn.put(key.encode(), memoryview(payload.data).cast("B"), db=self._db["data"])
+        if arena is None:
+            txn.put(key.encode(), memoryview(payload.data).cast("B"), db=self._db["data"])  # type: ignore[arg-type]
+        else:
+            self._arena.write(arena, offset, payload.pointer, nbytes)  # type: ignore[union-attr]
         self._write_entry(txn, key, entry)
         txn.put(encode_tick(entry.tick), key.encode(), db=self._db["lru"])
         self._add(txn, "puts", 1)
@@ -356,27 +413,44 @@ class EmbeddingStore:
         lease_id = self._lease(txn, key, entry, owner_pid) if lease else ""
         return self._reference(key, entry, lease_id)
 
-    def _make_room(self, txn: lmdb.Transaction, nbytes: int) -> None:
-        capacity = decode_counter(txn.get(b"capacity", db=self._db["config"]))
+    def _make_room(self, txn: lmdb.Transaction, nbytes: int) -> int:
+        """Evict until ``nbytes`` fit; on a GPU store also take a range for them and return
+        its offset (-1 on a host store)."""
+        capacity = self._capacity(txn)
         if nbytes > capacity:
             raise invalid_arg(
                 f"embedding of {nbytes} bytes is larger than the store capacity ({capacity} bytes); "
                 "raise capacity_bytes"
             )
         needed = self._counter(txn, "bytes_used") + nbytes - capacity
-        if needed <= 0:
-            return
+        if needed > 0 and not self._evict(txn, needed):
+            raise self._full(txn, capacity)
+        if self._arena is None:
+            return -1
+        offset = self._arena.take(txn, nbytes)
+        while offset is None:  # enough bytes free, but not in one range: evict more, LRU first
+            if not self._evict(txn, 1):
+                raise self._full(txn, capacity)
+            offset = self._arena.take(txn, nbytes)
+        return offset
+
+    def _evict(self, txn: lmdb.Transaction, needed: int) -> bool:
         freed = self._evict_lru(txn, needed)
         if freed < needed:
             # Dead processes may still hold leases; free them before giving up.
             self._reap(txn)
             freed += self._evict_lru(txn, needed - freed)
-        if freed < needed:
-            raise StoreFullError(
-                f"embedding store is full: {self._counter(txn, 'bytes_used')} of {capacity} bytes are held by "
-                f"{self._counter(txn, 'active_leases')} leases of running requests; "
-                "retry later or raise capacity_bytes"
-            )
+        return freed >= needed
+
+    def _full(self, txn: lmdb.Transaction, capacity: int) -> StoreFullError:
+        return StoreFullError(
+            f"embedding store is full: {self._counter(txn, 'bytes_used')} of {capacity} bytes are held by "
+            f"{self._counter(txn, 'active_leases')} leases of running requests; "
+            "retry later or raise capacity_bytes"
+        )
+
+    def _capacity(self, txn: lmdb.Transaction) -> int:
+        return decode_counter(txn.get(b"capacity", db=self._db["config"]))
 
     def _evict_lru(self, txn: lmdb.Transaction, needed: int) -> int:
         """Evict unleased entries, least recently used first, until ``needed`` bytes are free."""
@@ -396,7 +470,12 @@ class EmbeddingStore:
         return freed
 
     def _delete_entry(self, txn: lmdb.Transaction, key: str, entry: EntryRecord) -> None:
-        txn.delete(key.encode(), db=self._db["data"])
+        if entry.offset < 0:
+            txn.delete(key.encode(), db=self._db["data"])
+        elif self._arena is not None:
+            arena = self._arena.live(txn)
+            if arena is not None and arena.arena_id == entry.arena:
+                self._arena.give_back(txn, entry.offset, entry.nbytes)
         txn.delete(key.encode(), db=self._db["entries"])
         txn.delete(encode_tick(entry.tick), db=self._db["lru"])
         self._add(txn, "bytes_used", -entry.nbytes)
@@ -611,7 +690,7 @@ class EmbeddingStore:
     def fulfil(
         self,
         claim: Claim,
-        array: np.ndarray,
+        array: np.ndarray | Any,
         meta: EntryMeta | None = None,
         *,
         lease: bool = True,
@@ -620,6 +699,7 @@ class EmbeddingStore:
         """Store the produced embedding and clear the claim; waiters then find the entry."""
         _check_producing(claim)
         payload = self._payload(claim.key, array, meta or EntryMeta())
+        self._ensure_arena()
         with self._write() as txn:
             reference = self._store_payload(txn, claim.key, payload, lease, owner_pid)
             self._clear_pending(txn, claim)
@@ -711,13 +791,16 @@ class EmbeddingStore:
 
     # --- reading ------------------------------------------------------------------------------
 
-    @contextmanager
-    def open_view(self, reference: Reference | bytes) -> Iterator[np.ndarray]:
+    def open_view(self, reference: Reference | bytes) -> AbstractContextManager[np.ndarray | DeviceView]:
         """Zero-copy, read-only array of the entry ``reference`` names, valid only inside
-        the ``with`` block (see the module docstring). Checks store id, tag, presence,
-        generation and layout first: NOT_FOUND if the entry is gone, INVALID_ARG if the
-        reference is bad."""
+        the ``with`` block (see the module docstring): a numpy array on a host store, a
+        ``DeviceView`` on a GPU store. Checks store id, tag, presence, generation and layout
+        first: NOT_FOUND if the entry is gone, INVALID_ARG if the reference is bad."""
         ref = self._checked_reference(reference)
+        return self._host_view(ref) if self._arena is None else self._device_view(ref)
+
+    @contextmanager
+    def _host_view(self, ref: Reference) -> Iterator[np.ndarray]:
         with self._read() as txn:
             self._entry_for(txn, ref)
             data = txn.get(ref.key.encode(), db=self._db["data"])
@@ -725,9 +808,36 @@ class EmbeddingStore:
                 raise EpdError(f"embedding store entry {ref.key[:16]} is inconsistent", ErrorCode.INTERNAL)
             yield np.frombuffer(data, dtype=ref.numpy_dtype()).reshape(ref.shape)
 
+    @contextmanager
+    def _device_view(self, ref: Reference) -> Iterator[DeviceView]:
+        # A freed device range is reused by the next insert: only a lease keeps it intact.
+        temporary = None if ref.lease_id else self.acquire_lease(ref)
+        try:
+            with self._read() as txn:
+                entry = self._entry_for(txn, temporary or ref)
+                self._check_lease_held(txn, temporary or ref)
+                arena = self._live_arena(txn)
+            pointer = self._arena.base(arena) + entry.offset  # type: ignore[union-attr, operator]
+            yield DeviceView(pointer=pointer, shape=tuple(ref.shape), dtype=np.dtype(ref.numpy_dtype()))
+        finally:
+            if temporary is not None:
+                self.release(temporary)
+
+    def _check_lease_held(self, txn: lmdb.Transaction, ref: Reference) -> None:
+        raw = txn.get(ref.lease_id.encode(), db=self._db["leases"])
+        record = None if raw is None else LeaseRecord.from_bytes(raw)
+        if record is None or record.key != ref.key or record.generation != ref.generation:
+            raise EpdError(
+                f"lease {ref.lease_id} of embedding {ref.key[:16]} is no longer held (released or reaped); "
+                "look the embedding up again",
+                ErrorCode.NOT_FOUND,
+            )
+
     def resolve(self, reference: Reference | bytes) -> np.ndarray:
-        """An owned, writeable copy of the entry ``reference`` names (valid forever)."""
+        """An owned, writeable host copy of the entry ``reference`` names (valid forever)."""
         with self.open_view(reference) as view:
+            if isinstance(view, DeviceView):
+                return self._arena.to_host(view)  # type: ignore[union-attr]
             return view.copy()
 
     def parse(self, data: bytes) -> Reference:
@@ -767,7 +877,67 @@ class EmbeddingStore:
         mismatched = _layout_mismatches(ref, entry)
         if mismatched:
             raise invalid_arg(f"embedding reference does not match the stored entry: {', '.join(mismatched)} differ")
+        if self._arena is not None:
+            arena = self._arena.live(txn)
+            if arena is None or arena.arena_id != entry.arena:
+                raise EpdError(
+                    f"embedding {ref.key[:16]} was lost: its GPU memory went with the process that allocated it; "
+                    "send the media again",
+                    ErrorCode.NOT_FOUND,
+                )
         return entry
+
+    # --- GPU arena ----------------------------------------------------------------------------
+
+    def _ensure_arena(self) -> None:
+        """Before a GPU store's write: make the node's arena if none is live. The block is
+        allocated outside the transaction (it is slow) and freed again if another process
+        installed one first."""
+        if self._arena is None:
+            return
+        with self._read() as txn:
+            if self._arena.live(txn) is not None:
+                return
+            size = self._capacity(txn)
+        pointer, handle = self._arena.allocate_block(size)
+        installed: ArenaRecord | None = None
+        try:
+            with self._write() as txn:
+                if self._arena.live(txn) is None:
+                    arena_id = self._add(txn, ARENA, 1)
+                    self._drop_lost_entries(txn, arena_id)
+                    installed = self._arena.install(txn, arena_id, size, pointer, handle)
+                    # Before the commit, so that no thread here ever tries to map its own block.
+                    self._arena.adopt(installed, pointer)
+        except BaseException:
+            if installed is not None:
+                self._arena.forget(installed.arena_id)
+            self._arena.discard_block(pointer)
+            raise
+        if installed is None:  # another process or thread installed one first
+            self._arena.discard_block(pointer)
+
+    def _drop_lost_entries(self, txn: lmdb.Transaction, live_arena: int) -> None:
+        lost = [
+            (bytes(key).decode(), entry)
+            for key, raw in txn.cursor(db=self._db["entries"])
+            if (entry := EntryRecord.from_bytes(raw)).offset >= 0 and entry.arena != live_arena
+        ]
+        for key, entry in lost:
+            self._delete_entry(txn, key, entry)
+        self._add(txn, "entries_lost", len(lost))
+
+    def _live_arena(self, txn: lmdb.Transaction) -> ArenaRecord | None:
+        """The arena a GPU store writes to (None on a host store)."""
+        if self._arena is None:
+            return None
+        arena = self._arena.live(txn)
+        if arena is None:
+            raise EpdError(
+                "the GPU embedding store's memory went with the process that allocated it; retry the request",
+                ErrorCode.UNAVAILABLE,
+            )
+        return arena
 
     # --- metrics and maintenance --------------------------------------------------------------
 
@@ -790,6 +960,9 @@ class EmbeddingStore:
                 txn.drop(self._db[name], delete=False)
             for gauge in GAUGE_COUNTERS:
                 txn.put(gauge.encode(), encode_counter(0), db=self._db["counters"])
+            arena = None if self._arena is None else self._arena.live(txn)
+            if arena is not None:
+                self._arena.reset(txn, arena.size)  # type: ignore[union-attr]
 
     # --- transactions and records -------------------------------------------------------------
 
@@ -876,12 +1049,12 @@ def _check_key(key: str) -> None:
         raise invalid_arg("embedding store key must be 16-128 lowercase hex characters (use content_key)")
 
 
-def _wire_dtype(array: np.ndarray, declared: str | None) -> str:
+def _wire_dtype(dtype: np.dtype, declared: str | None) -> str:
     if declared == "bfloat16":
-        if array.dtype != np.uint16:
+        if dtype != np.uint16:
             raise invalid_arg("bfloat16 embeddings are stored as their uint16 bit patterns; pass a uint16 view")
         return "bfloat16"
-    name = array.dtype.name
+    name = dtype.name
     if declared not in (None, name) or name not in DTYPES or name == "bfloat16":
         raise invalid_arg(f"embedding dtype {name} is not storable; use one of {sorted(DTYPES)}")
     return name

@@ -2,14 +2,16 @@
 
 One LMDB environment holds these named databases (all keys are bytes):
 
-``data``      content key -> the embedding's raw bytes (C order, little-endian).
+``data``      content key -> the embedding's raw bytes (C order, little-endian); host stores only.
+``extents``   8-byte big-endian offset -> 8-byte length: free byte ranges of a GPU store's arena.
 ``entries``   content key -> :class:`EntryRecord` (layout, generation, LRU tick, lease count).
 ``lru``       8-byte big-endian tick -> content key; iteration order is least recently used first.
 ``leases``    lease id -> :class:`LeaseRecord` (which entry, which process).
 ``pending``   content key -> :class:`PendingRecord`: someone is producing this key now.
 ``failures``  claim token -> :class:`FailureRecord`: that producer failed; its waiters read why.
 ``counters``  name -> signed 64-bit little-endian integer (metrics, the clock, generations).
-``config``    name -> bytes: the store id, its HMAC secret, capacity, schema version.
+``config``    name -> bytes: the store id, its HMAC secret, capacity, schema version and, for a
+              GPU store, the live :class:`ArenaRecord` (``arena``).
 
 Records are compact JSON: small, readable with ``mdb_dump`` when debugging, and versioned
 through the ``schema`` value in ``config``.
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SCHEMA_VERSION = b"1"
-DATABASE_NAMES = ("data", "entries", "lru", "leases", "pending", "failures", "counters", "config")
+DATABASE_NAMES = ("data", "extents", "entries", "lru", "leases", "pending", "failures", "counters", "config")
 
 # Counters shown by EmbeddingStore.metrics(); cumulative ones never go down, gauges follow state.
 CUMULATIVE_COUNTERS = (
@@ -37,11 +39,13 @@ CUMULATIVE_COUNTERS = (
     "producer_failures",
     "leases_reaped",
     "claims_reaped",
+    "entries_lost",  # GPU entries whose arena went with the process that allocated it
 )
 GAUGE_COUNTERS = ("bytes_used", "entries", "active_leases")
 # Internal sequences, not metrics.
 CLOCK = "clock"
 GENERATION = "generation"
+ARENA = "arena"
 
 _COUNTER = struct.Struct("<q")
 _TICK = struct.Struct(">Q")
@@ -64,6 +68,8 @@ class EntryRecord:
     tick: int
     leases: int
     created: float = 0.0  # time.time() at insert; TTL expiry counts from here
+    arena: int = 0  # GPU stores: the arena holding the bytes (0: host store, bytes in ``data``)
+    offset: int = -1  # GPU stores: byte offset of the entry in that arena
 
     def to_bytes(self) -> bytes:
         return _to_json(self)
@@ -74,6 +80,24 @@ class EntryRecord:
         values["shape"] = tuple(values["shape"])
         values["grid_thw"] = None if values["grid_thw"] is None else tuple(values["grid_thw"])
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class ArenaRecord:
+    """A GPU store's block of device memory, exported by the process that allocated it."""
+
+    arena_id: int
+    size: int
+    pid: int  # the owner: the block is freed when this process exits
+    start_time: str
+    handle: str  # hex of the CUDA IPC handle
+
+    def to_bytes(self) -> bytes:
+        return _to_json(self)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ArenaRecord:
+        return cls(**json.loads(bytes(raw)))
 
 
 @dataclass(frozen=True)
