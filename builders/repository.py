@@ -118,6 +118,7 @@ class CachePolicy:
     ttl_s: float = 0.0  # 0: entries live until evicted
     scope: Literal["node", "instance"] = "node"
     encoders: int = 2  # encoder models encoder_0 .. encoder_<n-1>
+    device: str = "cpu"  # where the bytes live: "cpu" (shared memory) or "cuda:N" (CUDA IPC)
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -135,6 +136,7 @@ class CachePolicy:
             "store_capacity_bytes": self.capacity_bytes,
             "store_eviction": self.eviction,
             "store_ttl_s": self.ttl_s,
+            "store_device": self.device,
             "cache_scope": self.scope,
         }
 
@@ -224,6 +226,8 @@ TARGETS: dict[str, Target] = {
         },
         vllm_env={},
         encode=EncodeStage(device="gpu"),
+        # The encoder's TensorRT output stays on the GPU: one device copy into the store.
+        cache=CachePolicy(device="cuda:0"),
     ),
 }
 

@@ -40,7 +40,7 @@ from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfi
 class EncodedImage:
     """What the ``encode`` ensemble returns for one image."""
 
-    embeds: np.ndarray  # [tokens, hidden]
+    embeds: np.ndarray | Any  # [tokens, hidden]; a CUDA tensor on the gpu target
     grid_thw: tuple[int, int, int]
 
 

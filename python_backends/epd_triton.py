@@ -46,11 +46,21 @@ def _checked(response: pb_utils.InferenceResponse, model: str) -> dict[str, np.n
     if response.has_error():
         error = response.error()
         raise EpdError(error.message(), _code_of(error))
-    outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+    outputs = {t.name(): _array_of(t) for t in response.output_tensors()}
     if ERROR_OUTPUT in outputs:  # a stage's error, as we asked for it (triton_edge)
         payload = json.loads(_text(outputs[ERROR_OUTPUT]))
         raise EpdError(str(payload["message"]), ErrorCode(payload["code"]))
     return outputs
+
+
+def _array_of(tensor: pb_utils.Tensor) -> Any:
+    """numpy for host tensors; a torch CUDA tensor (no copy, via DLPack) for device ones, as the
+    gpu target's TensorRT encoder returns: the encoder model stores it with one device copy."""
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    import torch  # noqa: PLC0415 - only GPU outputs need it
+
+    return torch.from_dlpack(tensor.to_dlpack())
 
 
 def _text(array: np.ndarray | None) -> str:

@@ -87,6 +87,7 @@ class ModelParameters:
             merge_size=self.integer("spatial_merge_size", 2, minimum=1),
             eviction=self.string("store_eviction", "lru"),
             ttl_s=ttl_s if ttl_s > 0 else None,
+            device=self.string("store_device", "cpu"),
         )
         config.validate()  # at load, with the store's own message
         return config

@@ -6,12 +6,13 @@ image input, so Triton itself refuses media. References are checked and read fro
 node's embedding store here (INVALID_ARG when malformed or tampered, NOT_FOUND when unknown
 or evicted) before any engine work.
 
-Reading: the view into the store's memory map is copied once into the engine's input
-tensor. Not zero-copy on purpose: vLLM keeps multimodal inputs and encoder outputs (its
-encoder and processor caches) beyond one request, and a view is only valid while it is
-open (the store may evict and reuse the pages afterwards), so handing vLLM the view itself
-could later feed it another entry's bytes. One memcpy of a few hundred KB per image; no
-Triton transfer, no serialization, no decode of media.
+Reading: the view into the store (its memory map on cpu, its CUDA block on gpu) is copied
+once into the engine's input tensor, on the view's device. Not zero-copy on purpose: vLLM
+keeps multimodal inputs and encoder outputs (its encoder and processor caches) beyond one
+request, and a view is only valid while it is open (the store may evict and reuse the
+bytes afterwards), so handing vLLM the view itself could later feed it another entry's
+bytes. One memcpy of a few hundred KB per image; no Triton transfer, no serialization,
+no decode of media.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from python_backends.errors import invalid_arg
 from python_backends.pd.engines import ImageEmbeds
 from python_backends.sampling import parse_sampling_parameters
 from python_backends.store import EmbeddingStore, Reference
+from python_backends.store.device_memory import DeviceView
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,22 @@ def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list
         if ref.modality != "image" or ref.grid_thw is None:
             raise invalid_arg(f"reference {index} is not an image embedding with a grid")
         with store.open_view(ref) as view:
-            tensor = torch.from_numpy(np.array(view, dtype=np.float32, copy=True))
+            tensor = owned_float32(view, ref.dtype)
         # The content key is the item's identity for vLLM (see ImageEmbeds.uuid).
         images.append(ImageEmbeds(tensor, tuple(ref.grid_thw), uuid=ref.key))  # type: ignore[arg-type]
         refs.append(ref)
     return images, refs
+
+
+def owned_float32(view: np.ndarray | DeviceView, dtype: str) -> Any:
+    """A float32 torch tensor the engine may keep after the view closes, on the view's device.
+    ``bfloat16`` entries are stored as uint16 bit patterns: reinterpreted, not converted."""
+    import torch
+
+    if isinstance(view, DeviceView):
+        tensor = torch.as_tensor(view, device="cuda").clone()
+    else:
+        tensor = torch.tensor(np.asarray(view))  # a copy
+    if dtype == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    return tensor.float()

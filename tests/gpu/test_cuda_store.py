@@ -180,3 +180,19 @@ def test_a_reference_stays_small_for_a_huge_embedding(tmp_path):
         assert len(reference.to_bytes()) <= MAX_REFERENCE_BYTES
         with store.open_view(reference) as view:
             assert np.prod(view.shape) * 2 == big.numel() * 2
+
+
+def test_prefill_reads_a_device_entry_into_an_owned_cuda_tensor(config):
+    import torch  # noqa: PLC0415
+
+    from python_backends.pd_stage import resolve_images  # noqa: PLC0415
+
+    with EmbeddingStore(config) as store:
+        source = device_embedding(6)
+        reference = store.put(key_of("prefill"), source, EntryMeta(grid_thw=(1, 32, 32)), lease=False)
+        [image], [ref] = resolve_images(store, [reference.to_bytes()])
+        assert image.embeds.is_cuda and image.embeds.dtype == torch.float32
+        assert torch.equal(image.embeds, source.float()) and image.grid_thw == (1, 32, 32)
+        store.clear()  # the range is free for reuse: the engine's tensor must not change
+        store.put(key_of("other"), device_embedding(7), lease=False)
+        assert torch.equal(image.embeds, source.float()) and ref.key == reference.key

@@ -12,7 +12,7 @@ import pytest
 
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.pd.engines import ImageEmbeds, multi_modal_uuids
-from python_backends.pd_stage import parse_stage_inputs, resolve_images
+from python_backends.pd_stage import owned_float32, parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 
 
@@ -67,3 +67,14 @@ def test_resolve_images_reads_the_entry_and_refuses_bad_references(store):
     with pytest.raises(EpdError) as info:
         resolve_images(store, [ref.to_bytes()])
     assert info.value.code == ErrorCode.NOT_FOUND
+
+
+def test_bfloat16_entries_are_read_as_bfloat16_bit_patterns(store):
+    import torch
+
+    values = torch.tensor([[1.5, -2.25], [0.0, 3.0]], dtype=torch.bfloat16)
+    bits = values.view(torch.uint16).numpy()
+    ref = store.put(content_key(b"bf16", {}, "v1"), bits, EntryMeta(dtype="bfloat16"), lease=False)
+    with store.open_view(ref) as view:
+        tensor = owned_float32(view, ref.dtype)
+    assert tensor.dtype == torch.float32 and torch.equal(tensor, values.float())
