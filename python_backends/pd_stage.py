@@ -78,7 +78,6 @@ def parse_stage_inputs(inputs: Mapping[str, np.ndarray], max_tokens_limit: int) 
 
 def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list[ImageEmbeds], list[Reference]]:
     """The embeddings the references name, checked against the store, as engine inputs."""
-    import torch
 
     images: list[ImageEmbeds] = []
     refs: list[Reference] = []

@@ -97,7 +97,13 @@ import numpy as np
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.store.arena import Arena
-from python_backends.store.device_memory import CudaIpcMemory, DeviceArray, DeviceMemory, DeviceView, cuda_device_index
+from python_backends.store.device_memory import (
+    CudaIpcMemory,
+    DeviceArray,
+    DeviceMemory,
+    DeviceView,
+    cuda_device_index,
+)
 from python_backends.store.processes import process_is_alive, process_start_time
 from python_backends.store.records import (
     ARENA,

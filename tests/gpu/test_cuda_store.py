@@ -9,27 +9,26 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from python_backends.errors import EpdError, ErrorCode
+from python_backends.errors import ErrorCode
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 from python_backends.store.reference import MAX_REFERENCE_BYTES
+from tests.store_helpers import error_of, store_directory
 
 
 def _gpu_missing() -> str | None:
     try:
-        import torch  # noqa: PLC0415
+        import torch
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
     try:
-        import cuda.bindings.runtime  # noqa: F401, PLC0415
+        import cuda.bindings.runtime  # noqa: F401
     except ImportError:
         return "cuda-python (cuda.bindings) is not installed"
     return None
@@ -45,28 +44,21 @@ def key_of(name: str) -> str:
     return content_key(name.encode(), {"size": 448}, "encoder-gpu-test")
 
 
-def device_embedding(seed: int, rows: int = ROWS):  # noqa: ANN201 - torch.Tensor
-    import torch  # noqa: PLC0415
+def device_embedding(seed: int, rows: int = ROWS):
+    import torch
 
     generator = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn((rows, HIDDEN), generator=generator, device="cuda", dtype=torch.float16)
 
 
-def error_of(call) -> EpdError:
-    with pytest.raises(EpdError) as info:
-        call()
-    return info.value
-
-
 @pytest.fixture
 def config() -> Iterator[StoreConfig]:
-    path = tempfile.mkdtemp(prefix="epd-cuda-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    entry = ROWS * HIDDEN * 2
-    yield StoreConfig(path=path, capacity_bytes=4 * entry, device="cuda:0", wait_timeout_s=60.0, merge_size=2)
-    shutil.rmtree(path, ignore_errors=True)
+    with store_directory("epd-cuda-store-") as path:
+        entry = ROWS * HIDDEN * 2
+        yield StoreConfig(path=path, capacity_bytes=4 * entry, device="cuda:0", wait_timeout_s=60.0, merge_size=2)
 
 
-def run_children(target, args_list: list[tuple]) -> list:  # noqa: ANN001
+def run_children(target, args_list: list[tuple]) -> list:
     queue = SPAWN.Queue()
     children = [SPAWN.Process(target=target, args=(*args, queue)) for args in args_list]
     for child in children:
@@ -81,8 +73,8 @@ def run_children(target, args_list: list[tuple]) -> list:  # noqa: ANN001
 # --- child processes -------------------------------------------------------------------------
 
 
-def _read_and_scribble(config: StoreConfig, reference: bytes, queue) -> None:  # noqa: ANN001
-    import torch  # noqa: PLC0415
+def _read_and_scribble(config: StoreConfig, reference: bytes, queue) -> None:
+    import torch
 
     with EmbeddingStore(config) as store, store.open_view(reference) as view:
         tensor = torch.as_tensor(view, device="cuda")
@@ -93,8 +85,8 @@ def _read_and_scribble(config: StoreConfig, reference: bytes, queue) -> None:  #
         queue.put((os.getpid(), same_memory, checksum))
 
 
-def _get_or_create(config: StoreConfig, seed: int, queue) -> None:  # noqa: ANN001
-    import torch  # noqa: PLC0415
+def _get_or_create(config: StoreConfig, seed: int, queue) -> None:
+    import torch
 
     with EmbeddingStore(config) as store:
         reference = store.get_or_create(key_of("single"), lambda: (device_embedding(seed), EntryMeta()))
@@ -106,7 +98,7 @@ def _get_or_create(config: StoreConfig, seed: int, queue) -> None:  # noqa: ANN0
         torch.cuda.synchronize()
 
 
-def _own_and_exit(config: StoreConfig, queue) -> None:  # noqa: ANN001
+def _own_and_exit(config: StoreConfig, queue) -> None:
     store = EmbeddingStore(config)
     reference = store.put(key_of("orphan"), device_embedding(3), lease=False)
     queue.put(reference.to_bytes())
@@ -119,7 +111,7 @@ def _own_and_exit(config: StoreConfig, queue) -> None:  # noqa: ANN001
 
 
 def test_another_process_maps_the_same_device_bytes(config):
-    import torch  # noqa: PLC0415
+    import torch
 
     with EmbeddingStore(config) as store:
         source = device_embedding(1)
@@ -143,7 +135,7 @@ def test_processes_asking_for_one_new_key_produce_it_once(config):
 
 
 def test_a_leased_entry_keeps_its_bytes_while_eviction_reuses_ranges(config):
-    import torch  # noqa: PLC0415
+    import torch
 
     with EmbeddingStore(config) as store:
         held = store.put(key_of("held"), device_embedding(10))
@@ -173,7 +165,7 @@ def test_bad_and_lost_references_are_clean_errors(config):
 def test_a_reference_stays_small_for_a_huge_embedding(tmp_path):
     config = StoreConfig(path=str(tmp_path), capacity_bytes=256 << 20, device="cuda:0")
     with EmbeddingStore(config) as store:
-        import torch  # noqa: PLC0415
+        import torch
 
         big = torch.zeros((16384, 3584), dtype=torch.float16, device="cuda")  # 112 MiB
         reference = store.put(key_of("big"), big, EntryMeta(grid_thw=(1, 256, 256)))
@@ -183,9 +175,9 @@ def test_a_reference_stays_small_for_a_huge_embedding(tmp_path):
 
 
 def test_prefill_reads_a_device_entry_into_an_owned_cuda_tensor(config):
-    import torch  # noqa: PLC0415
+    import torch
 
-    from python_backends.pd_stage import resolve_images  # noqa: PLC0415
+    from python_backends.pd_stage import resolve_images
 
     with EmbeddingStore(config) as store:
         source = device_embedding(6)

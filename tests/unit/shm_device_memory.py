@@ -60,7 +60,7 @@ class ShmDeviceMemory:
 class HostArrayAsDevice:
     """A numpy array presented through the CUDA Array Interface, as a GPU tensor would be."""
 
-    def __init__(self, array) -> None:  # noqa: ANN001 - numpy array
+    def __init__(self, array) -> None:
         self.array = array
         self.__cuda_array_interface__ = {
             "shape": array.shape,

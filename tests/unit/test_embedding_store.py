@@ -4,8 +4,6 @@ reaping, metrics. The multi-process tests spawn real processes that open the sam
 import dataclasses
 import multiprocessing
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from python_backends.store import (
 )
 from python_backends.store.processes import process_is_alive, process_start_time
 from python_backends.store.reference import make_reference
+from tests.store_helpers import error_of, store_directory
 
 HIDDEN = 64
 ROWS = 16
@@ -38,18 +37,10 @@ def embedding(seed: int, rows: int = ROWS) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, HIDDEN)).astype(np.float16)
 
 
-def error_of(call) -> EpdError:
-    with pytest.raises(EpdError) as info:
-        call()
-    return info.value
-
-
 @pytest.fixture
 def config() -> Iterator[StoreConfig]:
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="epd-store-test-", dir=root)
-    yield StoreConfig(path=path, capacity_bytes=4 * ENTRY_BYTES, wait_timeout_s=20.0, merge_size=2)
-    shutil.rmtree(path, ignore_errors=True)
+    with store_directory("epd-store-test-") as path:
+        yield StoreConfig(path=path, capacity_bytes=4 * ENTRY_BYTES, wait_timeout_s=20.0, merge_size=2)
 
 
 @pytest.fixture

@@ -3,13 +3,14 @@ import json
 import numpy as np
 import pytest
 
-from python_backends.errors import EpdError, ErrorCode
+from python_backends.errors import ErrorCode
 from python_backends.store.reference import (
     MAX_REFERENCE_BYTES,
     Reference,
     make_reference,
     parse_reference,
 )
+from tests.store_helpers import error_of
 
 SECRET = b"s" * 32
 
@@ -38,12 +39,6 @@ def edited(reference: Reference, **changes) -> bytes:
     fields = json.loads(reference.to_bytes())
     fields.update(changes)
     return json.dumps(fields).encode()
-
-
-def error_of(call) -> EpdError:
-    with pytest.raises(EpdError) as info:
-        call()
-    return info.value
 
 
 def test_round_trip_keeps_every_field():

@@ -5,8 +5,6 @@ itself runs in tests/gpu/test_cuda_store.py."""
 
 import multiprocessing
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -14,10 +12,15 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from python_backends.errors import EpdError, ErrorCode
+from python_backends.errors import ErrorCode
 from python_backends.store import EmbeddingStore, StoreConfig, content_key
 from python_backends.store.arena import ALIGNMENT, aligned
-from python_backends.store.device_memory import DeviceArray, DeviceView, cuda_device_index
+from python_backends.store.device_memory import (
+    DeviceArray,
+    DeviceView,
+    cuda_device_index,
+)
+from tests.store_helpers import error_of, store_directory
 from tests.unit.shm_device_memory import HostArrayAsDevice, ShmDeviceMemory
 
 HIDDEN = 64
@@ -36,18 +39,10 @@ def entry_bytes(rows: int = 16) -> int:
     return rows * HIDDEN * 2
 
 
-def error_of(call) -> EpdError:
-    with pytest.raises(EpdError) as info:
-        call()
-    return info.value
-
-
 @pytest.fixture
 def config() -> Iterator[StoreConfig]:
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="epd-arena-test-", dir=root)
-    yield StoreConfig(path=path, capacity_bytes=4 * entry_bytes(), device="cuda:0", wait_timeout_s=20.0)
-    shutil.rmtree(path, ignore_errors=True)
+    with store_directory("epd-arena-test-") as path:
+        yield StoreConfig(path=path, capacity_bytes=4 * entry_bytes(), device="cuda:0", wait_timeout_s=20.0)
 
 
 @pytest.fixture
@@ -62,8 +57,8 @@ def store(config: StoreConfig, memory: ShmDeviceMemory) -> Iterator[EmbeddingSto
 
 
 def free_ranges(store: EmbeddingStore) -> list[tuple[int, int]]:
-    with store._read() as txn:  # noqa: SLF001 - the placement is what is under test
-        return store._arena.free_ranges(txn)  # noqa: SLF001
+    with store._read() as txn:
+        return store._arena.free_ranges(txn)
 
 
 def test_device_names_are_checked():
@@ -167,7 +162,7 @@ def test_threads_racing_to_make_the_arena_leave_one_block(config, memory):
         assert store.metrics()["entries"] == 4
 
 
-def _write_and_crash(config: StoreConfig, queue) -> None:  # noqa: ANN001
+def _write_and_crash(config: StoreConfig, queue) -> None:
     memory = ShmDeviceMemory()
     store = EmbeddingStore(config, device_memory=memory)
     reference = store.put(key_of("crash"), embedding(5), lease=False)
@@ -177,7 +172,7 @@ def _write_and_crash(config: StoreConfig, queue) -> None:  # noqa: ANN001
     os._exit(0)  # no close(): the owner vanishes as a crashed model instance would
 
 
-def _read_in_child(config: StoreConfig, reference: bytes, queue) -> None:  # noqa: ANN001
+def _read_in_child(config: StoreConfig, reference: bytes, queue) -> None:
     with EmbeddingStore(config, device_memory=ShmDeviceMemory()) as store, store.open_view(reference) as view:
         host = np.empty(view.shape, dtype=view.dtype)
         ctypes_copy(host, view)
@@ -185,7 +180,7 @@ def _read_in_child(config: StoreConfig, reference: bytes, queue) -> None:  # noq
 
 
 def ctypes_copy(host: np.ndarray, view: DeviceView) -> None:
-    import ctypes  # noqa: PLC0415
+    import ctypes
 
     ctypes.memmove(host.ctypes.data, view.pointer, host.nbytes)
 
