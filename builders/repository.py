@@ -202,7 +202,11 @@ TARGETS: dict[str, Target] = {
             # second one: ~10 s less cold start on 2 cores (16 s vs 26 s), same tokens.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         },
-        encode=EncodeStage(device="cpu"),
+        # No dynamic-batching wait on the CPU: at concurrency 1 each of preprocess and
+        # vit_encoder waited its full 1 ms for a second request (Triton stats, results/
+        # 2026-11-29/encode-breakdown); under load, requests that queue while the instance
+        # is busy are still batched (same executions per request at c=8).
+        encode=EncodeStage(device="cpu", max_queue_delay_us=0),
         # llm keeps vLLM's default binding (core 0 on 2 cores); prefill gets core 1 and
         # decode core 0, so the two halves of one request run on different cores.
         pd=PdStage(
