@@ -391,7 +391,7 @@ class EmbeddingStore:
             return self._serve(txn, key, existing, lease, owner_pid)
         nbytes = int(payload.data.nbytes)
         arena = self._live_arena(txn)
-        offset = self._make_room(txn, nbytes)
+        offset = self._make_room(txn, nbytes, arena)
         entry = EntryRecord(
             generation=self._add(txn, GENERATION, 1),
             dtype=payload.dtype,
@@ -419,10 +419,12 @@ class EmbeddingStore:
         lease_id = self._lease(txn, key, entry, owner_pid) if lease else ""
         return self._reference(key, entry, lease_id)
 
-    def _make_room(self, txn: lmdb.Transaction, nbytes: int) -> int:
-        """Evict until ``nbytes`` fit; on a GPU store also take a range for them and return
-        its offset (-1 on a host store)."""
+    def _make_room(self, txn: lmdb.Transaction, nbytes: int, arena: ArenaRecord | None) -> int:
+        """Evict until ``nbytes`` fit; on a GPU store also take a range of ``arena`` for them
+        and return its offset (-1 on a host store)."""
         capacity = self._capacity(txn)
+        if arena is not None:  # a block keeps the size it was made with; a new capacity applies to the next
+            capacity = min(capacity, arena.size)
         if nbytes > capacity:
             raise invalid_arg(
                 f"embedding of {nbytes} bytes is larger than the store capacity ({capacity} bytes); "
@@ -431,7 +433,7 @@ class EmbeddingStore:
         needed = self._counter(txn, "bytes_used") + nbytes - capacity
         if needed > 0 and not self._evict(txn, needed):
             raise self._full(txn, capacity)
-        if self._arena is None:
+        if self._arena is None or arena is None:
             return -1
         offset = self._arena.take(txn, nbytes)
         while offset is None:  # enough bytes free, but not in one range: evict more, LRU first
