@@ -192,7 +192,6 @@ class BlsStages(BlsCaller):
         async for _ in self._stream(self.decode_model, inputs):
             pass
 
-
     async def discard_transfer(self, transfer_params: str) -> None:
         inputs = [
             _bytes_tensor("transfer_params", [transfer_params]),
