@@ -9,12 +9,13 @@ import threading
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
+import lmdb
 import numpy as np
 import pytest
 
 from python_backends.errors import ErrorCode
 from python_backends.store import EmbeddingStore, StoreConfig, content_key
-from python_backends.store.arena import ALIGNMENT, aligned
+from python_backends.store.arena import ALIGNMENT, Arena, aligned
 from python_backends.store.device_memory import (
     DeviceArray,
     DeviceView,
@@ -212,3 +213,19 @@ def test_entries_die_with_the_arena_owner_and_the_next_writer_starts_anew(config
         assert memory.allocations == 1  # this process made the new block
     for name in orphan_blocks:  # CUDA frees a dead owner's block; shared memory must be unlinked
         shared_memory.SharedMemory(name=name).unlink()
+
+
+def test_freed_ranges_merge_with_both_neighbours(tmp_path):
+    env = lmdb.open(str(tmp_path), max_dbs=2)
+    arena = Arena(ShmDeviceMemory(), env.open_db(b"config"), env.open_db(b"extents"))
+    with env.begin(write=True) as txn:
+        arena.reset(txn, 4 * ALIGNMENT * 4)
+        a, b, c = (arena.take(txn, 3 * ALIGNMENT + 1) for _ in range(3))  # rounded up to 4 units
+        assert (a, b, c) == (0, 4 * ALIGNMENT, 8 * ALIGNMENT)
+        assert arena.take(txn, 5 * ALIGNMENT) is None  # 4 units left
+        arena.give_back(txn, b, 3 * ALIGNMENT + 1)
+        arena.give_back(txn, a, 3 * ALIGNMENT + 1)  # merges with the range after it
+        assert arena.free_ranges(txn) == [(0, 8 * ALIGNMENT), (12 * ALIGNMENT, 4 * ALIGNMENT)]
+        arena.give_back(txn, c, 3 * ALIGNMENT + 1)  # merges with both sides
+        assert arena.free_ranges(txn) == [(0, 16 * ALIGNMENT)]
+    env.close()
