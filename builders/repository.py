@@ -50,10 +50,9 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:  # DALI and torch load only when a build needs them
-    pass
+from python_backends.store import DEFAULT_STORE_PATH
 
 LOGGER = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ class CachePolicy:
     (the per-instance baseline the shared store is measured against).
     """
 
-    path: str = "/dev/shm/triton-epd-embeddings"  # the node's store (LMDB on tmpfs)
+    path: str = DEFAULT_STORE_PATH  # the node's store (LMDB on tmpfs)
     capacity_bytes: int = 1 << 30
     eviction: Literal["lru"] = "lru"
     ttl_s: float = 0.0  # 0: entries live until evicted

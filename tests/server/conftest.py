@@ -11,11 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from builders.repository import TARGETS
 from client.epd_client import GrpcClient, HttpClient
 from python_backends.launcher import prepare
+from python_backends.store import EmbeddingStore, StoreConfig
 from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 LOG_DIR = REPO_ROOT / "build" / "test-logs"
+CACHE_POLICY = TARGETS["cpu"].cache  # what the served repository was generated with
+
+
+def open_node_store(capacity_bytes: int = CACHE_POLICY.capacity_bytes) -> EmbeddingStore:
+    """The server's store, opened by the test like any process of the node. Opening sets the
+    capacity for every process (the store's documented rule): tests that shrink it with this
+    put it back afterwards."""
+    return EmbeddingStore(StoreConfig(path=CACHE_POLICY.path, capacity_bytes=capacity_bytes, merge_size=2))
 
 
 @pytest.fixture(scope="session")

@@ -11,26 +11,19 @@ import urllib.request
 
 import pytest
 
-from builders.repository import TARGETS
 from client.bench.server_stats import parse_metrics
 from client.epd_client import ClientError, GrpcClient, chat_prompt
-from python_backends.store import EmbeddingStore, StoreConfig
+from python_backends.store import EmbeddingStore
 from python_backends.tritonserver import TritonServer
 from tests.images import synthetic_image
+from tests.server.conftest import CACHE_POLICY, open_node_store
 from tests.server.test_epd import _prefill_error
 
 pytestmark = pytest.mark.server
 
 GREEDY = {"max_tokens": 4, "temperature": 0.0}
-POLICY = TARGETS["cpu"].cache
+POLICY = CACHE_POLICY
 ENTRY_224 = (224 // 28) ** 2 * 128 * 4  # bytes of one 224x224 image's embedding (64 tokens x 128 fp32)
-
-
-def _open_store(capacity_bytes: int = POLICY.capacity_bytes) -> EmbeddingStore:
-    """The server's store, opened by the test like any process of the node. Opening sets the
-    capacity for every process (the store's documented rule): tests shrink it with this and
-    put it back afterwards."""
-    return EmbeddingStore(StoreConfig(path=POLICY.path, capacity_bytes=capacity_bytes, merge_size=2))
 
 
 def _counters(server: TritonServer) -> dict[tuple[str, str], float]:
@@ -81,7 +74,7 @@ def test_an_image_encoded_by_one_encoder_is_a_hit_for_the_other_and_metrics_coun
     assert _delta(before, after, "nv_inference_request_success", "encode") == 2
     # The node gauges (exported by epd, refreshed every second) agree with the store itself.
     time.sleep(1.5)
-    with _open_store() as store:
+    with open_node_store() as store:
         state = store.metrics()
     gauges = _counters(server)
     assert gauges[("epd_store_entries", "epd")] == state["entries"]
@@ -146,9 +139,9 @@ def test_an_evicted_reference_is_not_found_and_never_garbage(server, epd):
         response = _warm_up_references(server, [victim])
         [reference] = response
         [victim_hash] = client.warm_up([victim])
-        with _open_store(capacity_bytes=3 * ENTRY_224):  # shrink: three 224x224 entries fit
+        with open_node_store(capacity_bytes=3 * ENTRY_224):  # shrink: three 224x224 entries fit
             client.warm_up([synthetic_image(224, 224, seed=5201 + i) for i in range(4)])
-        with _open_store() as store:  # capacity back for the rest of the session
+        with open_node_store() as store:  # capacity back for the rest of the session
             assert store.metrics()["evictions"] >= 1
             assert not store.contains(victim_hash)
         message = _prefill_error(server, [reference])
@@ -198,7 +191,7 @@ def test_a_store_smaller_than_the_working_set_evicts_but_every_answer_stays_righ
             time.sleep(0.01)
 
     order = [i % len(images) for i in range(0, 3 * len(images) * 7, 7)]  # mixed, repeats
-    with _open_store(capacity_bytes=capacity) as store:
+    with open_node_store(capacity_bytes=capacity) as store:
         store.clear()
         evictions = store.metrics()["evictions"]
         watcher = threading.Thread(target=watch, args=(store,), daemon=True)
@@ -219,7 +212,7 @@ def test_a_store_smaller_than_the_working_set_evicts_but_every_answer_stays_righ
             stop.set()
             watcher.join()
         final = store.metrics()
-    with _open_store():
+    with open_node_store():
         pass  # capacity back for the rest of the session
     assert len(answered) == len(order)
     mismatched = [i for n, i in enumerate(order) if answered[n] != expected[i]]

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import shutil
-import tempfile
 import time
 import urllib.request
 
@@ -19,6 +17,8 @@ from python_backends.pd.transfer import TransferParams
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 from python_backends.tritonserver import TritonServer
 from tests.images import synthetic_image
+from tests.server.conftest import open_node_store
+from tests.store_helpers import store_directory
 
 pytestmark = pytest.mark.server
 
@@ -31,7 +31,6 @@ CASES = [
     ("Compare these two images.", [(640, 480), (200, 300)]),
     (" ".join(["A long prompt that spans more than one KV block."] * 20), [(128, 96)]),
 ]
-STORE_PATH = "/dev/shm/triton-epd-embeddings"  # the cpu target's store (builders/repository.py)
 
 
 def _metrics(server: TritonServer) -> str:
@@ -136,7 +135,7 @@ def test_decode_with_bad_kv_parameters_is_a_clear_error(server, epd):
 
 def test_unknown_or_tampered_reference_is_refused_by_prefill(server, epd):
     # A real reference of the server's store, made by this process (same node, same store).
-    with EmbeddingStore(StoreConfig(path=STORE_PATH, capacity_bytes=1 << 30, merge_size=2)) as store:
+    with open_node_store() as store:
         key = content_key(b"test-reference", {"t": 1}, "v1")
         ref = store.put(key, np.zeros((4, 64), np.float32), EntryMeta(grid_thw=(1, 4, 4)), lease=False)
         good = ref.to_bytes()
@@ -147,13 +146,10 @@ def test_unknown_or_tampered_reference_is_refused_by_prefill(server, epd):
     message = _prefill_error(server, [tampered])
     assert "reference" in message and "Traceback" not in message
     # A reference from another node's store: NOT_FOUND ("send the media again").
-    other_dir = tempfile.mkdtemp(prefix="epd-other-store-", dir="/dev/shm")
-    try:
+    with store_directory("epd-other-store-") as other_dir:
         with EmbeddingStore(StoreConfig(path=other_dir, capacity_bytes=1 << 20, merge_size=2)) as other:
             foreign = other.put(key, np.zeros((4, 64), np.float32), EntryMeta(grid_thw=(1, 4, 4)), lease=False)
         assert "send the media again" in _prefill_error(server, [foreign.to_bytes()])
-    finally:
-        shutil.rmtree(other_dir, ignore_errors=True)
     # The server keeps serving.
     assert epd.generate(chat_prompt("Still here?", 0), [], GREEDY).num_output_tokens == 12
 
@@ -165,7 +161,7 @@ def test_cancelled_stream_leaves_no_lease_and_no_vllm_request(server, epd):
     assert 3 <= len(partial.token_ids) < 1500
     # The store's own count (all processes) is authoritative; the gauges are refreshed when a
     # request ends, so they are read after the store says the request let go of its leases.
-    with EmbeddingStore(StoreConfig(path=STORE_PATH, capacity_bytes=1 << 30, merge_size=2)) as store:
+    with open_node_store() as store:
         deadline = time.monotonic() + 60
         while store.metrics()["active_leases"] != 0 and time.monotonic() < deadline:
             time.sleep(0.2)

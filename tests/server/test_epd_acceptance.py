@@ -47,9 +47,9 @@ from client.epd_client import (
     chat_prompt,
 )
 from python_backends.pd.transfer import list_transfers
-from python_backends.store import EmbeddingStore, StoreConfig
 from python_backends.tritonserver import REPO_ROOT, TritonServer
 from tests.images import flat_png, rotated_jpeg, synthetic_image, with_note
+from tests.server.conftest import open_node_store
 
 pytestmark = pytest.mark.server
 
@@ -159,21 +159,9 @@ def settle(read: Callable[[], float], timeout_s: float = SETTLE_TIMEOUT_S) -> fl
     return value
 
 
-def _repository_setting(model: str, key: str) -> str:
-    config = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
-    match = re.search(rf'key: "{key}" value: {{ string_value: "([^"]*)" }}', config)
-    assert match, f"{model}/config.pbtxt has no parameter {key}"
-    return match.group(1)
-
-
 def store_active_leases() -> int:
     """The node store's own count of leases (all processes): the authoritative number."""
-    config = StoreConfig(
-        path=_repository_setting("epd", "store_path"),
-        capacity_bytes=int(_repository_setting("epd", "store_capacity_bytes")),  # the server's own value
-        merge_size=2,
-    )
-    with EmbeddingStore(config) as store:
+    with open_node_store() as store:
         return int(store.metrics()["active_leases"])
 
 
