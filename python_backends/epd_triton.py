@@ -25,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 from python_backends.cached_encoder import EncodedImage
 from python_backends.epd_pipeline import DecodeOutput, EpdChunk, PrefillOutput
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.triton_edge import ERROR_OUTPUT, ERRORS_AS_OUTPUTS, chunk_response
+from python_backends.triton_edge import ERROR_OUTPUT, ERRORS_AS_OUTPUTS, bytes_tensor, chunk_response
 
 
 def _code_of(error: pb_utils.TritonError) -> ErrorCode:
@@ -35,11 +35,6 @@ def _code_of(error: pb_utils.TritonError) -> ErrorCode:
         if error.code() == getattr(pb_utils.TritonError, code.value):
             return code
     return ErrorCode.INTERNAL
-
-
-def _bytes_tensor(name: str, values: Sequence[bytes | str]) -> pb_utils.Tensor:
-    items = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
-    return pb_utils.Tensor(name, np.array(items, dtype=np.object_))
 
 
 def _checked(response: pb_utils.InferenceResponse, model: str) -> dict[str, np.ndarray]:
@@ -131,7 +126,7 @@ class BlsStages(BlsCaller):
 
     async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
         inputs = [
-            _bytes_tensor("image", [image]),
+            bytes_tensor("image", [image]),
             pb_utils.Tensor("lease_owner", np.array([lease_owner], dtype=np.int64)),
         ]
         out: dict[str, np.ndarray] | None = None
@@ -143,11 +138,11 @@ class BlsStages(BlsCaller):
 
     async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> PrefillOutput:
         inputs = [
-            _bytes_tensor("text_input", [prompt]),
-            _bytes_tensor("sampling_parameters", [json.dumps(dict(sampling))]),
+            bytes_tensor("text_input", [prompt]),
+            bytes_tensor("sampling_parameters", [json.dumps(dict(sampling))]),
         ]
         if references:
-            inputs.append(_bytes_tensor("references", list(references)))
+            inputs.append(bytes_tensor("references", list(references)))
         result: dict[str, np.ndarray] | None = None
         async for out in self._stream(self.prefill_model, inputs):
             result = out
@@ -170,13 +165,13 @@ class BlsStages(BlsCaller):
         stream: bool,
     ) -> AsyncIterator[DecodeOutput]:
         inputs = [
-            _bytes_tensor("request_id", [request_id]),
-            _bytes_tensor("transfer_params", [transfer_params]),
-            _bytes_tensor("sampling_parameters", [json.dumps(dict(sampling))]),
+            bytes_tensor("request_id", [request_id]),
+            bytes_tensor("transfer_params", [transfer_params]),
+            bytes_tensor("sampling_parameters", [json.dumps(dict(sampling))]),
             pb_utils.Tensor("stream", np.array([stream], dtype=bool)),
         ]
         if references:
-            inputs.append(_bytes_tensor("references", list(references)))
+            inputs.append(bytes_tensor("references", list(references)))
         async for out in self._stream(self.decode_model, inputs):
             reason = _text(out.get("finish_reason")) or None
             yield DecodeOutput(
@@ -188,13 +183,13 @@ class BlsStages(BlsCaller):
             )
 
     async def abort_decode(self, request_id: str) -> None:
-        inputs = [_bytes_tensor("request_id", [request_id]), pb_utils.Tensor("abort", np.array([True], dtype=bool))]
+        inputs = [bytes_tensor("request_id", [request_id]), pb_utils.Tensor("abort", np.array([True], dtype=bool))]
         async for _ in self._stream(self.decode_model, inputs):
             pass
 
     async def discard_transfer(self, transfer_params: str) -> None:
         inputs = [
-            _bytes_tensor("transfer_params", [transfer_params]),
+            bytes_tensor("transfer_params", [transfer_params]),
             pb_utils.Tensor("abort", np.array([True], dtype=bool)),
         ]
         async for _ in self._stream(self.decode_model, inputs):

@@ -24,10 +24,40 @@ from typing import Any
 import numpy as np
 
 from python_backends.errors import invalid_arg
-from python_backends.pd.engines import ImageEmbeds
+from python_backends.event_loop import EventLoopThread
+from python_backends.llm_engine import engine_args_for
+from python_backends.model_params import ModelParameters
+from python_backends.pd.engines import ImageEmbeds, KvEngine
 from python_backends.sampling import parse_sampling_parameters
 from python_backends.store import EmbeddingStore, Reference
 from python_backends.store.device_memory import DeviceView
+
+
+@dataclass(frozen=True)
+class StageRuntime:
+    """What the ``prefill`` and ``decode`` models both hold: their request limit, the node's
+    embedding store and a vLLM engine running on its own event loop thread."""
+
+    max_tokens_limit: int
+    store: EmbeddingStore
+    loop: EventLoopThread
+    engine: Any  # a started PrefillEngine or DecodeEngine
+
+    @classmethod
+    def start(cls, model_args: dict[str, str], engine_type: type[KvEngine]) -> StageRuntime:
+        """For a model's ``initialize``: read its parameters, open the store, start the engine."""
+        params = ModelParameters.from_model_config(model_args["model_config"])
+        max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
+        store = EmbeddingStore(params.store_config())
+        engine_args = engine_args_for(model_args, params.vllm_environment())
+        loop = EventLoopThread()
+        return cls(max_tokens_limit, store, loop, loop.run(engine_type.start(engine_args)))
+
+    def close(self) -> None:
+        """For a model's ``finalize``."""
+        self.loop.stop()
+        self.engine.shutdown()
+        self.store.close()
 
 
 @dataclass(frozen=True)

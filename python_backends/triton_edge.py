@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,6 +27,12 @@ def read_inputs(request: "pb_utils.InferenceRequest", names: Iterable[str]) -> d
         if tensor is not None:
             inputs[name] = tensor.as_numpy()
     return inputs
+
+
+def bytes_tensor(name: str, values: Sequence[bytes | str]) -> "pb_utils.Tensor":
+    """A BYTES tensor of ``values`` (text is sent as UTF-8)."""
+    items = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+    return pb_utils.Tensor(name, np.array(items, dtype=np.object_))
 
 
 def triton_error(exc: BaseException) -> "pb_utils.TritonError":
@@ -63,21 +69,17 @@ def stage_error_response(exc: BaseException, as_output: bool) -> "pb_utils.Infer
         payload = {"code": exc.code.value, "message": exc.message}
     else:
         payload = {"code": ErrorCode.INTERNAL.value, "message": f"internal error: {type(exc).__name__}"}
-    error = np.array([json.dumps(payload).encode("utf-8")], dtype=np.object_)
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(ERROR_OUTPUT, error)])
+    return pb_utils.InferenceResponse(output_tensors=[bytes_tensor(ERROR_OUTPUT, [json.dumps(payload)])])
 
 
 def chunk_response(chunk: GenerationChunk) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(
         output_tensors=[
-            pb_utils.Tensor("text_output", np.array([chunk.text.encode("utf-8")], dtype=np.object_)),
+            bytes_tensor("text_output", [chunk.text]),
             pb_utils.Tensor("output_token_ids", np.array(chunk.token_ids, dtype=np.int64)),
             pb_utils.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)),
             pb_utils.Tensor("num_output_tokens", np.array([chunk.num_output_tokens], dtype=np.uint32)),
-            pb_utils.Tensor(
-                "finish_reason",
-                np.array([(chunk.finish_reason or "").encode("utf-8")], dtype=np.object_),
-            ),
+            bytes_tensor("finish_reason", [chunk.finish_reason or ""]),
         ]
     )
 

@@ -24,6 +24,7 @@ from python_backends.triton_edge import (
     FINAL,
     CacheMetrics,
     ModelMetrics,
+    bytes_tensor,
     read_inputs,
     stage_error_response,
     wants_error_outputs,
@@ -63,8 +64,8 @@ class TritonPythonModel:
             for answer in answers:
                 self.cache_metrics.count(answer.outcome.value)
             outputs = [
-                pb_utils.Tensor("references", np.array([a.reference.to_bytes() for a in answers], dtype=np.object_)),
-                pb_utils.Tensor("mm_hash", np.array([a.reference.mm_hash.encode() for a in answers], dtype=np.object_)),
+                bytes_tensor("references", [a.reference.to_bytes() for a in answers]),
+                bytes_tensor("mm_hash", [a.reference.mm_hash for a in answers]),
                 pb_utils.Tensor("cache_hit", np.array([a.cache_hit for a in answers], dtype=bool)),
             ]
             sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)

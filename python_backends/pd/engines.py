@@ -185,7 +185,7 @@ class DecodeChunk:
     finished: bool
 
 
-class _KvEngine:
+class KvEngine:
     """A vLLM AsyncLLM with our KV connector in ``ROLE``. Methods run on the event loop thread."""
 
     ROLE: Role
@@ -203,7 +203,7 @@ class _KvEngine:
         self.engine.shutdown()
 
 
-class PrefillEngine(_KvEngine):
+class PrefillEngine(KvEngine):
     """The KV producer: prompt + embeddings -> first token + a committed transfer."""
 
     ROLE = "prefill"
@@ -275,7 +275,7 @@ class PrefillEngine(_KvEngine):
         )
 
 
-class DecodeEngine(_KvEngine):
+class DecodeEngine(KvEngine):
     """The KV consumer: loads a transfer instead of computing the prompt, streams the rest."""
 
     ROLE = "decode"

@@ -17,12 +17,9 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from python_backends.errors import EpdError
-from python_backends.event_loop import EventLoopThread
-from python_backends.llm_engine import GenerationChunk, engine_args_for
-from python_backends.model_params import ModelParameters
+from python_backends.llm_engine import GenerationChunk
 from python_backends.pd.engines import DecodeEngine
-from python_backends.pd_stage import parse_stage_inputs, resolve_images
-from python_backends.store import EmbeddingStore
+from python_backends.pd_stage import StageRuntime, parse_stage_inputs, resolve_images
 from python_backends.triton_edge import (
     FINAL,
     CancelWatch,
@@ -38,12 +35,7 @@ INPUT_NAMES = ("references", "transfer_params", "sampling_parameters", "stream",
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = ModelParameters.from_model_config(args["model_config"])
-        self.max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
-        self.store = EmbeddingStore(params.store_config())
-        engine_args = engine_args_for(args, params.vllm_environment())
-        self.loop = EventLoopThread()
-        self.engine = self.loop.run(DecodeEngine.start(engine_args))
+        self.stage = StageRuntime.start(args, DecodeEngine)
         self.running = {}  # request_id -> future of its task (execute thread and loop thread)
         self.lock = threading.Lock()
         self.metrics = ModelMetrics(args["model_name"])
@@ -56,21 +48,21 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             as_output = wants_error_outputs(request)
             try:
-                parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.max_tokens_limit)
+                parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.stage.max_tokens_limit)
                 if parsed.abort:
                     if parsed.request_id:
                         self._abort(parsed.request_id)
                     if parsed.transfer_params:  # prefilled KV no decode will take
-                        self.engine.discard(parsed.transfer_params)
+                        self.stage.engine.discard(parsed.transfer_params)
                     sender.send(flags=FINAL)
                     continue
-                images, _ = resolve_images(self.store, parsed.references)
+                images, _ = resolve_images(self.stage.store, parsed.references)
             except EpdError as exc:
                 sender.send(stage_error_response(exc, as_output), flags=FINAL)
                 continue
             request_id = parsed.request_id or uuid.uuid4().hex
             with self.lock:
-                self.running[request_id] = self.loop.submit(self._serve(parsed, images, sender, request_id, as_output))
+                self.running[request_id] = self.stage.loop.submit(self._serve(parsed, images, sender, request_id, as_output))
 
     def _abort(self, request_id):
         with self.lock:
@@ -82,7 +74,7 @@ class TritonPythonModel:
         finished = False
         cancel = CancelWatch(sender)
         try:
-            async for chunk in self.engine.decode(
+            async for chunk in self.stage.engine.decode(
                 parsed.transfer_params, images, parsed.sampling, request_id=request_id, stream=parsed.stream
             ):
                 if cancel.cancelled():
@@ -98,11 +90,11 @@ class TritonPythonModel:
                 finished = chunk.finished
                 sender.send(chunk_response(generation), flags=FINAL if chunk.finished else 0)
             if not finished:
-                await self.engine.abort(request_id)
+                await self.stage.engine.abort(request_id)
                 sender.send(flags=FINAL)
                 finished = True
         except asyncio.CancelledError:
-            await self.engine.abort(request_id)
+            await self.stage.engine.abort(request_id)
             sender.send(flags=FINAL)
             finished = True
         except Exception as exc:  # every failure reaches the caller as one coded error
@@ -112,9 +104,7 @@ class TritonPythonModel:
         finally:
             with self.lock:
                 self.running.pop(request_id, None)
-            self.unfinished.set(int(self.engine.engine.output_processor.get_num_unfinished_requests()))
+            self.unfinished.set(int(self.stage.engine.engine.output_processor.get_num_unfinished_requests()))
 
     def finalize(self):
-        self.loop.stop()
-        self.engine.shutdown()
-        self.store.close()
+        self.stage.close()

@@ -12,25 +12,23 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.errors import EpdError
-from python_backends.event_loop import EventLoopThread
-from python_backends.llm_engine import engine_args_for
-from python_backends.model_params import ModelParameters
 from python_backends.pd.engines import PrefillEngine
-from python_backends.pd_stage import parse_stage_inputs, resolve_images
-from python_backends.store import EmbeddingStore
-from python_backends.triton_edge import FINAL, ModelMetrics, read_inputs, stage_error_response, wants_error_outputs
+from python_backends.pd_stage import StageRuntime, parse_stage_inputs, resolve_images
+from python_backends.triton_edge import (
+    FINAL,
+    ModelMetrics,
+    bytes_tensor,
+    read_inputs,
+    stage_error_response,
+    wants_error_outputs,
+)
 
 INPUT_NAMES = ("text_input", "references", "sampling_parameters")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = ModelParameters.from_model_config(args["model_config"])
-        self.max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
-        self.store = EmbeddingStore(params.store_config())
-        engine_args = engine_args_for(args, params.vllm_environment())
-        self.loop = EventLoopThread()
-        self.engine = self.loop.run(PrefillEngine.start(engine_args))
+        self.stage = StageRuntime.start(args, PrefillEngine)
         # Scraped by tests: what crossed Triton into prefill per image (references only).
         self.metrics = ModelMetrics(args["model_name"])
         input_bytes = "Bytes of image inputs prefill received, by kind (reference; media is always 0)"
@@ -45,27 +43,25 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             as_output = wants_error_outputs(request)
             try:
-                parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.max_tokens_limit)
+                parsed = parse_stage_inputs(read_inputs(request, INPUT_NAMES), self.stage.max_tokens_limit)
                 self.reference_bytes.increment(sum(len(r) for r in parsed.references))
                 self.references.increment(len(parsed.references))
-                images, _ = resolve_images(self.store, parsed.references)
+                images, _ = resolve_images(self.stage.store, parsed.references)
             except EpdError as exc:
                 sender.send(stage_error_response(exc, as_output), flags=FINAL)
                 continue
-            self.loop.submit(self._serve(parsed, images, sender, as_output))
+            self.stage.loop.submit(self._serve(parsed, images, sender, as_output))
 
     async def _serve(self, parsed, images, sender, as_output):
         try:
-            result = await self.engine.prefill(parsed.text, images, parsed.sampling, request_id=uuid.uuid4().hex)
+            result = await self.stage.engine.prefill(parsed.text, images, parsed.sampling, request_id=uuid.uuid4().hex)
             transfer = result.transfer.to_json() if result.transfer is not None else ""
             outputs = [
                 pb_utils.Tensor("output_token_ids", np.array([result.first_token_id], dtype=np.int64)),
-                pb_utils.Tensor("text_output", np.array([result.first_text.encode("utf-8")], dtype=np.object_)),
+                bytes_tensor("text_output", [result.first_text]),
                 pb_utils.Tensor("num_input_tokens", np.array([result.num_prompt_tokens], dtype=np.uint32)),
-                pb_utils.Tensor(
-                    "finish_reason", np.array([(result.finish_reason or "").encode("utf-8")], dtype=np.object_)
-                ),
-                pb_utils.Tensor("transfer_params", np.array([transfer.encode("utf-8")], dtype=np.object_)),
+                bytes_tensor("finish_reason", [result.finish_reason or ""]),
+                bytes_tensor("transfer_params", [transfer]),
             ]
             sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
         except Exception as exc:  # every failure reaches the caller as one coded error
@@ -73,6 +69,4 @@ class TritonPythonModel:
             sender.send(stage_error_response(exc, as_output), flags=FINAL)
 
     def finalize(self):
-        self.loop.stop()
-        self.engine.shutdown()
-        self.store.close()
+        self.stage.close()
