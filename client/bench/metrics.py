@@ -16,11 +16,16 @@ Definitions (the ones vLLM's and SGLang's serving benchmarks use):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from client.bench.workload import BenchRequest
 
 PERCENTILES = (50, 90, 99)
 
@@ -53,6 +58,25 @@ class RequestRecord:
     def output_tokens(self) -> int:
         """Server's count when it sent one, else what the chunks carried."""
         return self.num_output_tokens or sum(self.chunk_tokens) or len(self.chunk_times)
+
+    @classmethod
+    async def of_request(
+        cls,
+        request: BenchRequest,
+        stream: Callable[[RequestRecord, float], Awaitable[None]],
+        timeout_s: float,
+    ) -> RequestRecord:
+        """The record of one request that ``stream(record, started)`` sends and reads; a
+        target's transport and server errors end up in ``record.error``, never raised."""
+        record = cls(key=request.key, num_images=len(request.images), reused_images=request.reused_images)
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(stream(record, started), timeout_s)
+        except asyncio.TimeoutError:
+            record.error = f"timeout after {timeout_s:.0f} s"
+        except Exception as exc:  # noqa: BLE001 - one failed request must not end the run
+            record.error = f"{type(exc).__name__}: {exc}"
+        return record
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

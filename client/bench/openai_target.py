@@ -18,7 +18,6 @@ Our router (``client.bench.epd_router``) reports the time its encoder fan-out to
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
@@ -217,18 +216,9 @@ class OpenAIChatTarget:
 
     async def send(self, model: str, prepared: PreparedChat, timeout_s: float) -> RequestRecord:  # noqa: ARG002
         """One request; transport and server errors end up in ``record.error``, never raised."""
-        record = RequestRecord(
-            key=prepared.request.key,
-            num_images=len(prepared.request.images),
-            reused_images=prepared.request.reused_images,
+        record = await RequestRecord.of_request(
+            prepared.request, lambda record, started: self._stream(prepared, record, started), timeout_s
         )
-        started = time.perf_counter()
-        try:
-            await asyncio.wait_for(self._stream(prepared, record, started), timeout_s)
-        except asyncio.TimeoutError:
-            record.error = f"timeout after {timeout_s:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - one failed request must not end the run
-            record.error = f"{type(exc).__name__}: {exc}"
         split_stages(record)
         return record
 

@@ -13,7 +13,6 @@ Optional outputs read when the model sends them (``epd`` will):
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -68,19 +67,9 @@ class TritonGrpcTarget:
 
     async def send(self, model: str, prepared: PreparedRequest, timeout_s: float) -> RequestRecord:
         """One request; transport and model errors end up in ``record.error``, never raised."""
-        record = RequestRecord(
-            key=prepared.request.key,
-            num_images=len(prepared.request.images),
-            reused_images=prepared.request.reused_images,
+        return await RequestRecord.of_request(
+            prepared.request, lambda record, started: self._stream(model, prepared, record, started), timeout_s
         )
-        started = time.perf_counter()
-        try:
-            await asyncio.wait_for(self._stream(model, prepared, record, started), timeout_s)
-        except asyncio.TimeoutError:
-            record.error = f"timeout after {timeout_s:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - one failed request must not end the run
-            record.error = f"{type(exc).__name__}: {exc}"
-        return record
 
     async def _stream(self, model: str, prepared: PreparedRequest, record: RequestRecord, started: float) -> None:
         async def one_request() -> AsyncIterator[dict[str, Any]]:
