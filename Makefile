@@ -46,17 +46,17 @@ test-server: setup
 	$(PY) -m pytest tests/server -v -rs
 
 bench-cold-start: setup
-	$(PY) -m client.bench_cold_start --out results/latest/cold_start
+	$(PY) -m bench.cold_start --out results/latest/cold_start
 
 # Shared embedding store vs a cache per encoder: 128 images moved from encoder_0 to encoder_1.
 bench-cache: setup
-	$(PY) -m client.bench_cache --images 128 --out results/latest/cache
+	$(PY) -m bench.cache --images 128 --out results/latest/cache
 
 # Quick profile: starts its own tritonserver (pass BENCH_ARGS="--url HOST:PORT" to use one),
 # skips modes whose model is not loaded, and stays under 10 minutes on a 2-core machine.
 BENCH_QUICK_OUT ?= results/latest/bench-quick
 bench-quick: setup
-	$(PY) -m client.bench run --out $(BENCH_QUICK_OUT) --title "bench-quick: every mode, short sweep" \
+	$(PY) -m bench run --out $(BENCH_QUICK_OUT) --title "bench-quick: every mode, short sweep" \
 		--modes llm llm:repeated ensemble epd epd:repeated --concurrency 1 2 4 8 16 --request-rate 4 8 \
 		--requests 32 --warmup 4 --reps 3 --slo-ttft-ms 500 --slo-tpot-ms 50 --time-budget 400 --media-salt auto $(BENCH_ARGS)
 
@@ -66,7 +66,7 @@ bench-quick: setup
 # the CPUs, and measures a repetition again when other processes took > 25% of them.
 BENCH_PEERS_OUT ?= results/latest/peers
 bench-peers: setup
-	$(PY) -m client.bench peers --out $(BENCH_PEERS_OUT) --title "bench-peers: ours vs vLLM native EPD vs colocated vLLM" \
+	$(PY) -m bench peers --out $(BENCH_PEERS_OUT) --title "bench-peers: ours vs vLLM native EPD vs colocated vLLM" \
 		--concurrency 1 4 8 --requests 24 --warmup 4 --reps 3 --output-tokens 32 \
 		--slo-ttft-ms 500 --slo-tpot-ms 50 --wait-quiet 300 --max-noise 0.25 $(BENCH_ARGS)
 

@@ -9,7 +9,7 @@ files are git-ignored.
 Models per target (names are a contract, DESIGN.md):
 
 - ``llm``: one colocated vLLM engine (both targets).
-- ``preprocess``: the one DALI pipeline (``builders/dali_pipeline.py``), serialized into
+- ``preprocess``: the one DALI pipeline (``python_backends/dali_pipeline.py``), serialized into
   ``preprocess/1/model.dali``. ``cpu``: run with ``device_id=None`` by a python-backend model;
   ``gpu``: Triton's DALI backend, mixed (nvJPEG) decoder. Dynamic batching over images of
   different sizes (``allow_ragged_batch`` on ``image``); one image per batch row.
@@ -856,7 +856,7 @@ def checkpoint_fingerprint(model_dir: Path) -> dict[str, Any]:
 def build_dali_artifact(
     target: Target, model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
 ) -> tuple[dict[str, Any], bool]:
-    from builders.dali_pipeline import ImageTransformConfig, write_pipeline  # noqa: PLC0415
+    from python_backends.dali_pipeline import ImageTransformConfig, write_pipeline  # noqa: PLC0415
 
     stage = target.encode
     config = ImageTransformConfig.from_file(model_dir)
@@ -865,7 +865,7 @@ def build_dali_artifact(
         "device": stage.device,
         "max_batch_size": stage.max_batch_size,
         "dali": _version("nvidia-dali-cuda120"),
-        "source": _source_digest("builders/dali_pipeline.py"),
+        "source": _source_digest("python_backends/dali_pipeline.py"),
     }
 
     def build(scratch: Path) -> dict[str, Any]:
@@ -886,7 +886,7 @@ def build_onnx_artifact(
     }
 
     def build(scratch: Path) -> dict[str, Any]:
-        from builders.dali_pipeline import ImageTransformConfig  # noqa: PLC0415
+        from python_backends.dali_pipeline import ImageTransformConfig  # noqa: PLC0415
         from builders.encoder import (  # noqa: PLC0415 (torch, transformers)
             export_onnx,
             load_vision_tower,

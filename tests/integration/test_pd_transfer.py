@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.launcher import prepare
-from python_backends.tritonserver import REPO_ROOT
+from builders.launcher import prepare
+from builders.tritonserver import REPO_ROOT
 
 ENGINE_ARGS = REPO_ROOT / "model_repository" / "llm" / "1" / "engine_args.json"
 MAX_TOKENS = 12

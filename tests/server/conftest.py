@@ -13,9 +13,9 @@ import pytest
 
 from builders.repository import TARGETS
 from client.epd_client import GrpcClient, HttpClient
-from python_backends.launcher import prepare
+from builders.launcher import prepare
 from python_backends.store import EmbeddingStore, StoreConfig
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 LOG_DIR = REPO_ROOT / "build" / "test-logs"
 CACHE_POLICY = TARGETS["cpu"].cache  # what the served repository was generated with

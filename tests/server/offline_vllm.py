@@ -15,7 +15,7 @@ from pathlib import Path
 from python_backends.generate_request import with_image_placeholders
 from python_backends.llm_engine import load_engine_args
 from python_backends.media import ImageLimits, decode_images
-from python_backends.tritonserver import REPO_ROOT
+from builders.tritonserver import REPO_ROOT
 
 
 def main(cases_path: Path, out_path: Path) -> None:

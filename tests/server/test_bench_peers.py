@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from client.bench.peers import PeerSettings, vllm_colocated
-from client.bench.triton_target import TritonGrpcTarget
-from client.bench.workload import LengthDist, WorkloadBuilder, WorkloadSpec
-from python_backends.tritonserver import REPO_ROOT, TritonServer
+from bench.peers import PeerSettings, vllm_colocated
+from bench.triton_target import TritonGrpcTarget
+from bench.workload import LengthDist, WorkloadBuilder, WorkloadSpec
+from builders.tritonserver import REPO_ROOT, TritonServer
 
 pytestmark = pytest.mark.server
 

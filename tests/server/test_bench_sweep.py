@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from client.bench.cli import main
-from client.bench.machine import glibc_version
-from python_backends.tritonserver import TritonServer
+from bench.cli import main
+from bench.machine import glibc_version
+from builders.tritonserver import TritonServer
 
 pytestmark = pytest.mark.server
 

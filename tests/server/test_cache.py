@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from client.bench.server_stats import parse_metrics
+from bench.server_stats import parse_metrics
 from client.epd_client import ClientError, GrpcClient, chat_prompt
 from python_backends.store import EmbeddingStore
-from python_backends.tritonserver import TritonServer
+from builders.tritonserver import TritonServer
 from tests.images import synthetic_image
 from tests.server.conftest import CACHE_POLICY, open_node_store
 from tests.server.test_epd import _prefill_error

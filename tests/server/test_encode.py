@@ -34,7 +34,7 @@ from PIL import Image, ImageOps
 from tritonclient.utils import InferenceServerException
 
 from builders.repository import TARGETS
-from python_backends.tritonserver import REPO_ROOT, TritonServer
+from builders.tritonserver import REPO_ROOT, TritonServer
 from tests.images import bilevel_png, synthetic_image, zero_width_png
 from tests.server.conftest import LOG_DIR
 

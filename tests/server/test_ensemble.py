@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.epd_client import ClientError, GenerateResult, GrpcClient, chat_prompt
-from python_backends.tritonserver import TritonServer
+from builders.tritonserver import TritonServer
 from tests.images import synthetic_image
 
 pytestmark = pytest.mark.server

@@ -15,7 +15,7 @@ import pytest
 from client.epd_client import ClientError, chat_prompt
 from python_backends.pd.transfer import TransferParams
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
-from python_backends.tritonserver import TritonServer
+from builders.tritonserver import TritonServer
 from tests.images import synthetic_image
 from tests.server.conftest import open_node_store
 from tests.store_helpers import store_directory

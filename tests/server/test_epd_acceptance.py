@@ -47,7 +47,7 @@ from client.epd_client import (
     chat_prompt,
 )
 from python_backends.pd.transfer import list_transfers
-from python_backends.tritonserver import REPO_ROOT, TritonServer
+from builders.tritonserver import REPO_ROOT, TritonServer
 from tests.images import flat_png, rotated_jpeg, synthetic_image, with_note
 from tests.server.conftest import open_node_store
 

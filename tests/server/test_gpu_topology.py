@@ -24,7 +24,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from builders.repository import TARGETS, EncoderFacts, repository_files
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from tests.images import synthetic_image
 from tests.server.conftest import LOG_DIR
 from tests.server.test_encode import grpc_infer

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from client.epd_client import GrpcClient, chat_prompt
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 pytestmark = pytest.mark.server
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.server
 def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, tmp_path: Path):
     ports = Ports.free()
     process = subprocess.Popen(
-        [sys.executable, "-m", "python_backends.launcher", "--http-port", str(ports.http),
+        [sys.executable, "-m", "builders.launcher", "--http-port", str(ports.http),
          "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
          "--log-file", str(tmp_path / "server.log")],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.epd_client import ClientError, GrpcClient, chat_prompt
-from python_backends.tritonserver import REPO_ROOT, TritonServer
+from builders.tritonserver import REPO_ROOT, TritonServer
 from tests.images import flat_png, synthetic_image
 
 pytestmark = pytest.mark.server

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.bench.metrics import (
+from bench.metrics import (
     RequestRecord,
     Slo,
     distribution,

@@ -9,10 +9,10 @@ import struct
 
 import pytest
 
-from client.bench.compare import diff, render
-from client.bench.metrics import RequestRecord
-from client.bench.perf_analyzer import commands, data_entry, write_inputs
-from client.bench.server_stats import (
+from bench.compare import diff, render
+from bench.metrics import RequestRecord
+from bench.perf_analyzer import commands, data_entry, write_inputs
+from bench.server_stats import (
     counter_deltas,
     cpu_usage,
     CpuSample,
@@ -22,8 +22,8 @@ from client.bench.server_stats import (
     per_model_server_ms,
     sum_counter,
 )
-from client.bench.stages import disaggregation_reading, stage_breakdown
-from client.bench.workload import BenchRequest
+from bench.stages import disaggregation_reading, stage_breakdown
+from bench.workload import BenchRequest
 
 METRICS_BEFORE = """\
 # HELP nv_inference_request_success Number of successful inference requests

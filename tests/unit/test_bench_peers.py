@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from client.bench.epd_router import (
+from bench.epd_router import (
     ENCODE_MS_HEADER,
     Router,
     encoder_requests,
     extract_mm_items,
 )
-from client.bench.loadgen import LoadPoint
-from client.bench.metrics import RequestRecord
-from client.bench.openai_target import (
+from bench.loadgen import LoadPoint
+from bench.metrics import RequestRecord
+from bench.openai_target import (
     OpenAIChatTarget,
     PeerServerInfo,
     PromptFormatError,
@@ -33,7 +33,7 @@ from client.bench.openai_target import (
     fold_chunk,
     parse_chat_prompt,
 )
-from client.bench.peers import (
+from bench.peers import (
     GroupHandle,
     ManagedProcess,
     PeerRun,
@@ -47,9 +47,9 @@ from client.bench.peers import (
     serve_flags,
     wait_healthy,
 )
-from client.bench.peers_report import write_peer_outputs
-from client.bench.sweep import ModeSpec, SweepConfig
-from client.bench.workload import BenchRequest, LengthDist, WorkloadSpec
+from bench.peers_report import write_peer_outputs
+from bench.sweep import ModeSpec, SweepConfig
+from bench.workload import BenchRequest, LengthDist, WorkloadSpec
 from client.epd_client import chat_prompt
 
 IMAGE = b"\xff\xd8\xff\xe0fake-jpeg"
@@ -296,7 +296,7 @@ def test_peer_settings_follow_our_cpu_target(tmp_path: Path) -> None:
     assert settings.vllm_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert settings.encoder_env != settings.consumer_env  # two engines, two cores
     command = settings.serve_command(1234, {"mm_encoder_only": True})
-    assert command[1:5] == ["-m", "client.bench.vllm_serve", "serve", str(tmp_path / "tiny-qwen2-vl")]
+    assert command[1:5] == ["-m", "bench.vllm_serve", "serve", str(tmp_path / "tiny-qwen2-vl")]
     assert "--mm-encoder-only" in command and "--enforce-eager" in command and command[command.index("--port") + 1] == "1234"
 
 
@@ -475,7 +475,7 @@ def test_peer_run_merges_groups_and_writes_every_output(tmp_path: Path, monkeypa
     assert set(peers["ec_load_proof"]["reference_tokens"]) == {"llm", "epd", "vllm-colocated"}
     assert set(summary["token_agreement_vs_baseline"].values()) == {1.0}
 
-    summary["meta"] = {"title": "peers test", "command": "python -m client.bench peers ..."}
+    summary["meta"] = {"title": "peers test", "command": "python -m bench peers ..."}
     written = write_peer_outputs(tmp_path / "out", summary, output.raw)
     names = {p.name for p in written}
     assert {"summary.json", "raw.json", "results.csv", "results.md", "peers.csv",
@@ -507,7 +507,7 @@ def test_a_group_that_fails_to_start_is_reported_and_the_run_goes_on(tmp_path: P
 
 
 def test_a_noisy_repetition_is_measured_again_with_fresh_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    import client.bench.sweep as sweep_module  # noqa: PLC0415
+    import bench.sweep as sweep_module  # noqa: PLC0415
 
     shares = iter([0.6, 0.1, 0.05])  # rep 1: noisy, then clean; rep 2: clean
     real = sweep_module.cpu_usage
@@ -537,7 +537,7 @@ def test_a_noisy_repetition_is_measured_again_with_fresh_requests(monkeypatch: p
 
 
 def test_pool_primers_show_every_pool_image_once() -> None:
-    from client.bench.workload import WorkloadBuilder  # noqa: PLC0415
+    from bench.workload import WorkloadBuilder  # noqa: PLC0415
 
     spec = WorkloadSpec(media_pool_size=3, images_per_request=LengthDist.parse("2"), image_sizes=((32, 24), (16, 16)))
     builder = WorkloadBuilder(spec)
@@ -553,7 +553,7 @@ def test_pool_primers_show_every_pool_image_once() -> None:
 
 
 def test_media_salt_changes_images_not_prompts() -> None:
-    from client.bench.workload import WorkloadBuilder  # noqa: PLC0415
+    from bench.workload import WorkloadBuilder  # noqa: PLC0415
 
     plain = WorkloadBuilder(WorkloadSpec(image_sizes=((32, 24),))).build(3, 0.5, "measure", 0, 0)
     salted = WorkloadBuilder(WorkloadSpec(image_sizes=((32, 24),), media_salt="run-2")).build(3, 0.5, "measure", 0, 0)
@@ -565,7 +565,7 @@ def test_media_salt_changes_images_not_prompts() -> None:
 
 
 def test_peers_command_salts_media_per_run_and_run_does_not() -> None:
-    from client.bench.cli import _workload_spec, build_parser  # noqa: PLC0415
+    from bench.cli import _workload_spec, build_parser  # noqa: PLC0415
 
     peers = _workload_spec(build_parser().parse_args(["peers"]))
     assert peers.media_salt  # a fresh salt
@@ -574,7 +574,7 @@ def test_peers_command_salts_media_per_run_and_run_does_not() -> None:
 
 
 def test_unique_media_served_from_the_store_is_flagged() -> None:
-    from client.bench.peers import validity_warnings  # noqa: PLC0415
+    from bench.peers import validity_warnings  # noqa: PLC0415
 
     hit = point("epd", "c=1", 20, 150, 5.0)
     hit["summary"]["cache_hits"] = 24

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from client.bench.loadgen import LoadPoint
-from client.bench.metrics import RequestRecord, Slo
-from client.bench.report import write_outputs
-from client.bench.sweep import ModeSpec, Sweep, SweepConfig
-from client.bench.workload import BenchRequest, LengthDist, WorkloadSpec
+from bench.loadgen import LoadPoint
+from bench.metrics import RequestRecord, Slo
+from bench.report import write_outputs
+from bench.sweep import ModeSpec, Sweep, SweepConfig
+from bench.workload import BenchRequest, LengthDist, WorkloadSpec
 
 CONFIGS = {
     "llm": {"backend": "python", "instance_group": [{"count": 1}], "model_transaction_policy": {"decoupled": True}},

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client.bench.loadgen import LoadPoint, arrival_offsets, closed_loop, open_loop
-from client.bench.metrics import RequestRecord
-from client.bench.workload import FILLER_WORDS, LengthDist, WorkloadBuilder, WorkloadError, WorkloadSpec
+from bench.loadgen import LoadPoint, arrival_offsets, closed_loop, open_loop
+from bench.metrics import RequestRecord
+from bench.workload import FILLER_WORDS, LengthDist, WorkloadBuilder, WorkloadError, WorkloadSpec
 
 
 def spec(**kw) -> WorkloadSpec:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from builders.dali_pipeline import ImageTransformConfig
+from python_backends.dali_pipeline import ImageTransformConfig
 from builders.default_model import build_default_model
 from python_backends.encode_stage import (
     EncoderProvenance,

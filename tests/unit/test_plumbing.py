@@ -17,7 +17,7 @@ from python_backends.llm_engine import GenerationChunk, load_engine_args
 from python_backends.errors import EpdError
 from python_backends.model_params import ModelParameters
 from python_backends.triton_edge import ModelMetrics, chunk_response, error_response, read_inputs, triton_error
-from python_backends.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
+from builders.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
 from tests.unit.conftest import FakeRequest
 
 
@@ -124,7 +124,7 @@ def test_client_chat_prompt_and_result_accumulation():
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cli_says_how_to_start_a_server_that_is_down(protocol, capsys):
     from client.cli import main
-    from python_backends.tritonserver import free_port
+    from builders.tritonserver import free_port
 
     assert main(["hi", "--protocol", protocol, "--url", f"127.0.0.1:{free_port()}"]) == 1
     assert "Is the server running? Start it with `make serve`" in capsys.readouterr().err

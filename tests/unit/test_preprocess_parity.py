@@ -44,7 +44,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
     smart_resize as transformers_smart_resize,
 )
 
-from builders.dali_pipeline import (
+from python_backends.dali_pipeline import (
     ImageTransformConfig,
     PreprocessConfigError,
     serialize_pipeline,
@@ -286,7 +286,7 @@ def test_smart_resize_in_graph_matches_transformers(transform_config: ImageTrans
 def test_serialization_is_deterministic_across_processes(transform_config: ImageTransformConfig) -> None:
     here = serialize_pipeline(transform_config, "cpu")
     code = (
-        "import sys; from builders.dali_pipeline import ImageTransformConfig, serialize_pipeline; "
+        "import sys; from python_backends.dali_pipeline import ImageTransformConfig, serialize_pipeline; "
         f"sys.stdout.buffer.write(serialize_pipeline(ImageTransformConfig.from_dict({_config_dict(transform_config)!r}), 'cpu'))"
     )
     there = subprocess.run(

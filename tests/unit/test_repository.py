@@ -129,7 +129,7 @@ def test_gpu_preprocess_is_the_dali_backend(model_dir: Path) -> None:
     assert list(gpu.input) == list(cpu.input) and list(gpu.output) == list(cpu.output)
     assert gpu.max_batch_size == cpu.max_batch_size
     # Output order is the pipeline's (the DALI backend maps outputs by position).
-    from builders.dali_pipeline import OUTPUT_NAMES
+    from python_backends.dali_pipeline import OUTPUT_NAMES
 
     assert tuple(o.name for o in gpu.output) == OUTPUT_NAMES
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from builders.dali_pipeline import ImageTransformConfig
+from python_backends.dali_pipeline import ImageTransformConfig
 from python_backends.encode_stage import PreprocessStage
 from python_backends.errors import EpdError
 from python_backends.media import ImageLimits

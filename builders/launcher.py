@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
 SAMPLE_PROMPT = "What is in this picture?"

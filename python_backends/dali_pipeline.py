@@ -20,7 +20,7 @@ Everything comes from the checkpoint's ``preprocessor_config.json``. Serializati
 deterministic: explicit operator names and no source-location tracing, so the same config and
 device give the same bytes wherever the repository is built.
 
-CLI: ``python -m builders.dali_pipeline --model DIR --device cpu --out model.dali``.
+CLI: ``python -m python_backends.dali_pipeline --model DIR --device cpu --out model.dali``.
 """
 
 from __future__ import annotations

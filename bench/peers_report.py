@@ -8,7 +8,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from client.bench.report import markdown, write_outputs
+from bench.report import markdown, write_outputs
 
 PEER_SHORT = {"vllm-colocated": "C", "vllm-colocated:repeated": "C", "vllm-epd": "E", "vllm-epd:repeated": "E"}
 RATIO_COLUMNS = (
@@ -41,7 +41,7 @@ def write_peer_outputs(out: Path, summary: dict[str, Any], raw: list[dict[str, A
             })
     written.append(out / "peers.csv")
     if plots and summary["points"]:
-        from client.bench.plots import write_peer_plots  # noqa: PLC0415 - matplotlib is slow to import
+        from bench.plots import write_peer_plots  # noqa: PLC0415 - matplotlib is slow to import
 
         written.extend(write_peer_plots(summary, out))
     names = [p.name for p in written if p.suffix == ".png"]

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from client.bench.loadgen import LoadPoint, closed_loop, run_point
-from client.bench.metrics import RequestRecord, Slo, median_summary, summarize
-from client.bench.server_stats import (
+from bench.loadgen import LoadPoint, closed_loop, run_point
+from bench.metrics import RequestRecord, Slo, median_summary, summarize
+from bench.server_stats import (
     DEFAULT_CACHE_HIT_METRIC,
     DEFAULT_ENCODE_METRIC,
     CpuMeter,
@@ -34,9 +34,9 @@ from client.bench.server_stats import (
     scrape,
     sum_counter,
 )
-from client.bench.stages import disaggregation_reading, stage_breakdown
-from client.bench.triton_target import TritonGrpcTarget
-from client.bench.workload import WorkloadBuilder, WorkloadSpec
+from bench.stages import disaggregation_reading, stage_breakdown
+from bench.triton_target import TritonGrpcTarget
+from bench.workload import WorkloadBuilder, WorkloadSpec
 
 MEDIA_POLICIES = ("default", "unique", "repeated")
 # Request keys of a noise retry: repetition + stride x attempt, never a key measured before.

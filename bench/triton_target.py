@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from client.bench.metrics import RequestRecord
-from client.bench.workload import BenchRequest
+from bench.metrics import RequestRecord
+from bench.workload import BenchRequest
 from client.epd_client import ONE_IMAGE_MODELS, build_inputs
 
 TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"

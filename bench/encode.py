@@ -8,7 +8,7 @@
 
 Writes ``results.json`` and ``results.md`` under ``--results`` (default results/latest/encode).
 
-    python -m client.bench_encode [--model DIR] [--images 16] [--repeats 3] [--results DIR]
+    python -m bench.encode [--model DIR] [--images 16] [--repeats 3] [--results DIR]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def bench_preprocess(model_dir: Path, images: list[bytes], batch_sizes: Sequence
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    from builders.dali_pipeline import ImageTransformConfig
+    from python_backends.dali_pipeline import ImageTransformConfig
     from python_backends.media import ImageLimits
     from python_backends.preprocess import DaliImagePreprocessor
 
@@ -117,7 +117,7 @@ def bench_preprocess(model_dir: Path, images: list[bytes], batch_sizes: Sequence
 
 
 def bench_encoder(model_dir: Path, images: list[bytes], batch_sizes: Sequence[int], repeats: int) -> list[Timing]:
-    from builders.dali_pipeline import ImageTransformConfig
+    from python_backends.dali_pipeline import ImageTransformConfig
     from builders.encoder import export_onnx, load_vision_tower, torch_reference
     from python_backends.media import ImageLimits
     from python_backends.preprocess import DaliImagePreprocessor

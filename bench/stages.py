@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from client.bench.metrics import RequestRecord, e2e_s, ttft_s
-from client.bench.server_stats import ModeLayout
+from bench.metrics import RequestRecord, e2e_s, ttft_s
+from bench.server_stats import ModeLayout
 
 MEDIA_STAGES = ("hash", "lookup", "preprocess", "encode", "vit_encoder", "store")
 # vLLM and SGLang report disaggregation losing to colocated serving below about this.

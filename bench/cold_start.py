@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from client.epd_client import GrpcClient, chat_prompt
-from python_backends.launcher import SAMPLE_IMAGE, prepare
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.launcher import SAMPLE_IMAGE, prepare
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 OFFLINE_START = textwrap.dedent(
     """

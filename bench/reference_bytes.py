@@ -9,7 +9,7 @@ bf16) from the same token count: the reference does not grow.
 
 Writes ``results.json`` and ``results.md`` under ``--out``.
 
-    python -m client.bench_reference_bytes [--out results/latest/reference_bytes]
+    python -m bench.reference_bytes [--out results/latest/reference_bytes]
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from client.bench.machine import describe_machine, one_line
-from client.bench.server_stats import scrape
+from bench.machine import describe_machine, one_line
+from bench.server_stats import scrape
 from client.epd_client import GrpcClient, chat_prompt
-from python_backends.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "reference_bytes"
 SIZES = ((64, 64), (448, 336), (640, 480), (1280, 720), (1920, 1080), (3840, 2160))
@@ -55,7 +55,7 @@ def _encode_bytes(url: str, image: bytes) -> tuple[int, int]:
 
 
 def measure(server: TritonServer) -> list[dict[str, Any]]:
-    from client.bench_encode import photo_like_jpeg  # noqa: PLC0415
+    from bench.encode import photo_like_jpeg  # noqa: PLC0415
 
     epd = GrpcClient(server.grpc_url, "epd")
     rows = []
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    from python_backends.launcher import prepare  # noqa: PLC0415
+    from builders.launcher import prepare  # noqa: PLC0415
 
     prepare("cpu", None, REPO_ROOT / "model_repository")
     extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in MODELS))
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     with TritonServer(options, REPO_ROOT / "build" / "bench-reference-bytes.log") as server:
         server.wait_ready(timeout_s=900)
         rows = measure(server)
-    summary = {"command": "python -m client.bench_reference_bytes", "machine": describe_machine(), "rows": rows}
+    summary = {"command": "python -m bench.reference_bytes", "machine": describe_machine(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(summary))

@@ -12,7 +12,7 @@ For each embedding size the writer (this process) stores a CUDA tensor; a reader
 The ratio is view / by_value in the same run. Also: the writer's ``put`` (one device-to-device
 copy + the LMDB transaction) and the reference's size. Writes results.json and results.md.
 
-    python -m client.bench_gpu_store --out results/latest/gpu_store
+    python -m bench.gpu_store --out results/latest/gpu_store
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def write(results: list[dict[str, Any]], out: Path, gpu: str) -> None:
     lines = [
         "# GPU embedding store: reader cost by reference (CUDA IPC view) vs by value",
         "",
-        f"GPU: {gpu}. Command: `python -m client.bench_gpu_store`. Medians; ratios from this run.",
+        f"GPU: {gpu}. Command: `python -m bench.gpu_store`. Medians; ratios from this run.",
         "",
         "| embedding [tokens, hidden] fp16 | bytes | reference bytes | put ms | view ms | by-value ms | view / by-value |",
         "|---|---:|---:|---:|---:|---:|---:|",

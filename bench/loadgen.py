@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from client.bench.metrics import RequestRecord
+from bench.metrics import RequestRecord
 
 Send = Callable[[Any], Awaitable[RequestRecord]]
 Tick = Callable[[], None]

@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from python_backends.tritonserver import REPO_ROOT
+from builders.tritonserver import REPO_ROOT
 
 
 def _cpu_model() -> str:

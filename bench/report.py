@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from client.bench.machine import one_line
-from client.bench.metrics import PERCENTILES
+from bench.machine import one_line
+from bench.metrics import PERCENTILES
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 STATS = ("mean", *(f"p{p}" for p in PERCENTILES))
@@ -64,7 +64,7 @@ def write_outputs(out: Path, summary: dict[str, Any], raw: list[dict[str, Any]],
         writer.writeheader()
         writer.writerows(rows)
     if plots and rows:
-        from client.bench.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import
+        from bench.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import
 
         written.extend(write_plots(summary, out))
     (out / "results.md").write_text(markdown(summary, [p.name for p in written if p.suffix == ".png"]))

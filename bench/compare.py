@@ -1,6 +1,6 @@
 """Diff two results files: same (mode, load point), metric by metric, with ratios.
 
-``python -m client.bench compare OLD NEW`` (files or folders holding summary.json)
+``python -m bench compare OLD NEW`` (files or folders holding summary.json)
 prints a markdown table of NEW/OLD ratios and marks changes beyond ``--threshold`` in
 the bad direction (higher latency, lower throughput) as regressions.
 """
