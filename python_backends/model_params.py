@@ -1,7 +1,9 @@
 """The one place that reads ``parameters`` from a model's config.pbtxt.
 
 Triton hands the config to ``initialize`` as JSON; parameters are strings there. Every
-value is checked at load, with a message that says which model and key to fix.
+value is checked at load, with a message that says which model and key to fix. Defaults and
+lower bounds come from :mod:`python_backends.contract` (one default per key); a call may
+still pass its own.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from python_backends import contract
+from python_backends.contract import ContractError
 
 if TYPE_CHECKING:
     from python_backends.store import StoreConfig
@@ -20,74 +25,84 @@ class ModelParameters:
     values: dict[str, str]
 
     @classmethod
-    def from_model_config(cls, model_config: str | dict[str, Any]) -> "ModelParameters":
+    def from_model_config(cls, model_config: str | dict[str, Any]) -> ModelParameters:
         config = json.loads(model_config) if isinstance(model_config, str) else model_config
         raw = config.get("parameters") or {}
         values = {key: str(entry.get("string_value", "")) for key, entry in raw.items()}
         return cls(config.get("name", "?"), values)
 
-    def _fail(self, key: str, problem: str) -> ValueError:
+    def _fail(self, problem: str) -> ValueError:
         return ValueError(
-            f"model '{self.model_name}': parameter '{key}' {problem}; set it in the model's "
+            f"model '{self.model_name}': {problem}; set it in the model's "
             "target description under builders/ and regenerate the repository"
         )
 
+    def _text(self, key: str) -> str | None:
+        text = self.values.get(key)
+        return None if text is None or text == "" else text
+
+    def _fallback(self, key: str, default: Any) -> Any:
+        """The caller's default, else the contract's; a key with neither is required."""
+        if default is not None:
+            return default
+        declared = contract.PARAMETERS.get(key)
+        if declared is None or declared.default is None or declared.default == "":
+            raise self._fail(f"parameter '{key}' is required")
+        return declared.default
+
     def string(self, key: str, default: str | None = None) -> str:
-        value = self.values.get(key, default)
-        if value is None or value == "":
-            raise self._fail(key, "is required")
-        return value
+        text = self._text(key)
+        return text if text is not None else str(self._fallback(key, default))
 
-    def integer(self, key: str, default: int, minimum: int = 0) -> int:
-        text = self.values.get(key)
-        if text is None or text == "":
-            return default
+    def integer(self, key: str, default: int | None = None, minimum: int | None = None) -> int:
+        text = self._text(key)
+        if text is None:
+            return int(self._fallback(key, default))
         try:
-            value = int(text)
-        except ValueError:
-            raise self._fail(key, f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            raise self._fail(key, f"must be >= {minimum}, got {value}")
-        return value
+            return contract.parse_integer(key, text, minimum)
+        except ContractError as exc:
+            raise self._fail(str(exc)) from None
 
-    def number(self, key: str, default: float, minimum: float = 0.0) -> float:
-        text = self.values.get(key)
-        if text is None or text == "":
-            return default
+    def number(self, key: str, default: float | None = None, minimum: float | None = None) -> float:
+        text = self._text(key)
+        if text is None:
+            return float(self._fallback(key, default))
         try:
-            value = float(text)
-        except ValueError:
-            raise self._fail(key, f"must be a number, got {text!r}") from None
-        if not value >= minimum:  # also refuses NaN
-            raise self._fail(key, f"must be >= {minimum:g}, got {text}")
-        return value
+            return contract.parse_number(key, text, minimum)
+        except ContractError as exc:
+            raise self._fail(str(exc)) from None
 
-    def boolean(self, key: str, default: bool) -> bool:
-        text = self.values.get(key)
-        if text is None or text == "":
-            return default
-        if text.lower() in ("true", "1", "yes"):
-            return True
-        if text.lower() in ("false", "0", "no"):
-            return False
-        raise self._fail(key, f"must be true or false, got {text!r}")
+    def boolean(self, key: str, default: bool | None = None) -> bool:
+        text = self._text(key)
+        if text is None:
+            return bool(self._fallback(key, default))
+        try:
+            return contract.parse_boolean(key, text)
+        except ContractError as exc:
+            raise self._fail(str(exc)) from None
 
     def vllm_environment(self) -> dict[str, str]:
         """``VLLM_*`` parameters: process environment for a vLLM engine started here."""
-        return {key: value for key, value in self.values.items() if key.startswith("VLLM_")}
+        return {key: value for key, value in self.values.items() if key.startswith(contract.VLLM_ENV_PREFIX)}
 
-    def store_config(self) -> "StoreConfig":
+    def cache_policy(self) -> contract.CachePolicy:
+        try:
+            return contract.CachePolicy.from_parameters(self.values)
+        except ContractError as exc:
+            raise self._fail(str(exc)) from None
+
+    def store_config(self) -> StoreConfig:
         """The node's embedding store, as every store-using model opens it."""
-        from python_backends.store import StoreConfig  # noqa: PLC0415 - LMDB only where used
+        from python_backends.store import StoreConfig
 
-        ttl_s = self.number("store_ttl_s", 0.0)
+        policy = self.cache_policy()
         config = StoreConfig(
-            path=self.string("store_path"),
-            capacity_bytes=self.integer("store_capacity_bytes", 2 << 30, minimum=1),
-            merge_size=self.integer("spatial_merge_size", 2, minimum=1),
-            eviction=self.string("store_eviction", "lru"),
-            ttl_s=ttl_s if ttl_s > 0 else None,
-            device=self.string("store_device", "cpu"),
+            path=policy.path,
+            capacity_bytes=policy.capacity_bytes,
+            merge_size=self.integer(contract.SPATIAL_MERGE_SIZE),
+            eviction=policy.eviction,
+            ttl_s=policy.ttl_s if policy.ttl_s > 0 else None,
+            device=policy.device,
         )
         config.validate()  # at load, with the store's own message
         return config
