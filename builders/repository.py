@@ -1003,14 +1003,18 @@ def write_repository(
     out: Path = DEFAULT_REPOSITORY,
     stamp_dir: Path = DEFAULT_STAMPS,
     cache: CachePolicy | None = None,
+    kv_store_path: str | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
-    ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark)."""
+    ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
+    ``kv_store_path`` its PD KV transfer folder (e.g. one per test server)."""
     if target_name not in TARGETS:
         raise ValueError(f"unknown target {target_name!r}; choose one of {sorted(TARGETS)}")
     target = TARGETS[target_name]
     if cache is not None:
         target = dataclasses.replace(target, cache=cache)
+    if kv_store_path is not None:
+        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, kv_store_path=kv_store_path))
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)
