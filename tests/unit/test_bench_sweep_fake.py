@@ -30,6 +30,8 @@ CONFIGS = {
     "decode": {"backend": "python", "instance_group": [{"count": 1}], "model_transaction_policy": {"decoupled": True}},
 }
 TTFT_S = {"llm": 0.200, "epd": 0.100}
+# The one request on which the fake `epd` answers other tokens than `llm`: point 1 (c=2), rep 0.
+DISAGREEING_KEY = "measure/1/0/3"
 
 
 class FakeClient:
@@ -44,11 +46,14 @@ class FakeClient:
 
 
 class FakeTarget:
-    """Deterministic answers: tokens depend on the request only, times on the model."""
+    """Deterministic answers: tokens depend on the request's prompt and media (so two modes
+    agree only when they were sent the same content), except for the (model, key) pairs in
+    ``disagree``, which get other tokens; times depend on the model."""
 
-    def __init__(self) -> None:
+    def __init__(self, disagree: frozenset[tuple[str, str]] = frozenset()) -> None:
         self.client = FakeClient()
         self.sent: list[tuple[str, str]] = []
+        self.disagree = disagree
 
     async def not_ready_reason(self, model: str) -> str | None:
         return None if model in TTFT_S else f"model '{model}' is not loaded on fake"
@@ -61,6 +66,8 @@ class FakeTarget:
         self.sent.append((model, request.key))
         tokens = request.sampling["max_tokens"]
         seed = zlib.crc32(request.prompt.encode() + b"".join(request.images))
+        if (model, request.key) in self.disagree:
+            seed += 1
         ttft = TTFT_S[model]
         record = RequestRecord(
             key=request.key,
@@ -90,7 +97,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list, FakeTarge
         slo=Slo(ttft_ms=150),
         progress=False,
     )
-    target = FakeTarget()
+    target = FakeTarget(disagree=frozenset({("epd", DISAGREEING_KEY)}))
     output = asyncio.run(Sweep(config, "fake:1", None, None).run(target))
     out = tmp_path_factory.mktemp("bench")
     write_outputs(out, output.summary, output.raw)
@@ -123,12 +130,22 @@ def test_instances_count_downstream_models(run):
 
 
 def test_ratios_and_token_agreement_against_the_baseline(run):
-    summary, *_ = run
+    summary, raw, _, _ = run
     ratio = next(r for r in summary["ratios_vs_baseline"] if r["mode"] == "epd" and r["load_label"] == "c=1")
     assert ratio["ttft_ms_p50"] == pytest.approx(0.5)
     agreement = summary["token_agreement_vs_baseline"]
-    assert agreement["epd c=1"] == 1.0  # same media as llm, same tokens
+    # 2 reps x 6 measured requests per point; at c=2 epd answered one of the 12 differently.
+    assert agreement == {"epd c=1": 1.0, "epd c=2": 11 / 12, "epd poisson 50/s": 1.0}
     assert not any(k.startswith("epd:repeated") for k in agreement)  # different media: not compared
+
+    # 1.0 at c=1 is earned: the fake's tokens follow the media, and epd:repeated, sent other
+    # media under the same keys as llm, got other tokens for them.
+    def tokens(mode: str) -> dict[str, list[int]]:
+        return {r["key"]: r["output_token_ids"] for r in raw if r["mode"] == mode and r["load_label"] == "c=1"}
+
+    llm, epd, repeated = tokens("llm"), tokens("epd"), tokens("epd:repeated")
+    assert len(llm) == 12 and epd == llm
+    assert repeated.keys() == llm.keys() and any(repeated[k] != llm[k] for k in llm)
 
 
 def test_goodput_and_stage_reading(run):
