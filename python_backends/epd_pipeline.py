@@ -3,8 +3,8 @@
 Who calls what: the ``epd`` model (``model_repository/epd/1/model.py``) builds one
 :class:`EpdPipeline` in ``initialize`` with the node's :class:`EmbeddingStore` and a
 :class:`StageClient` that reaches the other models through BLS
-(``python_backends/epd_triton.py``); per request it iterates :meth:`EpdPipeline.run` on its
-event loop and turns each :class:`EpdChunk` into a response. Unit tests pass a scripted fake
+(``python_backends/triton_edge/bls.py``); per request it iterates :meth:`EpdPipeline.run` on
+its event loop and turns each :class:`GenerationChunk` into a response. Unit tests pass a scripted fake
 ``StageClient`` instead (tests/unit/test_epd_pipeline.py).
 
 The fixed sequence of steps, per request:
@@ -42,46 +42,27 @@ from typing import Any, Protocol
 
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.generate_request import CachedImage, GenerateRequest
-from python_backends.llm_engine import GenerationChunk
+from python_backends.generation import GenerationChunk
 from python_backends.store import EmbeddingStore, KeyConfig, Reference
 
 log = logging.getLogger(__name__)
 
 
 
-@dataclass(frozen=True)
-class PrefillOutput:
-    """What ``prefill`` returns: the first token and, unless the request is done, the KV
-    transfer parameters for ``decode`` (a <= 1 KB JSON string)."""
-
-    token_ids: list[int]
-    text: str
-    num_input_tokens: int
-    finish_reason: str | None  # set when the request ends with the first token
-    transfer_params: str  # "" when nothing is left to decode
-
-
-@dataclass(frozen=True)
-class DecodeOutput:
-    """One ``decode`` response: new tokens (deltas when streaming)."""
-
-    token_ids: list[int]
-    text: str
-    num_output_tokens: int  # total so far, the first token included
-    finish_reason: str | None
-    finished: bool
-
-
 class StageClient(Protocol):
-    """How the orchestrator reaches the stages. Implemented with BLS in ``epd_triton.py``
-    and by a scripted fake in the unit tests. Methods run on the ``epd`` event loop."""
+    """How the orchestrator reaches the stages. Implemented with BLS in ``triton_edge/bls.py``
+    and by a scripted fake in the unit tests. Methods run on the ``epd`` event loop. ``prefill``
+    answers one chunk: the first token and the KV ``transfer_params`` ("" when nothing is left to
+    decode); ``decode`` streams tokens 2..N (``num_output_tokens`` counts the first one too)."""
 
     async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
         """One image through encoder model ``encoder``: its reference (leased for the process
         ``lease_owner``) and whether the store already had it (or another request made it)."""
         ...
 
-    async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> PrefillOutput: ...
+    async def prefill(
+        self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]
+    ) -> GenerationChunk: ...
 
     def decode(
         self,
@@ -90,7 +71,7 @@ class StageClient(Protocol):
         transfer_params: str,
         sampling: Mapping[str, Any],
         stream: bool,
-    ) -> AsyncIterator[DecodeOutput]: ...
+    ) -> AsyncIterator[GenerationChunk]: ...
 
     async def abort_decode(self, request_id: str) -> None: ...
 
@@ -98,23 +79,18 @@ class StageClient(Protocol):
 
 
 @dataclass
-class EpdChunk:
-    """One response to the client: a generation chunk plus what the pipeline measured."""
-
-    chunk: GenerationChunk
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    cache_hits: int = 0  # images served from the store, by epd itself or by an encoder
-    fast_hits: int = 0  # of those, found by epd's own lookup (no encoder call)
-
-
-@dataclass
-class _Media:
-    """The references of one request, in image order, and the leases to give back."""
+class _LeasedReferences:
+    """One request's image references, in image order, and the leases it must give back."""
 
     references: list[Reference] = field(default_factory=list)
     leases: list[Reference] = field(default_factory=list)
     cache_hits: int = 0
     fast_hits: int = 0
+
+    def measured(self, chunk: GenerationChunk, timings: dict[str, float]) -> GenerationChunk:
+        """``chunk`` as the request's last: with the timings and the cache counts."""
+        chunk.timings_ms, chunk.cache_hits, chunk.fast_hits = dict(timings), self.cache_hits, self.fast_hits
+        return chunk
 
 
 def pinned_encoder(request_parameters: str | None) -> str | None:
@@ -169,72 +145,60 @@ class EpdPipeline:
 
     async def run(
         self, request: GenerateRequest, request_id: str, encoder: str | None = None
-    ) -> AsyncIterator[EpdChunk]:
-        """Serve one request (``encoder``: pin its images' encodes to that encoder model).
-        Closing the iterator early (client cancelled) aborts decode and releases every lease,
-        like finishing does."""
+    ) -> AsyncIterator[GenerationChunk]:
+        """Serve one request (``encoder``: pin its images' encodes to that encoder model). The
+        last chunk carries the timings and cache counts. Closing the iterator early (client
+        cancelled) aborts decode and releases every lease, like finishing does."""
         timings: dict[str, float] = {}
-        media = _Media()
+        leased = _LeasedReferences()
         decode_started = False
         unclaimed_transfer = ""  # prefilled KV that no decode has taken yet
         try:
             if encoder is not None:
                 self.encoder_for("0" * 16, encoder)  # an unknown name fails before any work
             start = time.perf_counter()
-            keys = [image.mm_hash if isinstance(image, CachedImage) else self.keys.key(image) for image in request.images]
+            keys = [im.mm_hash if isinstance(im, CachedImage) else self.keys.key(im) for im in request.images]
             timings["hash"] = _ms(start)
-            await self._references(request.images, keys, encoder, media, timings)
+            await self._references(request.images, keys, encoder, leased, timings)
 
             start = time.perf_counter()
             sampling = dict(request.sampling)
-            wire_refs = [ref.to_bytes() for ref in media.references]
+            wire_refs = [ref.to_bytes() for ref in leased.references]
             try:
                 first = await self.stages.prefill(request.prompt, wire_refs, sampling)
-            except Exception as exc:  # noqa: BLE001 - one coded error names the stage
+            except Exception as exc:  # one coded error names the stage
                 raise _stage_error("prefill", exc) from None
             timings["prefill"] = _ms(start)
-            unclaimed_transfer = first.transfer_params
-            prefix = "" if request.exclude_input_in_output else request.prompt
-            done = not first.transfer_params
-            first_chunk = GenerationChunk(
-                text=prefix + first.text,
-                token_ids=list(first.token_ids),
-                num_input_tokens=first.num_input_tokens,
-                num_output_tokens=len(first.token_ids),
-                finish_reason=first.finish_reason if done else None,
-                finished=done,
-            )
-            if done or request.stream:
-                yield EpdChunk(first_chunk, dict(timings) if done else {}, media.cache_hits, media.fast_hits)
+            transfer = unclaimed_transfer = first.transfer_params
+            done = not transfer
+            first.text = ("" if request.exclude_input_in_output else request.prompt) + first.text
+            first.num_output_tokens = len(first.token_ids)
+            first.finish_reason = first.finish_reason if done else None
+            first.finished, first.transfer_params = done, ""
             if done:
+                yield leased.measured(first, timings)
                 return
+            if request.stream:
+                yield first
 
             start = time.perf_counter()
             decode_started = True
             unclaimed_transfer = ""  # decode owns it now (it deletes it when it ends)
-            text, token_ids = first_chunk.text, list(first_chunk.token_ids)
+            text, token_ids = first.text, list(first.token_ids)
             try:
-                async for out in self.stages.decode(request_id, wire_refs, first.transfer_params, sampling, request.stream):
-                    if out.finished:
+                async for chunk in self.stages.decode(request_id, wire_refs, transfer, sampling, request.stream):
+                    chunk.num_input_tokens = first.num_input_tokens
+                    if chunk.finished:
                         timings["decode"] = _ms(start)
                         decode_started = False
-                    chunk = GenerationChunk(
-                        text=out.text,
-                        token_ids=list(out.token_ids),
-                        num_input_tokens=first.num_input_tokens,
-                        num_output_tokens=out.num_output_tokens,
-                        finish_reason=out.finish_reason,
-                        finished=out.finished,
-                    )
-                    if request.stream:
-                        yield EpdChunk(chunk, dict(timings) if out.finished else {}, media.cache_hits, media.fast_hits)
-                    else:
-                        text += out.text
-                        token_ids += out.token_ids
-                        if out.finished:
-                            chunk.text, chunk.token_ids = text, token_ids
-                            yield EpdChunk(chunk, dict(timings), media.cache_hits, media.fast_hits)
-            except Exception as exc:  # noqa: BLE001 - one coded error names the stage
+                    if not request.stream:
+                        text, token_ids = text + chunk.text, token_ids + chunk.token_ids
+                        chunk.text, chunk.token_ids = text, token_ids
+                    if chunk.finished:
+                        yield leased.measured(chunk, timings)
+                    elif request.stream:
+                        yield chunk
+            except Exception as exc:  # one coded error names the stage
                 raise _stage_error("decode", exc) from None
         finally:
             if unclaimed_transfer:  # the client left between prefill and decode
@@ -247,14 +211,14 @@ class EpdPipeline:
                     await self.stages.abort_decode(request_id)
                 except Exception:
                     log.warning("could not abort decode of %s", request_id, exc_info=True)
-            self._release(media)
+            self._release(leased)
 
     async def _references(
         self,
         images: Sequence[bytes | CachedImage],
         keys: Sequence[str],
         pinned: str | None,
-        media: _Media,
+        leased: _LeasedReferences,
         timings: dict[str, float],
     ) -> None:
         """Steps 2 and 3: a leased reference per image, encoding only what no one has."""
@@ -262,7 +226,7 @@ class EpdPipeline:
         found: dict[str, Reference] = {}
         to_encode: dict[str, bytes] = {}
         try:
-            for key, image in zip(keys, images):
+            for key, image in zip(keys, images, strict=True):
                 if key in found or key in to_encode:
                     continue
                 if isinstance(image, CachedImage):
@@ -272,9 +236,9 @@ class EpdPipeline:
                 else:
                     to_encode[key] = image
                     continue
-                media.leases.append(found[key])
-                media.cache_hits += 1
-                media.fast_hits += 1
+                leased.leases.append(found[key])
+                leased.cache_hits += 1
+                leased.fast_hits += 1
         except EpdError as exc:
             raise _stage_error("lookup", exc) from None
         timings["lookup"] = _ms(start)
@@ -282,9 +246,9 @@ class EpdPipeline:
         if to_encode:
             start = time.perf_counter()
             indices = {key: keys.index(key) for key in to_encode}
-            await self._encode(to_encode, indices, pinned, found, media)
+            await self._encode(to_encode, indices, pinned, found, leased)
             timings["encode"] = _ms(start)
-        media.references = [found[key] for key in keys]
+        leased.references = [found[key] for key in keys]
 
     def _cached(self, image: CachedImage) -> Reference:
         ref = self.store.lookup(image.mm_hash)
@@ -302,7 +266,7 @@ class EpdPipeline:
         indices: Mapping[str, int],
         pinned: str | None,
         found: dict[str, Reference],
-        media: _Media,
+        leased: _LeasedReferences,
     ) -> None:
         """All misses at once, each through its encoder; leases are recorded as soon as each
         answer arrives, so a failure or cancellation releases every one that was taken."""
@@ -314,9 +278,9 @@ class EpdPipeline:
             except EpdError as exc:  # the encoder saw one image: name it as the client did
                 raise EpdError(exc.message.replace("image[0]", f"image[{indices[key]}]", 1), exc.code) from None
             ref = self.store.parse(wire)
-            media.leases.append(ref)
+            leased.leases.append(ref)
             found[key] = ref
-            media.cache_hits += int(cache_hit)
+            leased.cache_hits += int(cache_hit)
 
         tasks = [asyncio.ensure_future(one(key, image)) for key, image in to_encode.items()]
         try:
@@ -329,13 +293,13 @@ class EpdPipeline:
         if failures:
             raise _stage_error("encode", failures[0])
 
-    def _release(self, media: _Media) -> None:
-        for ref in media.leases:
+    def _release(self, leased: _LeasedReferences) -> None:
+        for ref in leased.leases:
             try:
                 self.store.release(ref)
             except Exception:
                 log.warning("could not release lease %s", ref.lease_id, exc_info=True)
-        media.leases.clear()
+        leased.leases.clear()
 
 
 def _ms(start: float) -> float:

@@ -1,7 +1,9 @@
 """The colocated vLLM engine behind the ``llm`` model (the baseline of every mode).
 
 Triton-free: takes a :class:`GenerateRequest` and decoded images, yields
-:class:`GenerationChunk`s. ``model.py`` turns chunks into Triton responses.
+:class:`GenerationChunk`s. ``model.py`` turns chunks into Triton responses. Also the two
+steps every vLLM-serving model takes before its engine starts: :func:`apply_vllm_environment`
+and :func:`load_engine_args`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from PIL import Image
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.generate_request import GenerateRequest
+from python_backends.generation import GenerationChunk
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +31,12 @@ def input_rejections(engine: str) -> Iterator[None]:
     """vLLM refuses input it cannot serve (prompt above the context, bad image) with ValueError
     or, for validation, VLLMClientError (not a ValueError in 0.32): INVALID_ARG with vLLM's
     message. Anything else goes on as it is."""
-    from vllm.exceptions import VLLMClientError  # noqa: PLC0415 - vLLM loads only where used
+    from vllm.exceptions import VLLMClientError
 
     try:
         yield
     except (ValueError, VLLMClientError) as exc:
         raise invalid_arg(f"request rejected by the {engine}: {exc}") from None
-
-
-@dataclass
-class GenerationChunk:
-    text: str  # new text since the previous chunk (all of it when not streaming)
-    token_ids: list[int]  # new token ids since the previous chunk
-    num_input_tokens: int
-    num_output_tokens: int  # total so far
-    finish_reason: str | None
-    finished: bool
 
 
 def load_engine_args(path: Path) -> dict[str, Any]:
@@ -64,11 +57,16 @@ def load_engine_args(path: Path) -> dict[str, Any]:
     return args
 
 
-def engine_args_for(model_args: dict[str, str], vllm_env: dict[str, str]) -> dict[str, Any]:
-    """For a Triton python model's ``initialize``: set the engine's ``VLLM_*`` environment
-    (read at engine start) and load ``engine_args.json`` from the model's version folder."""
+def apply_vllm_environment(vllm_env: dict[str, str]) -> None:
+    """Set the engine's ``VLLM_*`` variables (a model's parameters) in this process's environment:
+    vLLM reads them when its engine starts, in this process and the ones it spawns."""
     os.environ.update(vllm_env)
-    return load_engine_args(Path(model_args["model_repository"]) / model_args["model_version"] / "engine_args.json")
+
+
+def unfinished_requests(async_llm: Any) -> int:
+    """Requests a vLLM AsyncLLM still tracks; zero when idle, so a leak after cancel shows here.
+    The one place that reaches into vLLM for it: AsyncLLM 0.32 has no public count."""
+    return int(async_llm.output_processor.get_num_unfinished_requests())
 
 
 @dataclass
@@ -79,16 +77,16 @@ class LlmEngine:
     active_requests: set[str] = field(default_factory=set)
 
     @classmethod
-    async def start(cls, engine_args: dict[str, Any]) -> "LlmEngine":
-        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 - heavy import
-        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+    async def start(cls, engine_args: dict[str, Any]) -> LlmEngine:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
         return cls(engine)
 
     def sampling_params(self, request: GenerateRequest) -> Any:
-        from vllm import SamplingParams  # noqa: PLC0415
-        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         try:
@@ -134,8 +132,7 @@ class LlmEngine:
             self.active_requests.discard(request_id)
 
     def unfinished_requests(self) -> int:
-        """Requests vLLM still tracks; zero when idle, so a leak after cancel shows here."""
-        return int(self.engine.output_processor.get_num_unfinished_requests())
+        return unfinished_requests(self.engine)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

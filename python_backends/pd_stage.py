@@ -1,4 +1,4 @@
-"""Request parsing of the ``prefill`` and ``decode`` models (Triton-free).
+"""Request parsing of the ``prefill`` and ``decode`` models and their images (Triton-free).
 
 Both take the prompt's images as **references** (``references``: BYTES [n], one signed
 reference per image, see ``store/reference.py``), never as media: their configs have no
@@ -24,40 +24,10 @@ from typing import Any
 import numpy as np
 
 from python_backends.errors import invalid_arg
-from python_backends.event_loop import EventLoopThread
-from python_backends.llm_engine import engine_args_for
-from python_backends.model_params import ModelParameters
-from python_backends.pd.engines import ImageEmbeds, KvEngine
+from python_backends.pd.engines import ImageEmbeds
 from python_backends.sampling import parse_sampling_parameters
 from python_backends.store import EmbeddingStore, Reference
 from python_backends.store.device_memory import DeviceView
-
-
-@dataclass(frozen=True)
-class StageRuntime:
-    """What the ``prefill`` and ``decode`` models both hold: their request limit, the node's
-    embedding store and a vLLM engine running on its own event loop thread."""
-
-    max_tokens_limit: int
-    store: EmbeddingStore
-    loop: EventLoopThread
-    engine: Any  # a started PrefillEngine or DecodeEngine
-
-    @classmethod
-    def start(cls, model_args: dict[str, str], engine_type: type[KvEngine]) -> StageRuntime:
-        """For a model's ``initialize``: read its parameters, open the store, start the engine."""
-        params = ModelParameters.from_model_config(model_args["model_config"])
-        max_tokens_limit = params.integer("max_tokens_limit", 4096, minimum=1)
-        store = EmbeddingStore(params.store_config())
-        engine_args = engine_args_for(model_args, params.vllm_environment())
-        loop = EventLoopThread()
-        return cls(max_tokens_limit, store, loop, loop.run(engine_type.start(engine_args)))
-
-    def close(self) -> None:
-        """For a model's ``finalize``."""
-        self.loop.stop()
-        self.engine.shutdown()
-        self.store.close()
 
 
 @dataclass(frozen=True)
@@ -124,14 +94,19 @@ def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list
 
 
 def owned_float32(view: np.ndarray | DeviceView, dtype: str) -> Any:
-    """A float32 torch tensor the engine may keep after the view closes, on the view's device.
-    ``bfloat16`` entries are stored as uint16 bit patterns: reinterpreted, not converted."""
+    """A float32 torch tensor the engine may keep after the view closes, on the view's device:
+    the one copy out of the store. ``bfloat16`` entries are stored as uint16 bit patterns (the
+    high half of a float32): widened in that same copy, not converted twice."""
     import torch
 
     if isinstance(view, DeviceView):
-        tensor = torch.as_tensor(view, device="cuda").clone()
-    else:
-        tensor = torch.tensor(np.asarray(view))  # a copy
-    if dtype == "bfloat16":
-        tensor = tensor.view(torch.bfloat16)
-    return tensor.float()
+        shared = torch.as_tensor(view, device="cuda")  # the store's memory, no copy
+        if dtype == "bfloat16":
+            shared = shared.view(torch.bfloat16)
+        return shared.to(torch.float32, copy=True)
+    host = np.asarray(view)
+    if dtype != "bfloat16":
+        return torch.from_numpy(host.astype(np.float32))  # astype copies, from_numpy shares it
+    bits = host.astype(np.uint32)
+    bits <<= 16
+    return torch.from_numpy(bits.view(np.float32))

@@ -6,74 +6,50 @@ the `encode` ensemble and write the store) -> references out. Embeddings never l
 process through Triton; `epd` and `prefill` get references. Called by `epd` for the images it
 did not find, and by clients that pre-encode media (then `mm_hash` is what they send later).
 
-The logic is python_backends.cached_encoder.CachedEncoder; this file only wires it.
+The logic is python_backends.cached_encoder.CachedEncoder; the request/error/cancel policy is
+python_backends.triton_edge.decoupled's. This file only wires them.
 """
 
 from pathlib import Path
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
+from python_backends import contract
 from python_backends.cached_encoder import CachedEncoder, cache_namespace, parse_encoder_inputs
-from python_backends.epd_triton import BlsEncode
-from python_backends.errors import EpdError
-from python_backends.event_loop import EventLoopThread
-from python_backends.model_params import ModelParameters
 from python_backends.store import EmbeddingStore, KeyConfig
-from python_backends.triton_edge import (
-    FINAL,
-    CacheMetrics,
-    ModelMetrics,
-    bytes_tensor,
-    read_inputs,
-    stage_error_response,
-    wants_error_outputs,
-)
-
-INPUT_NAMES = ("image", "lease_owner")
+from python_backends.triton_edge.bls import BlsEncode
+from python_backends.triton_edge.decoupled import DecoupledModel
+from python_backends.triton_edge.metrics import CacheMetrics
+from python_backends.triton_edge.responses import bytes_tensor, response, tensor
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        params = ModelParameters.from_model_config(args["model_config"])
-        repository = Path(args["model_repository"]).parent
-        self.max_images = params.integer("max_images_per_request", 64, minimum=1)
-        self.max_image_bytes = params.integer("max_image_bytes", 20 << 20, minimum=1)
+class TritonPythonModel(DecoupledModel):
+    INPUTS = contract.ENCODER.input_names
+
+    def setup(self, args):
+        params = self.params
+        self.max_images = params.integer(contract.MAX_IMAGES_PER_REQUEST)
+        self.max_image_bytes = params.integer(contract.MAX_IMAGE_BYTES)
         self.store = EmbeddingStore(params.store_config())
-        self.encode = BlsEncode(params.string("encode_model", "encode"))
-        keys = KeyConfig.from_files(Path(params.string("preprocessor_config")), repository / params.string("encoder_file"))
-        namespace = cache_namespace(params.string("cache_scope", "node"), args["model_name"])
-        self.encoder = CachedEncoder(self.store, keys, self.encode, namespace=namespace)
-        self.loop = EventLoopThread()
-        self.cache_metrics = CacheMetrics(ModelMetrics(args["model_name"]), self.store)
+        self.engine = BlsEncode(params.string(contract.ENCODE_MODEL_KEY))
+        repository = Path(args["model_repository"]).parent
+        keys = KeyConfig.from_files(
+            Path(params.string(contract.PREPROCESSOR_CONFIG)), repository / params.string(contract.ENCODER_FILE)
+        )
+        namespace = cache_namespace(params.cache_policy().scope, self.model_name)
+        self.encoder = CachedEncoder(self.store, keys, self.engine, namespace=namespace)
+        self.cache_metrics = CacheMetrics(self.metrics, self.store)
 
-    def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            as_output = wants_error_outputs(request)
-            try:
-                images, owner = parse_encoder_inputs(read_inputs(request, INPUT_NAMES), self.max_images, self.max_image_bytes)
-            except EpdError as exc:
-                sender.send(stage_error_response(exc, as_output), flags=FINAL)
-                continue
-            self.loop.submit(self._serve(images, owner, sender, as_output))
+    def parse(self, inputs, request):
+        return parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
 
-    async def _serve(self, images, owner, sender, as_output):
-        try:
-            answers = await self.encoder.references(images, owner)
-            for answer in answers:
-                self.cache_metrics.count(answer.outcome.value)
-            outputs = [
-                bytes_tensor("references", [a.reference.to_bytes() for a in answers]),
-                bytes_tensor("mm_hash", [a.reference.mm_hash for a in answers]),
-                pb_utils.Tensor("cache_hit", np.array([a.cache_hit for a in answers], dtype=bool)),
-            ]
-            sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
-        except Exception as exc:  # every failure reaches the caller as one coded error
-            pb_utils.Logger.log_warn(f"encoder failed: {exc}")
-            sender.send(stage_error_response(exc, as_output), flags=FINAL)
+    async def serve(self, parsed, request_id):
+        answers = await self.encoder.references(*parsed)
+        for answer in answers:
+            self.cache_metrics.count(answer.outcome.value)
+        yield answers
 
-    def finalize(self):
-        self.loop.stop()
-        self.encode.close()
-        self.store.close()
+    def respond(self, answers):
+        return response([
+            bytes_tensor(contract.REFERENCES, [a.reference.to_bytes() for a in answers]),
+            bytes_tensor(contract.MM_HASH, [a.reference.mm_hash for a in answers]),
+            tensor(contract.CACHE_HIT, [a.cache_hit for a in answers], bool),
+        ]), True

@@ -5,30 +5,24 @@ gpu target only (the cpu target's vit_encoder computes these itself). Thin by de
 numbers come from python_backends.vit_onnx, the same code the ONNX Runtime path uses.
 """
 
-import triton_python_backend_utils as pb_utils
-
+from python_backends import contract
 from python_backends.errors import EpdError
-from python_backends.model_params import ModelParameters
-from python_backends.triton_edge import error_response, read_inputs
+from python_backends.triton_edge.batched import BatchedModel
 from python_backends.vit_onnx import vision_cu_seqlens, vision_position_ids
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        params = ModelParameters.from_model_config(args["model_config"])
-        self.merge_size = params.integer("merge_size", 2, minimum=1)
+class TritonPythonModel(BatchedModel):
+    INPUTS = contract.VIT_POSITIONS.input_names
 
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            grid = read_inputs(request, ("image_grid_thw",))["image_grid_thw"]
-            try:
-                outputs = [
-                    pb_utils.Tensor("rotary_pos_ids", vision_position_ids(grid, self.merge_size)),
-                    pb_utils.Tensor("cu_seqlens", vision_cu_seqlens(grid)),
-                ]
-            except EpdError as exc:
-                responses.append(error_response(exc))
-                continue
-            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
-        return responses
+    def setup(self, args):
+        self.merge_size = self.params.integer(contract.MERGE_SIZE)
+
+    def run(self, batch):
+        return [self._positions(inputs[contract.IMAGE_GRID_THW]) for inputs in batch]
+
+    def _positions(self, grid):
+        try:
+            positions = vision_position_ids(grid, self.merge_size)
+            return {contract.ROTARY_POS_IDS: positions, contract.CU_SEQLENS: vision_cu_seqlens(grid)}
+        except EpdError as exc:
+            return exc

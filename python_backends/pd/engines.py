@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.llm_engine import input_rejections
+from python_backends.generation import GenerationChunk
+from python_backends.llm_engine import input_rejections, unfinished_requests
 from python_backends.pd import transfer as tx
 from python_backends.sampling import DEFAULT_MAX_TOKENS
 
@@ -174,15 +175,18 @@ class PrefillResult:
     def needs_decode(self) -> bool:
         return self.transfer is not None
 
-
-@dataclass(frozen=True)
-class DecodeChunk:
-    token_ids: list[int]  # new tokens since the previous chunk (all of them when not streaming)
-    text: str
-    num_output_tokens: int  # total so far, the prefill's first token included
-    num_cached_tokens: int  # prompt tokens decode did not compute (= transferred)
-    finish_reason: str | None
-    finished: bool
+    def chunk(self) -> GenerationChunk:
+        """The prefill model's one response: the first token and, when decode follows, the
+        transfer parameters (the ``prefill`` stage's stream ends here either way)."""
+        return GenerationChunk(
+            text=self.first_text,
+            token_ids=[self.first_token_id],
+            num_input_tokens=self.num_prompt_tokens,
+            num_output_tokens=1,
+            finish_reason=self.finish_reason,
+            finished=True,
+            transfer_params=self.transfer.to_json() if self.transfer is not None else "",
+        )
 
 
 class KvEngine:
@@ -198,6 +202,12 @@ class KvEngine:
     async def start(cls, engine_args: Mapping[str, Any]) -> Self:
         store = check_engine_args(engine_args, cls.ROLE)
         return cls(await _start_async_llm(engine_args), store)
+
+    def unfinished_requests(self) -> int:
+        return unfinished_requests(self.engine)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -280,7 +290,9 @@ class DecodeEngine(KvEngine):
 
     ROLE = "decode"
 
-    def resolve(self, transfer_params: str | bytes | Mapping[str, Any] | tx.TransferParams) -> tuple[tx.TransferParams, tx.Manifest]:
+    def resolve(
+        self, transfer_params: str | bytes | Mapping[str, Any] | tx.TransferParams
+    ) -> tuple[tx.TransferParams, tx.Manifest]:
         """Validate transfer parameters against the committed transfer (no engine work)."""
         params = (
             transfer_params
@@ -307,7 +319,7 @@ class DecodeEngine(KvEngine):
         sampling: Mapping[str, Any] | None = None,
         request_id: str | None = None,
         stream: bool = True,
-    ) -> AsyncIterator[DecodeChunk]:
+    ) -> AsyncIterator[GenerationChunk]:
         """Yield tokens 2..N of the request that prefill started."""
         params, manifest = self.resolve(transfer_params)
         if len(images) != len(manifest.mm_hashes):
@@ -351,13 +363,13 @@ class DecodeEngine(KvEngine):
                     )
                 first = False
                 produced = 1 + len(completion.token_ids) if not stream else produced + len(completion.token_ids)
-                yield DecodeChunk(
-                    token_ids=list(completion.token_ids),
+                yield GenerationChunk(
                     text=completion.text,
+                    token_ids=list(completion.token_ids),
                     num_output_tokens=produced,
-                    num_cached_tokens=cached,
                     finish_reason=completion.finish_reason,
                     finished=output.finished,
+                    num_cached_tokens=cached,
                 )
 
     def _load_error(self, params: tx.TransferParams) -> EpdError:
@@ -370,6 +382,3 @@ class DecodeEngine(KvEngine):
             f"decode could not load KV transfer {params.transfer_id}: the image embeddings or "
             "prompt differ from what prefill saw, or the transfer is damaged"
         )
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)

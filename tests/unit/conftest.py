@@ -1,7 +1,7 @@
 """The one shared stub of ``triton_python_backend_utils`` for unit tests.
 
-Only ``python_backends/triton_edge.py`` imports it; the stub records what the edge
-builds so tests can check names, dtypes and error codes without a server.
+Only the modules of ``python_backends/triton_edge/`` import it; the stub records what the
+edge builds so tests can check names, dtypes, error codes and metric lifetimes without a server.
 """
 
 from __future__ import annotations
@@ -53,16 +53,48 @@ class FakeRequest:
         self.inputs = {name: _Tensor(name, array) for name, array in inputs.items()}
 
 
+class _Metric:
+    alive = 0  # metrics not yet destroyed, over all families
+
+    def __init__(self, family: _MetricFamily, labels: dict[str, str]) -> None:
+        self.family, self.labels, self.value = family, labels, 0.0
+        _Metric.alive += 1
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def increment(self, value: float) -> None:
+        self.value += value
+
+    def __del__(self) -> None:
+        _Metric.alive -= 1
+
+
 class _MetricFamily:
     GAUGE, COUNTER = 0, 1
     created: list[str] = []
+    alive = 0  # families not yet destroyed
 
     def __init__(self, name: str, description: str, kind: int) -> None:
         _MetricFamily.created.append(name)
         self.name, self.kind = name, kind
+        _MetricFamily.alive += 1
 
-    def Metric(self, labels: dict[str, str]) -> tuple["_MetricFamily", dict[str, str]]:  # noqa: N802 - Triton's name
-        return (self, labels)
+    def __del__(self) -> None:
+        _MetricFamily.alive -= 1
+
+    def Metric(self, labels: dict[str, str]) -> _Metric:  # Triton's name
+        return _Metric(self, labels)
+
+
+class _Logger:
+    messages: list[str] = []
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        _Logger.messages.append(message)
+
+    log_error = log_info = log_warn
 
 
 def _get_input_tensor_by_name(request: FakeRequest, name: str) -> _Tensor | None:
@@ -75,5 +107,6 @@ stub.Tensor = _Tensor
 stub.InferenceResponse = _InferenceResponse
 stub.get_input_tensor_by_name = _get_input_tensor_by_name
 stub.MetricFamily = _MetricFamily
+stub.Logger = _Logger
 stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 sys.modules.setdefault("triton_python_backend_utils", stub)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from python_backends.cached_encoder import CachedEncoder, EncodedImage, cache_namespace
-from python_backends.epd_pipeline import DecodeOutput, EpdPipeline, PrefillOutput, pinned_encoder
+from python_backends.epd_pipeline import EpdPipeline, pinned_encoder
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.generate_request import CachedImage, GenerateRequest
+from python_backends.generation import GenerationChunk
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig, parse_reference
 
 KEYS = KeyConfig({"size": 336}, "encoder-v1")
@@ -46,7 +47,8 @@ class FakeStages:
 
     def __post_init__(self) -> None:
         for name in ENCODERS:
-            self.encoders[name] = CachedEncoder(self.store, KEYS, self.encode, namespace=cache_namespace(self.scope, name))
+            namespace = cache_namespace(self.scope, name)
+            self.encoders[name] = CachedEncoder(self.store, KEYS, self.encode, namespace=namespace)
 
     async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
         self.routed.append(encoder)
@@ -62,12 +64,12 @@ class FakeStages:
         seed = int.from_bytes(image[:4].ljust(4, b"\0"), "little")
         return EncodedImage(np.random.default_rng(seed).standard_normal((4, HIDDEN)).astype(np.float32), (1, 4, 4))
 
-    async def prefill(self, prompt, references, sampling) -> PrefillOutput:
+    async def prefill(self, prompt, references, sampling) -> GenerationChunk:
         self.prefill_refs.append(list(references))
         if self.fail == "prefill":
             raise RuntimeError("boom")
         done = sampling.get("max_tokens", 16) <= 1
-        return PrefillOutput([100], "a", 7, "length" if done else None, "" if done else '{"t": 1}')
+        return GenerationChunk("a", [100], 7, 1, "length" if done else None, True, '' if done else '{"t": 1}')
 
     async def decode(self, request_id, references, transfer_params, sampling, stream):
         self.decode_refs.append(list(references))
@@ -77,7 +79,8 @@ class FakeStages:
         for n in range(2, self.total_tokens + 1):
             if self.hang_decode and n == 3:
                 await asyncio.sleep(3600)
-            yield DecodeOutput([99 + n], "b", n, "length" if n == self.total_tokens else None, n == self.total_tokens)
+            last = n == self.total_tokens
+            yield GenerationChunk("b", [99 + n], 0, n, "length" if last else None, last)
 
     async def abort_decode(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -119,8 +122,8 @@ def collect(pipeline: EpdPipeline, req: GenerateRequest, request_id: str = "r1",
 def test_streams_first_token_then_decode_and_releases_leases(store):
     stages = FakeStages(store)
     chunks = collect(make_pipeline(stages), request([b"img-a", b"img-b"]))
-    assert [c.chunk.token_ids for c in chunks] == [[100], [101], [102], [103]]
-    assert chunks[-1].chunk.finished and chunks[-1].chunk.num_output_tokens == 4
+    assert [c.token_ids for c in chunks] == [[100], [101], [102], [103]]
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 4
     assert set(chunks[-1].timings_ms) == {"hash", "lookup", "encode", "prefill", "decode"}
     assert len(stages.encoded) == 2 and chunks[-1].cache_hits == 0
     # Only references travel: each is a small signed JSON naming its entry.
@@ -156,7 +159,7 @@ def test_concurrent_requests_for_one_image_encode_once(store):
         return await asyncio.gather(*(one(i) for i in range(4)))
 
     results = asyncio.run(run_all())
-    assert all(r[-1].chunk.finished for r in results)
+    assert all(r[-1].finished for r in results)
     assert len(stages.encoded) == 1
     assert store.metrics()["active_leases"] == 0
 
@@ -164,15 +167,15 @@ def test_concurrent_requests_for_one_image_encode_once(store):
 def test_not_streaming_gives_one_response_with_prompt(store):
     chunks = collect(make_pipeline(FakeStages(store)), request([], stream=False))
     assert len(chunks) == 1
-    assert chunks[0].chunk.token_ids == [100, 101, 102, 103]
-    assert chunks[0].chunk.text == "hi" + "a" + "bbb"
+    assert chunks[0].token_ids == [100, 101, 102, 103]
+    assert chunks[0].text == "hi" + "a" + "bbb"
 
 
 def test_max_tokens_one_is_served_by_prefill_alone(store):
     stages = FakeStages(store)
     chunks = collect(make_pipeline(stages), request([b"x"], max_tokens=1))
-    assert [c.chunk.token_ids for c in chunks] == [[100]]
-    assert chunks[0].chunk.finish_reason == "length" and stages.decode_refs == []
+    assert [c.token_ids for c in chunks] == [[100]]
+    assert chunks[0].finish_reason == "length" and stages.decode_refs == []
 
 
 @pytest.mark.parametrize(
@@ -229,7 +232,7 @@ def test_client_gone_after_the_first_token_discards_the_transfer(store):
         return first
 
     first = asyncio.run(run())
-    assert first.chunk.token_ids == [100]
+    assert first.token_ids == [100]
     assert stages.discarded == ['{"t": 1}'] and stages.decode_refs == [] and stages.aborted == []
     assert store.metrics()["active_leases"] == 0
 

@@ -131,7 +131,7 @@ def test_raw_image_requests_are_unchanged():
 def test_embedding_errors_reach_triton_as_invalid_arg():
     import triton_python_backend_utils as pb_utils
 
-    from python_backends.triton_edge import triton_error
+    from python_backends.triton_edge.responses import triton_error
 
     with pytest.raises(EpdError) as info:
         parse_image_embeds({"image_embeds": embeds(5), "image_grid_thw": grid((1, 4, 6))}, SPEC, 3)

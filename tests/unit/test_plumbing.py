@@ -10,14 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.epd_client import GenerateResult, chat_prompt
-from python_backends.errors import ErrorCode, EpdError
-from python_backends.event_loop import EventLoopThread
-from python_backends.llm_engine import GenerationChunk, load_engine_args
-from python_backends.errors import EpdError
-from python_backends.model_params import ModelParameters
-from python_backends.triton_edge import ModelMetrics, chunk_response, error_response, read_inputs, triton_error
 from builders.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
+from client.epd_client import GenerateResult, chat_prompt
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.event_loop import EventLoopThread
+from python_backends.generation import GenerationChunk, chunk_from_outputs
+from python_backends.llm_engine import load_engine_args
+from python_backends.model_params import ModelParameters
+from python_backends.triton_edge.decoupled import CancelWatch
+from python_backends.triton_edge.metrics import ModelMetrics
+from python_backends.triton_edge.responses import (
+    chunk_response,
+    error_response,
+    read_inputs,
+    stage_error_response,
+    triton_error,
+)
 from tests.unit.conftest import FakeRequest
 
 
@@ -37,6 +45,36 @@ def test_chunk_response_has_every_output_with_its_dtype():
     assert outputs["output_token_ids"].dtype == np.int64 and list(outputs["output_token_ids"]) == [5, 6]
     assert outputs["num_input_tokens"].dtype == np.uint32 and outputs["num_output_tokens"][0] == 2
     assert outputs["finish_reason"][0] == b""
+    assert set(outputs) == {"text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason"}
+
+
+def test_a_chunk_sends_what_its_model_declares_and_reads_back_the_same():
+    prefill = GenerationChunk("a", [7], 12, 1, None, True, transfer_params='{"t": 1}')
+    declared = {"output_token_ids", "text_output", "num_input_tokens", "finish_reason", "transfer_params"}
+    outputs = chunk_response(prefill, declared).outputs()
+    assert set(outputs) == declared
+    back = chunk_from_outputs(outputs)
+    assert (back.text, back.token_ids, back.num_input_tokens, back.transfer_params) == ("a", [7], 12, '{"t": 1}')
+    assert not back.finished  # decode follows: no finish reason yet
+    last = GenerationChunk("b", [8], 12, 3, "length", True, timings_ms={"decode": 1.5}, cache_hits=2, fast_hits=1)
+    outputs = chunk_response(last).outputs()
+    assert outputs["timing_decode_ms"].dtype == np.float32 and outputs["cache_hits"][0] == 2
+    assert "transfer_params" not in outputs and "fast_hits" not in outputs
+    back = chunk_from_outputs(outputs)
+    assert back.finished and back.finish_reason == "length" and back.num_output_tokens == 3
+
+
+def test_a_stage_error_is_an_output_for_bls_callers_and_a_triton_error_for_clients():
+    from python_backends.triton_edge.responses import error_from_output
+
+    as_output = stage_error_response(EpdError("gone", ErrorCode.NOT_FOUND), as_output=True)
+    assert as_output.error is None
+    error = error_from_output(as_output.outputs()["error"][0].decode())
+    assert error.code is ErrorCode.NOT_FOUND and error.message == "gone"
+    hidden = error_from_output(stage_error_response(KeyError("/secret"), True).outputs()["error"][0].decode())
+    assert hidden.code is ErrorCode.INTERNAL and "secret" not in hidden.message
+    direct = stage_error_response(EpdError("gone", ErrorCode.NOT_FOUND), as_output=False)
+    assert direct.error.code() == direct.error.NOT_FOUND and direct.output_tensors == []
 
 
 def test_read_inputs_skips_absent_tensors():
@@ -46,7 +84,16 @@ def test_read_inputs_skips_absent_tensors():
 
 def test_model_parameters_are_checked_with_actionable_messages():
     params = ModelParameters.from_model_config(
-        json.dumps({"name": "llm", "parameters": {"max_images": {"string_value": "x"}, "VLLM_A": {"string_value": "1"}, "on": {"string_value": "yes"}}})
+        json.dumps(
+            {
+                "name": "llm",
+                "parameters": {
+                    "max_images": {"string_value": "x"},
+                    "VLLM_A": {"string_value": "1"},
+                    "on": {"string_value": "yes"},
+                },
+            }
+        )
     )
     with pytest.raises(ValueError, match="model 'llm': parameter 'max_images' must be an integer"):
         params.integer("max_images", 4)
@@ -123,8 +170,8 @@ def test_client_chat_prompt_and_result_accumulation():
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cli_says_how_to_start_a_server_that_is_down(protocol, capsys):
-    from client.cli import main
     from builders.tritonserver import free_port
+    from client.cli import main
 
     assert main(["hi", "--protocol", protocol, "--url", f"127.0.0.1:{free_port()}"]) == 1
     assert "Is the server running? Start it with `make serve`" in capsys.readouterr().err
@@ -132,12 +179,28 @@ def test_cli_says_how_to_start_a_server_that_is_down(protocol, capsys):
 
 def test_model_metrics_share_one_family_per_name_and_label_the_model():
     metrics = ModelMetrics("prefill")
-    family_a, labels_a = metrics.counter("epd_bytes", "d", kind="reference")
-    family_b, labels_b = metrics.counter("epd_bytes", "d", kind="media")
-    assert family_a is family_b  # Triton refuses a second family of the same name
-    assert labels_a == {"model": "prefill", "kind": "reference"} and labels_b["kind"] == "media"
-    gauge_family, _ = metrics.gauge("epd_other", "d")
-    assert gauge_family.kind == gauge_family.GAUGE and family_a.kind == family_a.COUNTER
+    a = metrics.live(metrics.counter("epd_bytes", "d", kind="reference").key)
+    b = metrics.live(metrics.counter("epd_bytes", "d", kind="media").key)
+    assert a.family is b.family  # Triton refuses a second family of the same name
+    assert a.labels == {"model": "prefill", "kind": "reference"} and b.labels["kind"] == "media"
+    gauge = metrics.live(metrics.gauge("epd_other", "d").key)
+    assert gauge.family.kind == gauge.family.GAUGE and a.family.kind == a.family.COUNTER
+
+
+def test_model_metrics_release_every_metric_then_every_family_and_handles_go_quiet():
+    from tests.unit.conftest import _Metric, _MetricFamily
+
+    metrics_before, families_before = _Metric.alive, _MetricFamily.alive
+    metrics = ModelMetrics("decode")
+    handle = metrics.gauge("epd_decode_unfinished_requests", "d")
+    metrics.counter("epd_x", "d", kind="a").increment(2)
+    handle.set(3)
+    assert metrics.live(handle.key).value == 3
+    assert (_Metric.alive, _MetricFamily.alive) == (metrics_before + 2, families_before + 2)
+    metrics.release()  # the models' finalize: nothing of pb_utils' metrics outlives the stub
+    assert (_Metric.alive, _MetricFamily.alive) == (metrics_before, families_before)
+    handle.set(5)  # a late request after finalize does nothing
+    assert metrics.live(handle.key) is None
 
 
 def test_cancel_watch_asks_triton_at_most_once_per_interval():
@@ -148,8 +211,6 @@ def test_cancel_watch_asks_triton_at_most_once_per_interval():
         def is_cancelled(self):
             Sender.calls += 1
             return Sender.answer
-
-    from python_backends.triton_edge import CancelWatch
 
     watch = CancelWatch(Sender(), interval_s=3600)
     assert [watch.cancelled() for _ in range(100)] == [False] * 100

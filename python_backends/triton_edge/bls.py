@@ -1,0 +1,168 @@
+"""The stage calls ``epd`` and the encoder models make over BLS.
+
+Calls use the synchronous ``InferenceRequest.exec`` on a dedicated thread pool (one thread per
+call in flight), so the caller's event loop never blocks and a streaming ``decode`` does not
+hold a thread of asyncio's small default pool. Triton 2.51's python backend cannot cancel a
+BLS request, so :meth:`BlsStages.abort_decode` sends ``decode`` a control request (``abort`` =
+true, same ``request_id``) instead.
+
+Errors: every decoupled stage is called with ``errors_as_outputs`` and answers its errors in the
+``error`` output (why: ``responses.py``). A Triton error on a BLS response is then only Triton's
+own (model missing, inputs refused by the config) or the non-decoupled ``encode`` ensemble's;
+both are read with their code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends import contract
+from python_backends.cached_encoder import EncodedImage
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.generation import GenerationChunk, chunk_from_outputs, text_of
+from python_backends.triton_edge.responses import bytes_tensor, error_from_output, tensor
+
+
+def _code_of(error: pb_utils.TritonError) -> ErrorCode:
+    # Looked up per call: pb_utils.TritonError does not exist yet when the stub imports model.py
+    # for auto-complete.
+    for code in (ErrorCode.INVALID_ARG, ErrorCode.NOT_FOUND, ErrorCode.UNAVAILABLE, ErrorCode.CANCELLED):
+        if error.code() == getattr(pb_utils.TritonError, code.value):
+            return code
+    return ErrorCode.INTERNAL
+
+
+def _outputs(response: pb_utils.InferenceResponse) -> dict[str, Any]:
+    """A BLS response's outputs by name, or its error (either kind) raised as an EpdError."""
+    if response.has_error():
+        error = response.error()
+        raise EpdError(error.message(), _code_of(error))
+    outputs = {t.name(): _array_of(t) for t in response.output_tensors()}
+    if contract.ERROR in outputs:
+        raise error_from_output(text_of(outputs[contract.ERROR]))
+    return outputs
+
+
+def _array_of(output: pb_utils.Tensor) -> Any:
+    """numpy for host tensors; a torch CUDA tensor (no copy, via DLPack) for device ones, as the
+    gpu target's TensorRT encoder returns: the encoder model stores it with one device copy."""
+    if output.is_cpu():
+        return output.as_numpy()
+    import torch  # only GPU outputs need it
+
+    return torch.from_dlpack(output.to_dlpack())
+
+
+class BlsCaller:
+    """BLS calls on a dedicated thread pool (one thread per call in flight)."""
+
+    def __init__(self, max_threads: int = 256) -> None:
+        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="epd-bls")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _stream(self, model: str, inputs: list[pb_utils.Tensor]) -> AsyncIterator[dict[str, Any]]:
+        """A decoupled stage's non-empty responses (the empty final one is not yielded)."""
+        flag = tensor(contract.ERRORS_AS_OUTPUTS, [True], bool)
+        request = pb_utils.InferenceRequest(model_name=model, inputs=[*inputs, flag], requested_output_names=[])
+        iterator = await self._call(lambda: iter(request.exec(decoupled=True)))
+        while True:
+            response = await self._call(next, iterator, None)
+            if response is None:
+                return
+            out = _outputs(response)
+            if out:
+                yield out
+
+    async def _last(self, model: str, inputs: list[pb_utils.Tensor]) -> dict[str, Any]:
+        """A stage that answers once: its one non-empty response."""
+        last: dict[str, Any] | None = None
+        async for out in self._stream(model, inputs):
+            last = out
+        if last is None:
+            raise EpdError(f"{model} returned no response", ErrorCode.INTERNAL)
+        return last
+
+
+class BlsEncode(BlsCaller):
+    """One image through the ``encode`` ensemble, embeddings by value (inside an encoder model,
+    which writes them into the store)."""
+
+    def __init__(self, encode_model: str, max_threads: int = 64) -> None:
+        super().__init__(max_threads)
+        self.encode_model = encode_model
+
+    async def __call__(self, image: bytes) -> EncodedImage:
+        request = pb_utils.InferenceRequest(
+            model_name=self.encode_model,
+            inputs=[pb_utils.Tensor(contract.IMAGE, np.frombuffer(image, dtype=np.uint8)[None].copy())],
+            requested_output_names=[contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW],
+        )
+        out = _outputs(await self._call(request.exec))
+        embeds = out[contract.IMAGE_EMBEDS]
+        grid = out[contract.IMAGE_GRID_THW].reshape(-1)
+        return EncodedImage(embeds.reshape(-1, embeds.shape[-1]), (int(grid[0]), int(grid[1]), int(grid[2])))
+
+
+class BlsStages(BlsCaller):
+    """:class:`python_backends.epd_pipeline.StageClient` over BLS (inside ``epd`` only)."""
+
+    def __init__(self, prefill_model: str, decode_model: str, max_threads: int = 256) -> None:
+        super().__init__(max_threads)
+        self.prefill_model = prefill_model
+        self.decode_model = decode_model
+
+    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+        inputs = [bytes_tensor(contract.IMAGE, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
+        out = await self._last(encoder, inputs)
+        return bytes(out[contract.REFERENCES].reshape(-1)[0]), bool(out[contract.CACHE_HIT].reshape(-1)[0])
+
+    async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> GenerationChunk:
+        inputs = [
+            bytes_tensor(contract.TEXT_INPUT, [prompt]),
+            bytes_tensor(contract.SAMPLING_PARAMETERS, [json.dumps(dict(sampling))]),
+        ]
+        if references:
+            inputs.append(bytes_tensor(contract.REFERENCES, list(references)))
+        return chunk_from_outputs(await self._last(self.prefill_model, inputs))
+
+    async def decode(
+        self,
+        request_id: str,
+        references: Sequence[bytes],
+        transfer_params: str,
+        sampling: Mapping[str, Any],
+        stream: bool,
+    ) -> AsyncIterator[GenerationChunk]:
+        inputs = [
+            bytes_tensor(contract.REQUEST_ID, [request_id]),
+            bytes_tensor(contract.TRANSFER_PARAMS, [transfer_params]),
+            bytes_tensor(contract.SAMPLING_PARAMETERS, [json.dumps(dict(sampling))]),
+            tensor(contract.STREAM, [stream], bool),
+        ]
+        if references:
+            inputs.append(bytes_tensor(contract.REFERENCES, list(references)))
+        async for out in self._stream(self.decode_model, inputs):
+            yield chunk_from_outputs(out)
+
+    async def abort_decode(self, request_id: str) -> None:
+        await self._control([bytes_tensor(contract.REQUEST_ID, [request_id])])
+
+    async def discard_transfer(self, transfer_params: str) -> None:
+        await self._control([bytes_tensor(contract.TRANSFER_PARAMS, [transfer_params])])
+
+    async def _control(self, inputs: list[pb_utils.Tensor]) -> None:
+        """A ``decode`` control request (``abort`` = true), answered by one empty final."""
+        async for _ in self._stream(self.decode_model, [*inputs, tensor(contract.ABORT, [True], bool)]):
+            pass

@@ -1,0 +1,206 @@
+"""The base of every decoupled (streaming) python model, with its one error and cancel policy.
+
+A ``model.py`` subclasses :class:`DecoupledModel` and writes only what differs:
+
+- ``INPUTS``: the input names it reads;
+- ``setup(args)``: build what it serves with (``self.engine``, ``self.store``, its metrics);
+- ``parse(inputs)``: check a request's inputs on the ``execute`` thread (an ``EpdError`` is the
+  client's fault); return None for a control request that is answered by an empty final;
+- ``serve(parsed, request_id)``: an async iterator of :class:`GenerationChunk` (or, with its own
+  ``respond``, of anything else), run on the model's event loop.
+
+The policy, the same for every model:
+
+- a parse error -> one coded error response, nothing started;
+- a cancel (the client's, seen by :class:`CancelWatch`; or ``cancel_running``, or ``finalize``)
+  -> the iterator is closed (which releases what the request holds, e.g. ``epd``'s leases), the
+  engine request is aborted, and the stream ends with one empty FINAL and no error;
+- any failure -> exactly one coded error (its message if an ``EpdError``, else
+  ``internal error: <type>``), never a traceback; in the ``error`` output for a BLS caller;
+- ``finalize``: stop accepting, cancel running requests, stop the event loop, shut the engine
+  down, close the store, then release the metrics (every ``Metric``, then every family).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.event_loop import EventLoopThread
+from python_backends.generation import GenerationChunk
+from python_backends.llm_engine import apply_vllm_environment, load_engine_args
+from python_backends.model_params import ModelParameters
+from python_backends.triton_edge.metrics import MetricHandle, ModelMetrics
+from python_backends.triton_edge.responses import (
+    FINAL,
+    chunk_response,
+    read_inputs,
+    stage_error_response,
+    wants_error_output,
+)
+
+
+class CancelWatch:
+    """Whether the client cancelled a streaming request, asked at most every ``interval_s``.
+
+    ``sender.is_cancelled()`` is a round trip from the stub to Triton's core; asked for every
+    streamed token it costs a noticeable share of a small model's time per token (and ``epd``
+    streams through ``decode``, which would ask too). A cancel is noticed within ``interval_s``.
+    """
+
+    def __init__(self, sender: pb_utils.InferenceResponseSender, interval_s: float = 0.05) -> None:
+        self._sender = sender
+        self._interval_s = interval_s
+        self._asked_at = float("-inf")
+        self._cancelled = False
+
+    def cancelled(self) -> bool:
+        now = time.monotonic()
+        if not self._cancelled and now - self._asked_at >= self._interval_s:
+            self._asked_at = now
+            self._cancelled = bool(self._sender.is_cancelled())
+        return self._cancelled
+
+
+class DecoupledModel:
+    INPUTS: tuple[str, ...] = ()
+
+    engine: Any = None  # what serves requests: shut down (``shutdown()``) in finalize
+    store: Any = None  # the node's embedding store, if the model opens it: closed in finalize
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    def setup(self, args: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def parse(self, inputs: dict[str, Any], request: pb_utils.InferenceRequest) -> Any:
+        raise NotImplementedError
+
+    def serve(self, parsed: Any, request_id: str) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+    def request_id(self, parsed: Any) -> str:
+        return uuid.uuid4().hex
+
+    def respond(self, item: Any) -> tuple[pb_utils.InferenceResponse, bool]:
+        """The response for one item ``serve`` yielded, and whether it is the last."""
+        chunk: GenerationChunk = item
+        return chunk_response(chunk, self.declared_outputs), chunk.finished
+
+    def request_done(self) -> None:
+        """After each request, on the event loop (metrics that follow the engine's state)."""
+        if self._unfinished is not None:
+            self._unfinished.set(self.engine.unfinished_requests())
+
+    # --- helpers for setup and parse ----------------------------------------------------------
+
+    def start_engine(self, args: dict[str, str], engine_type: Any) -> Any:
+        """Start a vLLM engine wrapper of ``engine_type`` from ``engine_args.json`` beside the model,
+        after applying the model's ``VLLM_*`` parameters to the environment (read at engine start)."""
+        apply_vllm_environment(self.params.vllm_environment())
+        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        engine = self.loop.run(engine_type.start(engine_args))
+        # Scraped by tests and operators: returns to 0 once cancelled streams are aborted.
+        self._unfinished = self.metrics.gauge(
+            f"epd_{self.model_name}_unfinished_requests",
+            f"Requests the {self.model_name} model's vLLM engine is still tracking",
+        )
+        return engine
+
+    def cancel_running(self, request_id: str) -> None:
+        """Cancel the running request of ``request_id`` (handled like a client's cancel)."""
+        with self._lock:
+            future = self._running.get(request_id)
+        if future is not None:
+            future.cancel()
+
+    # --- Triton's entry points ------------------------------------------------------------------
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.model_name = args["model_name"]
+        config = json.loads(args["model_config"])
+        self.params = ModelParameters.from_model_config(config)
+        self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
+        self.metrics = ModelMetrics(self.model_name)
+        self._unfinished: MetricHandle | None = None
+        self._running: dict[str, concurrent.futures.Future[Any]] = {}
+        self._lock = threading.Lock()
+        self._accepting = True
+        self.loop = EventLoopThread()
+        self.setup(args)
+
+    def execute(self, requests: list[pb_utils.InferenceRequest]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            as_output = wants_error_output(request)
+            try:
+                if not self._accepting:
+                    raise EpdError(f"{self.model_name} is shutting down", ErrorCode.UNAVAILABLE)
+                parsed = self.parse(read_inputs(request, self.INPUTS), request)
+            except Exception as exc:  # the request's fault (or ours): one coded error, nothing started
+                sender.send(stage_error_response(exc, as_output), flags=FINAL)
+                continue
+            if parsed is None:  # a control request, done in parse
+                sender.send(flags=FINAL)
+                continue
+            request_id = self.request_id(parsed)
+            future = self.loop.submit(self._serve(parsed, request_id, sender, as_output))
+            with self._lock:
+                self._running[request_id] = future
+            future.add_done_callback(lambda done, rid=request_id: self._forget(rid, done))
+
+    def _forget(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            if self._running.get(request_id) is future:
+                del self._running[request_id]
+
+    async def _serve(self, parsed: Any, request_id: str, sender: Any, as_output: bool) -> None:
+        cancel = CancelWatch(sender)
+        stream = self.serve(parsed, request_id)
+        ended = False  # a FINAL went out
+        try:
+            async for item in stream:
+                if cancel.cancelled():
+                    break
+                reply, last = self.respond(item)
+                sender.send(reply, flags=FINAL if last else 0)
+                ended = ended or last
+        except asyncio.CancelledError:
+            pass  # finalize or cancel_running: handled like the client's cancel, below
+        except Exception as exc:  # every failure reaches the caller as one coded error
+            pb_utils.Logger.log_warn(f"{self.model_name} request {request_id} failed: {exc!r}")
+            sender.send(stage_error_response(exc, as_output), flags=FINAL)
+            ended = True
+        finally:
+            await self._end(stream, request_id, sender, ended)
+
+    async def _end(self, stream: AsyncIterator[Any], request_id: str, sender: Any, ended: bool) -> None:
+        try:
+            await stream.aclose()  # type: ignore[attr-defined]
+            if not ended and callable(getattr(self.engine, "abort", None)):
+                await self.engine.abort(request_id)
+        except Exception as exc:
+            pb_utils.Logger.log_warn(f"{self.model_name} request {request_id}: cleanup failed: {exc!r}")
+        finally:
+            if not ended:
+                sender.send(flags=FINAL)
+            self.request_done()
+
+    def finalize(self) -> None:
+        self._accepting = False
+        self.loop.stop()  # cancels what still runs (each ends as a cancel), then stops the loop
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.store is not None:
+            self.store.close()
+        self.metrics.release()

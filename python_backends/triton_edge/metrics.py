@@ -1,0 +1,119 @@
+"""A model's custom metrics on Triton's /metrics, created and released in one place.
+
+Lifetime rule: Triton requires a ``MetricFamily`` to outlive its ``Metric``s, and both must go
+while the stub is still alive. Left to the interpreter's exit, they are destroyed with the stub
+(``Metric::Clear <- MetricFamily::~MetricFamily <- Stub::~Stub``) after its shared memory is
+gone, and every server stop logged ``Segfault encountered`` (issue 17). So models never hold a
+``pb_utils.Metric``: :class:`ModelMetrics` keeps them and hands out :class:`MetricHandle`s, and
+:meth:`ModelMetrics.release` (called by the model's ``finalize``) drops every metric, then every
+family.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+
+class MetricHandle:
+    """``set``/``increment`` on one metric; does nothing once its model's metrics are released."""
+
+    def __init__(self, owner: ModelMetrics, key: tuple[str, tuple[tuple[str, str], ...]]) -> None:
+        self._owner = owner
+        self.key = key  # (name, labels)
+
+    def set(self, value: float) -> None:
+        metric = self._owner.live(self.key)
+        if metric is not None:
+            metric.set(value)
+
+    def increment(self, value: float = 1) -> None:
+        metric = self._owner.live(self.key)
+        if metric is not None:
+            metric.increment(value)
+
+
+class ModelMetrics:
+    def __init__(self, model_name: str) -> None:
+        self._labels = {"model": model_name}
+        self._families: dict[str, pb_utils.MetricFamily] = {}
+        self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], pb_utils.Metric] = {}
+
+    def _handle(self, kind: Any, name: str, description: str, labels: dict[str, str]) -> MetricHandle:
+        family = self._families.get(name)
+        if family is None:  # Triton refuses a second family of one name
+            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families[name] = family
+        all_labels = {**self._labels, **labels}
+        key = (name, tuple(sorted(all_labels.items())))
+        if key not in self._metrics:
+            self._metrics[key] = family.Metric(labels=all_labels)
+        return MetricHandle(self, key)
+
+    def gauge(self, name: str, description: str, **labels: str) -> MetricHandle:
+        return self._handle(pb_utils.MetricFamily.GAUGE, name, description, labels)
+
+    def counter(self, name: str, description: str, **labels: str) -> MetricHandle:
+        return self._handle(pb_utils.MetricFamily.COUNTER, name, description, labels)
+
+    def live(self, key: tuple[str, tuple[tuple[str, str], ...]]) -> pb_utils.Metric | None:
+        return self._metrics.get(key)
+
+    def release(self) -> None:
+        """Drop every metric, then every family, while the stub is still alive."""
+        self._metrics.clear()
+        gc.collect()
+        self._families.clear()
+        gc.collect()
+
+
+class CacheMetrics:
+    """The embedding cache on /metrics, for one model.
+
+    Counters are what this model saw (``epd_cache_lookups{result=hit|miss|join}``,
+    ``epd_cache_encodes``). With ``node_gauges`` (one model per node: ``epd``) it also exports
+    the node store's state as ``epd_store_*`` gauges, refreshed by :meth:`refresh`.
+    """
+
+    STORE_GAUGES = {
+        "bytes_used": "Embedding bytes held by the node's store",
+        "capacity_bytes": "Capacity of the node's store in bytes",
+        "entries": "Embeddings held by the node's store",
+        "evictions": "Entries evicted (LRU) from the node's store since it was created",
+        "expirations": "Entries dropped by TTL from the node's store since it was created",
+        "active_leases": "Embedding store leases held by running requests (all processes)",
+    }
+
+    def __init__(self, metrics: ModelMetrics, store: Any, node_gauges: bool = False) -> None:
+        self._store = store
+        lookups = "Embedding cache lookups of this model's images, by result"
+        self._lookups = {
+            result: metrics.counter("epd_cache_lookups", lookups, result=result) for result in ("hit", "miss", "join")
+        }
+        self._encodes = metrics.counter("epd_cache_encodes", "Images this model encoded and wrote to the store")
+        self._gauges = {
+            name: metrics.gauge(f"epd_store_{name}", description)
+            for name, description in (self.STORE_GAUGES.items() if node_gauges else ())
+        }
+
+    def count(self, result: str, n: int = 1) -> None:
+        if n:
+            self._lookups[result].increment(n)
+            if result == "miss":
+                self._encodes.increment(n)
+
+    def refresh(self) -> None:
+        if not self._gauges:
+            return
+        snapshot = self._store.metrics()
+        for name, gauge in self._gauges.items():
+            gauge.set(snapshot[name])
+
+    async def refresh_every(self, period_s: float) -> None:
+        """Keep the gauges current between requests (other processes change the store too)."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(period_s)
