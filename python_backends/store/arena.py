@@ -49,7 +49,7 @@ class Arena:
     Called by ``EmbeddingStore`` only, inside its LMDB transactions (``txn``); thread-safe
     for the mapping cache. Holds no entry state: that is all in LMDB."""
 
-    def __init__(self, memory: DeviceMemory, config_db: object, extents_db: object) -> None:
+    def __init__(self, memory: DeviceMemory, config_db: lmdb._Database, extents_db: lmdb._Database) -> None:
         self._memory = memory
         self._config_db = config_db
         self._extents_db = extents_db

@@ -120,7 +120,7 @@ class CudaIpcMemory:
 
     def __init__(self, device: int = 0) -> None:
         try:
-            from cuda.bindings import runtime  # noqa: PLC0415 - only GPU stores need it
+            from cuda.bindings import runtime  # only GPU stores need it
         except ImportError as exc:
             raise EpdError(
                 "a GPU embedding store needs NVIDIA's cuda-python bindings (pip install cuda-bindings)",

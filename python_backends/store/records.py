@@ -47,6 +47,9 @@ CLOCK = "clock"
 GENERATION = "generation"
 ARENA = "arena"
 
+# What LMDB hands back: bytes, or a memoryview into its map inside a ``buffers=True`` read.
+RawRecord = bytes | memoryview
+
 _COUNTER = struct.Struct("<q")
 _TICK = struct.Struct(">Q")
 
@@ -75,7 +78,7 @@ class EntryRecord:
         return _to_json(self)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> EntryRecord:
+    def from_bytes(cls, raw: RawRecord) -> EntryRecord:
         values = json.loads(bytes(raw))
         values["shape"] = tuple(values["shape"])
         values["grid_thw"] = None if values["grid_thw"] is None else tuple(values["grid_thw"])
@@ -96,7 +99,7 @@ class ArenaRecord:
         return _to_json(self)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> ArenaRecord:
+    def from_bytes(cls, raw: RawRecord) -> ArenaRecord:
         return cls(**json.loads(bytes(raw)))
 
 
@@ -112,7 +115,7 @@ class LeaseRecord:
         return _to_json(self)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> LeaseRecord:
+    def from_bytes(cls, raw: RawRecord) -> LeaseRecord:
         return cls(**json.loads(bytes(raw)))
 
 
@@ -127,7 +130,7 @@ class PendingRecord:
         return _to_json(self)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> PendingRecord:
+    def from_bytes(cls, raw: RawRecord) -> PendingRecord:
         return cls(**json.loads(bytes(raw)))
 
 
@@ -141,7 +144,7 @@ class FailureRecord:
         return _to_json(self)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> FailureRecord:
+    def from_bytes(cls, raw: RawRecord) -> FailureRecord:
         return cls(**json.loads(bytes(raw)))
 
 
@@ -149,7 +152,7 @@ def encode_counter(value: int) -> bytes:
     return _COUNTER.pack(value)
 
 
-def decode_counter(raw: bytes | None) -> int:
+def decode_counter(raw: RawRecord | None) -> int:
     return 0 if raw is None else _COUNTER.unpack(bytes(raw))[0]
 
 

@@ -58,8 +58,7 @@ def store(config: StoreConfig, memory: ShmDeviceMemory) -> Iterator[EmbeddingSto
 
 
 def free_ranges(store: EmbeddingStore) -> list[tuple[int, int]]:
-    with store._read() as txn:
-        return store._arena.free_ranges(txn)
+    return store._placement.free_ranges()
 
 
 def test_device_names_are_checked():
