@@ -1,0 +1,174 @@
+"""The one error and cancel policy of every streaming model (triton_edge.decoupled), on a toy
+model with a fake engine and the pb_utils stub."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.generation import GenerationChunk
+from python_backends.triton_edge.decoupled import DecoupledModel
+from tests.unit.conftest import FakeRequest, _Metric, _MetricFamily
+
+FINAL = 1
+
+
+class Sender:
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.sent: list[tuple[object, int]] = []
+        self.cancel_after = cancel_after
+
+    def send(self, response=None, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.sent) >= self.cancel_after
+
+    def wait_final(self, timeout_s: float = 5.0) -> list[tuple[object, int]]:
+        deadline = time.monotonic() + timeout_s
+        while not any(flags & FINAL for _, flags in self.sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # anything sent after the final would show now
+        return self.sent
+
+
+class Request(FakeRequest):
+    def __init__(self, sender: Sender, **inputs: np.ndarray) -> None:
+        super().__init__(**inputs)
+        self.sender = sender
+
+    def get_response_sender(self) -> Sender:
+        return self.sender
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self.events: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        self.events.append("engine shutdown")
+
+
+class Store:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def close(self) -> None:
+        self.events.append("store closed")
+
+
+class Toy(DecoupledModel):
+    INPUTS = ("text_input", "stream")
+
+    def setup(self, args):
+        self.engine = Engine()
+        self.store = Store(self.engine.events)
+        self.served = self.metrics.counter("toy_served", "d")
+
+    def parse(self, inputs, request):
+        if "text_input" not in inputs:
+            raise EpdError("input 'text_input' is required", ErrorCode.INVALID_ARG)
+        return inputs["text_input"].reshape(-1)[0].decode()
+
+    async def serve(self, parsed, request_id):
+        if parsed == "boom":
+            raise KeyError("/secret/path")
+        for n in range(1, 4):
+            if parsed == "hang" and n == 2:
+                await asyncio.sleep(3600)
+            if parsed == "slow":  # longer than CancelWatch's interval between tokens
+                await asyncio.sleep(0.1)
+            yield GenerationChunk("t", [n], 1, n, "length" if n == 3 else None, n == 3)
+        self.served.increment()
+
+
+def model() -> Toy:
+    toy = Toy()
+    toy.initialize({"model_name": "toy", "model_config": json.dumps({"name": "toy", "output": []})})
+    return toy
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def run(toy: Toy, sender: Sender, **inputs: np.ndarray) -> list[tuple[object, int]]:
+    toy.execute([Request(sender, **inputs)])
+    return sender.wait_final()
+
+
+def test_a_stream_ends_with_its_last_chunk_flagged_final():
+    toy = model()
+    sent = run(toy, Sender(), text_input=text("hi"))
+    assert [flags for _, flags in sent] == [0, 0, FINAL]
+    assert all(response.error is None for response, _ in sent) and toy.engine.aborted == []
+    toy.finalize()
+
+
+def test_a_parse_error_is_one_coded_error_and_starts_nothing():
+    toy = model()
+    sent = run(toy, Sender())
+    assert len(sent) == 1 and sent[0][1] == FINAL
+    error = sent[0][0].error
+    assert error.code() == error.INVALID_ARG and error.message() == "input 'text_input' is required"
+    assert toy.loop.pending == 0
+    toy.finalize()
+
+
+def test_a_failure_is_exactly_one_coded_error_without_details():
+    toy = model()
+    sent = run(toy, Sender(), text_input=text("boom"))
+    assert len(sent) == 1 and sent[0][1] == FINAL
+    error = sent[0][0].error
+    assert error.code() == error.INTERNAL and error.message() == "internal error: KeyError"
+    toy.finalize()
+
+
+def test_a_bls_caller_gets_the_error_in_the_error_output():
+    toy = model()
+    sent = run(toy, Sender(), errors_as_outputs=np.array([True]))
+    assert len(sent) == 1 and sent[0][0].error is None
+    payload = json.loads(sent[0][0].outputs()["error"][0])
+    assert payload == {"code": "INVALID_ARG", "message": "input 'text_input' is required"}
+    toy.finalize()
+
+
+def test_a_cancel_aborts_the_engine_request_and_ends_with_one_empty_final():
+    toy = model()
+    sender = Sender(cancel_after=1)  # the client goes away after the first chunk
+    sent = run(toy, sender, text_input=text("slow"))
+    assert [flags for _, flags in sent] == [0, FINAL] and sent[-1][0] is None
+    assert len(toy.engine.aborted) == 1
+    toy.finalize()
+
+
+def test_cancel_running_and_finalize_end_a_running_request_like_a_cancel():
+    toy = model()
+    sender = Sender()
+    toy.execute([Request(sender, text_input=text("hang"))])
+    deadline = time.monotonic() + 5
+    while not sender.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (request_id,) = toy._running
+    toy.cancel_running(request_id)
+    assert [flags for _, flags in sender.wait_final()] == [0, FINAL] and toy.engine.aborted == [request_id]
+
+    hanging = Sender()
+    toy.execute([Request(hanging, text_input=text("hang"))])
+    time.sleep(0.2)
+    families, metrics = _MetricFamily.alive, _Metric.alive
+    toy.finalize()
+    assert [flags for _, flags in hanging.sent] == [0, FINAL]
+    assert toy.engine.events == ["engine shutdown", "store closed"]
+    assert (_MetricFamily.alive, _Metric.alive) == (families - 1, metrics - 1)  # released in finalize
+    late = Sender()
+    toy.execute([Request(late, text_input=text("hi"))])
+    assert late.sent[0][0].error.code() == late.sent[0][0].error.UNAVAILABLE
