@@ -289,7 +289,7 @@ class EpdPipeline:
             # The BLS calls run on; their leases must be recorded before ``run`` releases.
             await asyncio.wait(tasks)
             raise
-        failures = [t.exception() for t in tasks if t.exception() is not None]
+        failures = [error for t in tasks if (error := t.exception()) is not None]
         if failures:
             raise _stage_error("encode", failures[0])
 

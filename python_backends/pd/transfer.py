@@ -142,7 +142,7 @@ class TransferParams:
                 f"KV transfer parameters version {version!r} is not supported (expected {PARAMS_VERSION})"
             )
         transfer_id = data.get("transfer_id")
-        if not is_transfer_id(transfer_id):
+        if not isinstance(transfer_id, str) or not is_transfer_id(transfer_id):
             raise invalid_arg("KV transfer parameter 'transfer_id' must be 32 lowercase hex characters")
         digest = data.get("digest")
         if not isinstance(digest, str) or not _DIGEST.match(digest):

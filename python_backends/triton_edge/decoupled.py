@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import threading
 import time
@@ -77,6 +78,11 @@ class DecoupledModel:
 
     engine: Any = None  # what serves requests: shut down (``shutdown()``) in finalize
     store: Any = None  # the node's embedding store, if the model opens it: closed in finalize
+    loop: EventLoopThread
+    model_name: str
+    params: ModelParameters
+    metrics: ModelMetrics
+    _unfinished: MetricHandle | None = None  # epd_<model>_unfinished_requests, with a vLLM engine
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -132,7 +138,6 @@ class DecoupledModel:
         self.params = ModelParameters.from_model_config(config)
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
         self.metrics = ModelMetrics(self.model_name)
-        self._unfinished: MetricHandle | None = None
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._lock = threading.Lock()
         self._accepting = True
@@ -157,7 +162,7 @@ class DecoupledModel:
             future = self.loop.submit(self._serve(parsed, request_id, sender, as_output))
             with self._lock:
                 self._running[request_id] = future
-            future.add_done_callback(lambda done, rid=request_id: self._forget(rid, done))
+            future.add_done_callback(functools.partial(self._forget, request_id))
 
     def _forget(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
