@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 import lmdb
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.store.payload import is_lowercase_hex
 from python_backends.store.processes import process_is_alive, process_start_time
 from python_backends.store.records import EntryRecord, LeaseRecord, PendingRecord
 from python_backends.store.reference import Reference
 from python_backends.store.tables import Tables
+
+_LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class Leases:
 
 
 def check_lease_id(lease_id: object) -> None:
-    if not isinstance(lease_id, str) or len(lease_id) != 32 or not is_lowercase_hex(lease_id):
+    if not isinstance(lease_id, str) or _LEASE_ID.fullmatch(lease_id) is None:
         raise invalid_arg("a lease id is 32 lowercase hex characters")
 
 

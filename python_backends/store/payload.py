@@ -89,12 +89,12 @@ def wire_dtype(dtype: np.dtype, declared: str | None) -> str:
     return name
 
 
-def is_lowercase_hex(text: str) -> bool:
+def _is_lowercase_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
 def check_key(key: str) -> None:
-    if not isinstance(key, str) or not 16 <= len(key) <= 128 or not is_lowercase_hex(key):
+    if not isinstance(key, str) or not 16 <= len(key) <= 128 or not _is_lowercase_hex(key):
         raise invalid_arg("embedding store key must be 16-128 lowercase hex characters (use content_key)")
 
 

@@ -42,6 +42,7 @@ class VerifiedReferences:
         if found is None:
             found = self._verify(parse_reference(key, merge_size=self._merge_size))
             self._keep(key, found)
+            self._keep(found, found)  # callers pass the object on to open_view, resolve, ...
         return found
 
     def check(self, reference: Reference) -> Reference:

@@ -13,14 +13,16 @@ import pytest
 
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.store import (
+    DEFAULT_CAPACITY_BYTES,
     ClaimKind,
     EmbeddingStore,
     EntryMeta,
     StoreConfig,
     content_key,
+    verified,
 )
 from python_backends.store.processes import process_is_alive, process_start_time
-from python_backends.store.reference import make_reference
+from python_backends.store.reference import make_reference, verify_tag
 from tests.store_helpers import error_of, store_directory
 
 HIDDEN = 64
@@ -179,6 +181,51 @@ def _reference_fields(reference):
         num_placeholders=reference.num_placeholders,
         grid_thw=reference.grid_thw,
     )
+
+
+def test_reference_bytes_are_parsed_and_verified_once_per_process(store, monkeypatch):
+    verifications = []
+
+    def counting_verify(reference, secret):
+        verifications.append(reference.key)
+        return verify_tag(reference, secret)
+
+    monkeypatch.setattr(verified, "verify_tag", counting_verify)
+    raw = store.put(key_of("a"), embedding(1), lease=False).to_bytes()
+    parsed = store.parse_reference(raw)
+    assert store.parse_reference(bytearray(raw)) is parsed and store.parse(raw) is parsed
+    np.testing.assert_array_equal(store.resolve(raw), embedding(1))
+    assert store.release(store.acquire_lease(raw))
+    with store.open_view(parsed):
+        pass
+    assert verifications == [parsed.key]  # the bytes once; the verified object is not checked again
+
+    tampered = raw.replace(b'"gen":1', b'"gen":2')
+    for _ in range(2):  # a failure is never kept: it fails in full each time
+        assert "integrity" in error_of(lambda: store.parse_reference(tampered)).message
+    assert len(verifications) == 3
+
+
+def test_cached_references_are_still_checked_against_the_store_on_every_read(store):
+    raw = store.put(key_of("a"), embedding(1), lease=False).to_bytes()
+    np.testing.assert_array_equal(store.resolve(raw), embedding(1))
+    store.clear()
+    store.parse_reference(raw)  # still a well-formed, signed reference...
+    for read in (store.resolve, store.acquire_lease, lambda ref: store.open_view(ref).__enter__()):
+        error = error_of(lambda read=read: read(raw))  # ...that names nothing now
+        assert error.code is ErrorCode.NOT_FOUND and "not in the store" in error.message
+
+
+def test_the_reference_cache_is_bounded(store):
+    references = verified.VerifiedReferences(store.store_id, store.secret, merge_size=2, maxsize=2)
+    raws = [store.put(key_of(f"r{i}"), embedding(i), lease=False).to_bytes() for i in range(3)]
+    for raw in raws:
+        assert references.parse(raw).to_bytes() == raw
+    assert len(references) == 2
+
+
+def test_the_capacity_default_is_one_constant():
+    assert StoreConfig().capacity_bytes == DEFAULT_CAPACITY_BYTES == 1 << 30
 
 
 def test_evicted_and_reinserted_entries_are_not_found(store):
