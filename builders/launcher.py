@@ -3,12 +3,14 @@
 Builds the default model and the repository for the target when they are missing,
 starts a real ``tritonserver --model-repository model_repository`` (the NGC image's if
 it is on PATH, else the pytriton wheel's), prints the endpoints and serves until
-Ctrl-C. ``--demo`` instead answers one bundled image+text request and stops.
+Ctrl-C or SIGTERM, then prints how the server stopped (``stopped: ...``). ``--demo`` instead
+answers one bundled image+text request and stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -21,15 +23,28 @@ SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
 SAMPLE_PROMPT = "What is in this picture?"
 
 
-def prepare(target: str, model: Path | None, repository: Path, cache: Any = None) -> Path:
+def prepare(
+    target: str, model: Path | None, repository: Path, cache: Any = None, kv_store_path: str | None = None
+) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
-    ``cache``: a ``builders.repository.CachePolicy`` replacing the target's."""
-    from builders.default_model import build_default_model, resolve_model  # noqa: PLC0415
-    from builders.repository import write_repository  # noqa: PLC0415
+    ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
+    the prefill/decode KV transfer folder replacing the target's."""
+    from builders.default_model import build_default_model, resolve_model
+    from builders.repository import write_repository
 
     model_dir = resolve_model(model) if model else build_default_model()
-    write_repository(target, model_dir, repository, cache=cache)
+    write_repository(target, model_dir, repository, cache=cache, kv_store_path=kv_store_path)
     return model_dir
+
+
+def cache_policy(args: argparse.Namespace) -> Any:
+    """The target's cache policy with the command line's overrides, or None for none."""
+    from builders.repository import TARGETS, cache_policy_from
+
+    policy = cache_policy_from(args, args.target)
+    if args.cache_path is not None:
+        policy = dataclasses.replace(policy or TARGETS[args.target].cache, path=str(args.cache_path))
+    return policy
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,14 +57,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-file", type=Path, help="tritonserver log (default: the terminal)")
     parser.add_argument("--demo", action="store_true", help="answer the bundled sample request, then stop")
-    from builders.repository import add_cache_arguments  # noqa: PLC0415 - light, no torch
+    from builders.repository import add_cache_arguments  # light, no torch
 
     add_cache_arguments(parser)
+    # Two servers on one node share a store and KV folder unless given their own (tests do).
+    parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
+    parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV transfer directory (default: the target's)")
     return parser.parse_args(argv)
 
 
 def run_demo(server: TritonServer) -> int:
-    from client.epd_client import ClientError, GrpcClient, chat_prompt  # noqa: PLC0415
+    from client.epd_client import ClientError, GrpcClient, chat_prompt
 
     client = GrpcClient(server.grpc_url, "llm")
     print(f"\n>>> prompt: {SAMPLE_PROMPT!r} + image {SAMPLE_IMAGE.name}")
@@ -71,39 +89,74 @@ def run_demo(server: TritonServer) -> int:
     return 0
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+class _Stopping:
+    """SIGINT/SIGTERM handler: the first signal interrupts serving; later ones are ignored so
+    that a second Ctrl-C cannot cut the stop short and orphan tritonserver."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.requested:
+            print(f"already stopping ({signal.Signals(signum).name} ignored)", flush=True)
+            return
+        self.requested = True
+        raise KeyboardInterrupt
+
+
+def install_stop_handlers() -> None:
+    """Handle SIGINT and SIGTERM (docker stop, systemd) explicitly: Python installs no SIGINT
+    handler in a process started with SIGINT ignored (``cmd &`` from a script, nohup)."""
+    handler = _Stopping()
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    install_stop_handlers()
     started = time.monotonic()
-    from builders.repository import cache_policy_from  # noqa: PLC0415
-
-    model_dir = prepare(args.target, args.model, args.model_repository, cache_policy_from(args, args.target))
+    kv_store_path = str(args.kv_store_path) if args.kv_store_path else None
+    try:
+        model_dir = prepare(args.target, args.model, args.model_repository, cache_policy(args), kv_store_path)
+    except KeyboardInterrupt:
+        print("\ninterrupted while building; nothing was started", flush=True)
+        return 130
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     server = TritonServer(ServerOptions(args.model_repository, ports), args.log_file)
     print(f"model: {model_dir}\nstarting: {' '.join(server.command())}", flush=True)
-    # SIGTERM (docker stop, systemd) stops as cleanly as Ctrl-C.
-    signal.signal(signal.SIGTERM, _interrupt)
-    with server:
-        try:
-            waited = server.wait_ready()
-            print(
-                f"ready in {waited:.1f} s ({time.monotonic() - started:.1f} s with builds)\n"
-                f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n"
-                f"  metrics {server.metrics_url}",
-                flush=True,
-            )
-            if args.demo:
-                return run_demo(server)
-            print("serving; Ctrl-C to stop", flush=True)
-            while server.process is not None and server.process.poll() is None:
-                time.sleep(0.5)
-            return server.process.returncode if server.process else 1
-        except KeyboardInterrupt:
-            print("\nstopping", flush=True)
-            return 0
+    code = serve(server, args.demo, started)
+    report = server.stop()
+    if report is None:
+        return code
+    print(f"stopped: {report.describe()}", flush=True)
+    # A server that had to be killed or exited with an error is a failed run, whatever came before.
+    return code if not report.killed and report.exit_code == 0 else (code or 1)
+
+
+def serve(server: TritonServer, demo: bool, started: float) -> int:
+    """Start, wait until ready, then the demo or serve until interrupted; the caller stops."""
+    try:
+        server.start()
+        waited = server.wait_ready()
+        print(
+            f"ready in {waited:.1f} s ({time.monotonic() - started:.1f} s with builds)\n"
+            f"  HTTP    http://{server.http_url}\n  gRPC    {server.grpc_url}\n"
+            f"  metrics {server.metrics_url}",
+            flush=True,
+        )
+        if demo:
+            return run_demo(server)
+        print("serving; Ctrl-C to stop", flush=True)
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+        return server.process.returncode if server.process else 1
+    except KeyboardInterrupt:
+        print("\nstopping", flush=True)
+        return 0
+    except BaseException:
+        server.stop()  # never leave tritonserver behind, whatever failed
+        raise
 
 
 if __name__ == "__main__":

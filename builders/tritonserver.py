@@ -22,11 +22,15 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from builders.processes import ProcessGroup, StartError, StartTimeout, StopReport, http_ok, wait_until_ready
+
+__all__ = [
+    "PROBLEM_MARKERS", "REPO_ROOT", "Ports", "ServerOptions", "StartError", "StartTimeout", "StopReport",
+    "TritonInstall", "TritonServer", "find_tritonserver", "free_port",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
@@ -46,7 +50,7 @@ class Ports:
     metrics: int = 8002
 
     @classmethod
-    def free(cls) -> "Ports":
+    def free(cls) -> Ports:
         """Three ports the OS says are free now (for tests that run beside a server)."""
         ports: list[int] = []
         while len(ports) < 3:
@@ -138,18 +142,32 @@ class ServerOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+# Lines of a tritonserver log that mean the stop (or the run) was not clean: a python-backend
+# stub crashed, or a model did not unload within Triton's exit timeout.
+PROBLEM_MARKERS = ("Segfault encountered", "Exit timeout expired", "failed to stop server")
+
+
 class TritonServer:
     """A tritonserver child process: ``with TritonServer(opts) as server: ...``.
 
     Callers own the lifetime; ``stop()`` sends SIGINT (Triton unloads models, which lets
-    python models shut vLLM down), then SIGKILLs the process group if it hangs.
+    python models shut vLLM down), SIGKILLs the process group if it hangs, and returns a
+    :class:`StopReport` (also kept as ``stop_report``) saying how the server ended.
     """
 
     def __init__(self, options: ServerOptions, log_path: Path | None = None) -> None:
         self.options = options
         self.install = find_tritonserver()
         self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
+        self.group = ProcessGroup(
+            "tritonserver", self.command(), dict(options.extra_env), log_path,
+            stop_signal=signal.SIGINT, signal_group=False,
+        )
+        self.stop_report: StopReport | None = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self.group.process
 
     @property
     def http_url(self) -> str:
@@ -178,62 +196,27 @@ class TritonServer:
             *opts.extra_args,
         ]
 
-    def start(self) -> "TritonServer":
-        env = {**self.install.env, **self.options.extra_env}
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
-        self.process = subprocess.Popen(
-            self.command(),
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,  # its own process group: stop() reaches stubs and vLLM
-        )
+    def start(self) -> TritonServer:
+        self.group.command, self.group.env = self.command(), dict(self.options.extra_env)  # options may have changed
+        self.group.start(base_env=self.install.env)
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
-        """Block until /v2/health/ready answers 200; returns seconds waited."""
-        started = time.monotonic()
+        """Block until /v2/health/ready answers 200; returns seconds waited. Raises
+        :class:`StartError` (a RuntimeError) if the server exits first, :class:`StartTimeout`
+        (a TimeoutError) after ``timeout_s``; both carry the log's last lines."""
         url = f"http://{self.http_url}/v2/health/ready"
-        while time.monotonic() - started < timeout_s:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"tritonserver exited with code {self.process.returncode} before it "
-                    f"was ready. {self._log_hint()}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return time.monotonic() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s. {self._log_hint()}")
+        return wait_until_ready(lambda: http_ok(url), [self.group], timeout_s, "tritonserver",
+                                poll_s=0.25, tail_lines=40)
 
-    def _log_hint(self) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        tail = self.log_path.read_text(errors="replace").splitlines()[-40:]
-        return "Last log lines:\n" + "\n".join(tail)
+    def stop(self, timeout_s: float = 60.0) -> StopReport | None:
+        """Stop and report how it went (``None`` if it was never started)."""
+        report = self.group.stop(timeout_s, PROBLEM_MARKERS)
+        if report is not None:
+            self.stop_report = report
+        return report
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        pgid = os.getpgid(self.process.pid)
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        # Stub and vLLM engine processes live in the same group; never leave them behind.
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
