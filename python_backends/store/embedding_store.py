@@ -85,8 +85,8 @@ References
 Parts
     ``tables`` (the LMDB environment, counters, entry records and LRU order), ``placement``
     (host or device bytes), ``entries`` (insert, evict, expire, serve, check against a
-    reference), ``leases``, ``single_flight``, ``verified`` (the reference cache). This class
-    is the contract: it holds those parts and nothing else.
+    reference), ``leases``, ``single_flight``, ``verified`` (the reference cache).
+    :class:`EmbeddingStore` is the contract above: it only composes those parts.
 """
 
 from __future__ import annotations

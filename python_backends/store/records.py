@@ -42,6 +42,11 @@ CUMULATIVE_COUNTERS = (
     "entries_lost",  # GPU entries whose arena went with the process that allocated it
 )
 GAUGE_COUNTERS = ("bytes_used", "entries", "active_leases")
+# Rows of the ``config`` table that every store has (a GPU store adds ``arena``).
+CONFIG_SCHEMA = b"schema"
+CONFIG_STORE_ID = b"store_id"
+CONFIG_SECRET = b"secret"
+CONFIG_CAPACITY = b"capacity"
 # Internal sequences, not metrics.
 CLOCK = "clock"
 GENERATION = "generation"

@@ -20,6 +20,10 @@ from python_backends.errors import EpdError, ErrorCode
 from python_backends.store.config import StoreConfig
 from python_backends.store.records import (
     CLOCK,
+    CONFIG_CAPACITY,
+    CONFIG_SCHEMA,
+    CONFIG_SECRET,
+    CONFIG_STORE_ID,
     CUMULATIVE_COUNTERS,
     DATABASE_NAMES,
     GAUGE_COUNTERS,
@@ -29,12 +33,6 @@ from python_backends.store.records import (
     encode_counter,
     encode_tick,
 )
-
-# The rows of the ``config`` table that every store has.
-_SCHEMA = b"schema"
-_STORE_ID = b"store_id"
-_SECRET = b"secret"
-_CAPACITY = b"capacity"
 
 
 class Tables:
@@ -97,19 +95,19 @@ class Tables:
         ``capacity_bytes`` (the last process to open the store sets it for all)."""
         with self.write() as txn:
             config = self.db["config"]
-            schema = txn.get(_SCHEMA, db=config)
+            schema = txn.get(CONFIG_SCHEMA, db=config)
             if schema is None:
-                txn.put(_SCHEMA, SCHEMA_VERSION, db=config)
-                txn.put(_STORE_ID, uuid.uuid4().hex.encode(), db=config)
-                txn.put(_SECRET, secrets.token_bytes(32), db=config)
+                txn.put(CONFIG_SCHEMA, SCHEMA_VERSION, db=config)
+                txn.put(CONFIG_STORE_ID, uuid.uuid4().hex.encode(), db=config)
+                txn.put(CONFIG_SECRET, secrets.token_bytes(32), db=config)
             elif bytes(schema) != SCHEMA_VERSION:
                 raise EpdError(
                     f"embedding store at {self._path} has schema {bytes(schema)!r}, this code reads "
                     f"{SCHEMA_VERSION!r}: remove the directory (it is a cache) or use another path",
                     ErrorCode.UNAVAILABLE,
                 )
-            txn.put(_CAPACITY, encode_counter(capacity_bytes), db=config)
-            store_id, secret = txn.get(_STORE_ID, db=config), txn.get(_SECRET, db=config)
+            txn.put(CONFIG_CAPACITY, encode_counter(capacity_bytes), db=config)
+            store_id, secret = txn.get(CONFIG_STORE_ID, db=config), txn.get(CONFIG_SECRET, db=config)
             if store_id is None or secret is None:
                 raise EpdError(
                     f"embedding store at {self._path} has no identity; remove the directory", ErrorCode.INTERNAL
@@ -117,7 +115,7 @@ class Tables:
             return bytes(store_id).decode(), bytes(secret)
 
     def capacity(self, txn: lmdb.Transaction) -> int:
-        return decode_counter(txn.get(_CAPACITY, db=self.db["config"]))
+        return decode_counter(txn.get(CONFIG_CAPACITY, db=self.db["config"]))
 
     # --- counters -----------------------------------------------------------------------------
 
