@@ -81,7 +81,7 @@ LEASE_OWNER = "lease_owner"
 TRANSFER_PARAMS = "transfer_params"
 REQUEST_ID = "request_id"
 ABORT = "abort"
-# Errors as an output on request: why in python_backends/triton_edge.py (ERROR_OUTPUT).
+# Errors as an output on request: why in python_backends/triton_edge/responses.py.
 ERRORS_AS_OUTPUTS = "errors_as_outputs"
 ERROR = "error"
 
