@@ -16,7 +16,9 @@ What it shows:
   changes decode's tokens (same shapes, so the load still "succeeds");
 - bad, altered, unknown, reused or mismatched transfer parameters -> INVALID_ARG /
   NOT_FOUND, and no request is left behind in the decode engine;
-- timings of P+D against colocated, printed (run with ``-s``), never asserted.
+- timings of P+D against colocated, printed (run with ``-s``); what is asserted is what makes
+  them comparable: every timed decode loaded the whole prompt and computed none of it, every
+  timed colocated request computed the whole prompt, and both gave the same tokens.
 
 Image embeddings are seeded random tensors of the right shape (``[t*h*w/4, hidden]``): the
 transfer does not care where embeddings come from, and DESIGN.md records that real encoder
@@ -43,7 +45,8 @@ from builders.tritonserver import REPO_ROOT
 ENGINE_ARGS = REPO_ROOT / "model_repository" / "llm" / "1" / "engine_args.json"
 MAX_TOKENS = 12
 CHUNK_TOKENS = 200  # not a multiple of the 128-token block
-GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+# ignore_eos: exactly MAX_TOKENS tokens, whatever the random model's greedy choices.
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 TEXT = "The quick brown fox jumps over the lazy dog while the cat watches. " * 8
 
@@ -130,8 +133,17 @@ async def _start_colocated(async_llm, async_engine_args, base: dict) -> Any:
     return async_llm.from_engine_args(async_engine_args(**{**base, "enable_mm_embeds": True}))
 
 
-async def _colocated_timed(engine: Any, prompt: str, images: list, salt: str | None) -> tuple[list[int], int, float]:
-    """Greedy tokens, prompt length and seconds to the first token from the colocated engine."""
+@dataclass
+class Colocated:
+    tokens: list[int]
+    num_prompt: int
+    num_cached: int  # prompt tokens served from the prefix cache instead of computed
+    ttft_s: float
+
+
+async def _colocated_timed(engine: Any, prompt: str, images: list, salt: str | None) -> Colocated:
+    """Greedy tokens, prompt length, cached prompt tokens and seconds to the first token from
+    the colocated engine."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -143,20 +155,21 @@ async def _colocated_timed(engine: Any, prompt: str, images: list, salt: str | N
         request["multi_modal_data"] = mm
     if salt:
         request["cache_salt"] = salt
-    tokens: list[int] = []
-    num_prompt, ttft, t0 = 0, 0.0, time.perf_counter()
+    answer = Colocated([], 0, -1, 0.0)
+    t0 = time.perf_counter()
     params = SamplingParams(**GREEDY, output_kind=RequestOutputKind.DELTA)
     async for output in engine.generate(request, params, f"colocated-{uuid.uuid4().hex}"):
-        if not tokens:
-            ttft = time.perf_counter() - t0
-            num_prompt = len(output.prompt_token_ids or [])
-        tokens += output.outputs[0].token_ids
-    return tokens, num_prompt, ttft
+        if not answer.tokens:
+            answer.ttft_s = time.perf_counter() - t0
+            answer.num_prompt = len(output.prompt_token_ids or [])
+            answer.num_cached = int(output.num_cached_tokens or 0)
+        answer.tokens += output.outputs[0].token_ids
+    return answer
 
 
 async def _colocated(engine: Any, prompt: str, images: list, salt: str | None = None) -> tuple[list[int], int]:
-    tokens, num_prompt, _ = await _colocated_timed(engine, prompt, images, salt)
-    return tokens, num_prompt
+    answer = await _colocated_timed(engine, prompt, images, salt)
+    return answer.tokens, answer.num_prompt
 
 
 async def _pd(e: Engines, prompt: str, images: list, decode_images: list | None = None, params=None, salt=None):
@@ -303,7 +316,10 @@ def test_damaged_transfer_fails_instead_of_recomputing(engines: Engines) -> None
 
 
 def test_timings_prefill_decode_vs_colocated(engines: Engines) -> None:
-    """Numbers for the report (run with -s); nothing is asserted about time.
+    """Numbers for the report (run with -s); nothing is asserted about time, only that the
+    two sides did the work they are timed for (else the comparison says nothing): decode
+    loaded every prompt token from the transfer and computed none, colocated computed every
+    prompt token, and both answered the same tokens.
 
     Sequential requests, each prompt under a fresh cache salt (no prefix-cache hits), the
     order of colocated and P+D alternating per round; medians over the rounds.
@@ -311,23 +327,32 @@ def test_timings_prefill_decode_vs_colocated(engines: Engines) -> None:
     import statistics
 
     rows: dict[str, list[float]] = {"col_e2e": [], "col_ttft": [], "pd_e2e": [], "pd_ttft": [], "decode": []}
+    pd_tokens: list[list[int]] = []
+    col_tokens: list[list[int]] = []
+    work: list[str] = []  # one line per request that did other work than the one it is timed for
 
     async def pd_timed(prompt: str, images: list, salt: str) -> None:
         t0 = time.perf_counter()
         result = await engines.prefill.prefill(prompt, images, GREEDY, cache_salt=salt)
         t1 = time.perf_counter()
-        async for _ in engines.decode.decode(result.transfer, images, GREEDY):
-            pass
+        chunks = [chunk async for chunk in engines.decode.decode(result.transfer, images, GREEDY)]
         t2 = time.perf_counter()
         rows["pd_ttft"].append(t1 - t0)
         rows["decode"].append(t2 - t1)
         rows["pd_e2e"].append(t2 - t0)
+        pd_tokens.append([result.first_token_id] + [t for c in chunks for t in c.token_ids])
+        if chunks[0].num_cached_tokens != result.num_prompt_tokens:
+            work.append(f"P+D {prompt[:20]!r}: decode loaded {chunks[0].num_cached_tokens} of "
+                        f"{result.num_prompt_tokens} prompt tokens")
 
     async def col_timed(prompt: str, images: list, salt: str) -> None:
         t0 = time.perf_counter()
-        _, _, ttft = await _colocated_timed(engines.colocated, prompt, images, salt)
+        answer = await _colocated_timed(engines.colocated, prompt, images, salt)
         rows["col_e2e"].append(time.perf_counter() - t0)
-        rows["col_ttft"].append(ttft)
+        rows["col_ttft"].append(answer.ttft_s)
+        col_tokens.append(answer.tokens)
+        if answer.num_cached != 0:
+            work.append(f"colocated {prompt[:20]!r}: {answer.num_cached} of {answer.num_prompt} prompt tokens cached")
 
     for round_ in range(3):
         for prompt, images in _cases().values():
@@ -338,6 +363,9 @@ def test_timings_prefill_decode_vs_colocated(engines: Engines) -> None:
             else:
                 engines.run(col_timed(prompt, images, salt + "c"))
                 engines.run(pd_timed(prompt, images, salt))
+    assert not work, "the timed requests did other work than compared:\n" + "\n".join(work)
+    assert pd_tokens == col_tokens
+    assert all(len(tokens) == MAX_TOKENS for tokens in pd_tokens)
     med = {k: statistics.median(v) * 1000 for k, v in rows.items()}
     low = {k: min(v) * 1000 for k, v in rows.items()}
     print(

@@ -8,7 +8,10 @@ ensemble), or ``encode``'s embeddings sent to ``llm`` by the client.
 
 from __future__ import annotations
 
+import json
 import queue
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +26,7 @@ from tests.images import synthetic_image
 pytestmark = pytest.mark.server
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0}
+EXACT = {**GREEDY, "ignore_eos": True}  # exactly 12 tokens, whatever the random model's greedy choices
 HIDDEN = 128  # the tiny default model's LM hidden size (== encode's image_embeds width)
 OUTPUTS = ("text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason")
 # One image each (the ensemble's contract): sizes, aspect ratios and formats vary.
@@ -172,10 +176,23 @@ def test_bad_embeddings_are_coded_errors_and_the_server_keeps_serving(raw, llm):
             _stream(raw, "llm", inputs)
         assert fragment in str(info.value), name
         assert "Traceback" not in str(info.value)
-    assert llm.generate(chat_prompt("still there?", 0), [], GREEDY).num_output_tokens == 12
+    assert llm.generate(chat_prompt("still there?", 0), [], EXACT).num_output_tokens == 12
 
 
-def test_ensemble_refuses_anything_but_one_good_image(raw, ensemble):
+def _http_generate_error(server: TritonServer, model: str, body: dict[str, Any]) -> tuple[int, str]:
+    """POST ``body`` to ``model``'s generate endpoint, which must refuse it: (HTTP status, error)."""
+    url = f"http://{server.http_url}/v2/models/{model}/generate"
+    request = urllib.request.Request(url, data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    return info.value.code, json.loads(info.value.read().decode())["error"]
+
+
+# Triton's own check of a request against the model's inputs, before any step of the DAG runs.
+MISSING_IMAGE = "but missing required input(s) ['image']"
+
+
+def test_ensemble_refuses_anything_but_one_good_image(server, raw, ensemble):
     prompt = chat_prompt("hello", 1)
     text = _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
     two = np.frombuffer(synthetic_image(32, 32, 1) * 2, np.uint8)
@@ -184,7 +201,10 @@ def test_ensemble_refuses_anything_but_one_good_image(raw, ensemble):
     assert "unexpected shape for input 'image'" in str(info.value)
     with pytest.raises(ClientError) as info:  # no image: a required input of the DAG
         _stream(raw, "ensemble", [text])
-    assert "image" in str(info.value)
+    assert MISSING_IMAGE in str(info.value) and "for model 'ensemble'" in str(info.value)
+    # Over HTTP the same refusal carries its code: 400 (INVALID_ARG).
+    status, message = _http_generate_error(server, "ensemble", {"text_input": prompt})
+    assert status == 400 and MISSING_IMAGE in message, message
     with pytest.raises(ClientError) as info:  # the client says it before sending
         ensemble.generate(prompt, [], GREEDY)
     assert "exactly one image" in str(info.value)
@@ -194,4 +214,4 @@ def test_ensemble_refuses_anything_but_one_good_image(raw, ensemble):
     with pytest.raises(ClientError) as info:  # llm's own checks still apply
         ensemble.generate(prompt, [synthetic_image(64, 64, 2)], {"temprature": 0.1})
     assert "unknown sampling parameter" in str(info.value)
-    assert len(ensemble.generate(prompt, [synthetic_image(64, 64, 3)], GREEDY).token_ids) == 12
+    assert len(ensemble.generate(prompt, [synthetic_image(64, 64, 3)], EXACT).token_ids) == 12
