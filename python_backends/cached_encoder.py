@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from python_backends import contract
 from python_backends.errors import invalid_arg
 from python_backends.media import image_bytes
 from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
@@ -69,7 +70,7 @@ def parse_encoder_inputs(
     """An encoder model's request: ``image`` (BYTES, one or more encoded images, raw or
     base64) and optional ``lease_owner`` (INT64 pid). Content keys are taken over the decoded
     bytes, as ``epd`` takes them, so a warm-up's ``mm_hash`` matches a later request."""
-    array = inputs.get("image")
+    array = inputs.get(contract.IMAGE)
     if array is None or array.size == 0:
         raise invalid_arg("input 'image' needs at least one encoded image")
     if array.dtype != np.object_:
@@ -83,7 +84,7 @@ def parse_encoder_inputs(
     for i, image in enumerate(images):
         if len(image) > max_image_bytes:
             raise invalid_arg(f"image[{i}] has {len(image)} bytes, above the limit of {max_image_bytes}")
-    owner = inputs.get("lease_owner")
+    owner = inputs.get(contract.LEASE_OWNER)
     if owner is None:
         return images, None
     if owner.size != 1 or owner.dtype != np.int64 or int(owner.reshape(-1)[0]) <= 0:
@@ -125,7 +126,8 @@ class CachedEncoder:
     async def references(self, images: list[bytes], lease_owner: int | None = None) -> list[EncoderAnswer]:
         """Every image at once. All or nothing: if one fails, the leases taken for the others
         are released (their owner never sees them) and the first error is raised."""
-        results = await asyncio.gather(*(self.reference(image, lease_owner) for image in images), return_exceptions=True)
+        answers = (self.reference(image, lease_owner) for image in images)
+        results = await asyncio.gather(*answers, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if not failures:
             return [r for r in results if isinstance(r, EncoderAnswer)]

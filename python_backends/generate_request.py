@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from python_backends import contract
 from python_backends.errors import invalid_arg
 from python_backends.image_embeds import (
     EmbedsSpec,
@@ -139,17 +140,17 @@ def _image_item(item: bytes, index: int, limits: RequestLimits) -> bytes | Cache
 def parse_generate_request(
     inputs: Mapping[str, np.ndarray], limits: RequestLimits
 ) -> GenerateRequest:
-    text_value = _scalar(inputs, "text_input")
+    text_value = _scalar(inputs, contract.TEXT_INPUT)
     if text_value is None:
         raise invalid_arg("missing required input 'text_input'")
-    text = _text(text_value, "text_input")
+    text = _text(text_value, contract.TEXT_INPUT)
     if len(text) > limits.max_prompt_chars:
         raise invalid_arg(
             f"text_input has {len(text)} characters, above the limit of {limits.max_prompt_chars}"
         )
 
     embeds = parse_image_embeds(inputs, limits.image_embeds, limits.images.max_images)
-    image_array = inputs.get("image")
+    image_array = inputs.get(contract.IMAGE)
     raw_images: list[bytes] = []
     if image_array is not None:
         if image_array.dtype != np.object_:
@@ -168,16 +169,16 @@ def parse_generate_request(
     if not text and not num_images:
         raise invalid_arg("text_input is empty and no image was given")
 
-    stream = bool(_bool(inputs, "stream"))
-    exclude = _bool(inputs, "exclude_input_in_output")
+    stream = bool(_bool(inputs, contract.STREAM))
+    exclude = _bool(inputs, contract.EXCLUDE_INPUT_IN_OUTPUT)
     if exclude is None:
         exclude = stream  # as vllm_backend: full text when not streaming, deltas when streaming
     if stream and not exclude:
         raise invalid_arg("exclude_input_in_output=false is not allowed when streaming")
 
-    sampling_raw = _scalar(inputs, "sampling_parameters")
+    sampling_raw = _scalar(inputs, contract.SAMPLING_PARAMETERS)
     sampling = parse_sampling_parameters(
-        None if sampling_raw is None else _text(sampling_raw, "sampling_parameters"),
+        None if sampling_raw is None else _text(sampling_raw, contract.SAMPLING_PARAMETERS),
         limits.max_tokens_limit,
     )
     return GenerateRequest(

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from python_backends import contract
 from python_backends.errors import invalid_arg
 
 
@@ -45,7 +46,7 @@ class ImageEmbedsInput:
 
     def multi_modal_data(self) -> dict[str, Any]:
         """vLLM's ``enable_mm_embeds`` form (as python_backends.pd.engines builds it)."""
-        import torch  # noqa: PLC0415 - only the serving process needs it
+        import torch
 
         return {
             "image": {
@@ -63,16 +64,17 @@ def parse_image_embeds(
     inputs: Mapping[str, np.ndarray], spec: EmbedsSpec | None, max_images: int
 ) -> ImageEmbedsInput | None:
     """The request's embeddings, or None when it sends none. Raises INVALID_ARG errors."""
-    embeds = inputs.get("image_embeds")
-    grid = inputs.get("image_grid_thw")
+    embeds = inputs.get(contract.IMAGE_EMBEDS)
+    grid = inputs.get(contract.IMAGE_GRID_THW)
     if embeds is None and grid is None:
         return None
     if spec is None:
         raise invalid_arg("this model does not take image_embeds / image_grid_thw; send 'image'")
     if embeds is None or grid is None:
-        given, missing = ("image_embeds", "image_grid_thw") if grid is None else ("image_grid_thw", "image_embeds")
+        pair = (contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW)
+        given, missing = pair if grid is None else pair[::-1]
         raise invalid_arg(f"input '{given}' needs '{missing}' too")
-    if inputs.get("image") is not None:
+    if inputs.get(contract.IMAGE) is not None:
         raise invalid_arg("send either 'image' or 'image_embeds' + 'image_grid_thw', not both")
 
     if embeds.dtype != np.float32:

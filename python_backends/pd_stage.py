@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from python_backends import contract
 from python_backends.errors import invalid_arg
 from python_backends.pd.engines import ImageEmbeds
 from python_backends.sampling import parse_sampling_parameters
@@ -66,13 +67,13 @@ def _flag(inputs: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
 
 def parse_stage_inputs(inputs: Mapping[str, np.ndarray], max_tokens_limit: int) -> StageInputs:
     return StageInputs(
-        references=_strings(inputs.get("references")),
-        sampling=parse_sampling_parameters(_one_text(inputs, "sampling_parameters") or None, max_tokens_limit),
-        text=_one_text(inputs, "text_input"),
-        transfer_params=_one_text(inputs, "transfer_params"),
-        request_id=_one_text(inputs, "request_id"),
-        stream=_flag(inputs, "stream", True),
-        abort=_flag(inputs, "abort", False),
+        references=_strings(inputs.get(contract.REFERENCES)),
+        sampling=parse_sampling_parameters(_one_text(inputs, contract.SAMPLING_PARAMETERS) or None, max_tokens_limit),
+        text=_one_text(inputs, contract.TEXT_INPUT),
+        transfer_params=_one_text(inputs, contract.TRANSFER_PARAMS),
+        request_id=_one_text(inputs, contract.REQUEST_ID),
+        stream=_flag(inputs, contract.STREAM, True),
+        abort=_flag(inputs, contract.ABORT, False),
     )
 
 
