@@ -24,6 +24,12 @@ The fixed sequence of steps, per request:
    transfer parameters. Streaming requests get the first token at once.
 5. **decode** with the references and the transfer parameters: tokens 2..N.
 
+The hit check runs once per image: epd's ``lookup`` in step 2 (it counts the hit; a miss is
+counted by the claim that follows, hence ``count_miss=False``). The encoder's ``claim`` in step 3
+is the single-flight point, not a second check: it finds the key stored only when another
+request stored it in between (or for callers that skip step 2: clients pre-encoding media, and
+per-instance caches). A reference is parsed and verified once per process by the store.
+
 Whatever happens (finish, failure, cancellation), every lease this request took is released
 and a started decode is aborted. A failing stage becomes one :class:`EpdError` whose message
 names the stage; errors that already carry a code keep it.
@@ -277,7 +283,7 @@ class EpdPipeline:
                 wire, cache_hit = await self.stages.encode_reference(self.encoder_for(key, pinned), image, owner)
             except EpdError as exc:  # the encoder saw one image: name it as the client did
                 raise EpdError(exc.message.replace("image[0]", f"image[{indices[key]}]", 1), exc.code) from None
-            ref = self.store.parse(wire)
+            ref = self.store.parse_reference(wire)
             leased.leases.append(ref)
             found[key] = ref
             leased.cache_hits += int(cache_hit)

@@ -83,7 +83,7 @@ def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list
     images: list[ImageEmbeds] = []
     refs: list[Reference] = []
     for index, raw in enumerate(references):
-        ref = store.parse(raw)
+        ref = store.parse_reference(raw)
         if ref.modality != "image" or ref.grid_thw is None:
             raise invalid_arg(f"reference {index} is not an image embedding with a grid")
         with store.open_view(ref) as view:
