@@ -12,8 +12,8 @@ Steps, each a small function:
    ``python_backends.vit_onnx``; attention inside is masked block-diagonally from
    ``cu_seqlens``, so one graph serves any patch count and any number of images (DESIGN.md).
 4. :func:`validate_onnx` checks ONNX Runtime against the transformers module over many grids.
-5. :func:`build_tensorrt_plan` (GPU only) and :func:`tensorrt_plan_config` (pure, testable
-   anywhere) give the ``tensorrt_plan`` model and its config.pbtxt.
+5. :func:`build_tensorrt_plan` (GPU only) serializes the ``tensorrt_plan`` engine for one
+   optimisation profile (``builders/tensorrt_config.py``, which also renders its config.pbtxt).
 
 CLI: ``python -m builders.encoder --model DIR --out DIR/vit_encoder/1 [--tensorrt fp16]``.
 """
@@ -27,11 +27,13 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
+from builders.tensorrt_config import TrtProfile
+from python_backends import contract
 from python_backends.vit_onnx import (
     INPUT_NAMES,
     META_HIDDEN_SIZE,
@@ -54,8 +56,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Hub layout first; transformers 5 save_pretrained may keep its load-time names.
 VISION_PREFIXES: tuple[str, ...] = ("visual.", "model.visual.")
-ONNX_FILE = "model.onnx"
-PLAN_FILE = "model.plan"
+ONNX_FILE = contract.ONNX_FILE
+PLAN_FILE = contract.PLAN_FILE
 ONNX_OPSET = 18
 # Above this, weights go to an external data file (protobuf's hard limit is 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
@@ -136,7 +138,9 @@ def load_vision_weights(model_dir: str | Path) -> VisionWeights:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_vision_tower(model_dir: str | Path, weights: VisionWeights | None = None) -> Qwen2VisionTransformerPretrainedModel:
+def load_vision_tower(
+    model_dir: str | Path, weights: VisionWeights | None = None
+) -> Qwen2VisionTransformerPretrainedModel:
     """transformers' Qwen2-VL vision model + merger, float32, eval mode, vision weights only."""
     from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
@@ -187,7 +191,9 @@ class ExportableVisionTower(torch.nn.Module):
         super().__init__()
         self.tower = tower
 
-    def forward(self, pixel_values: torch.Tensor, rotary_pos_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pixel_values: torch.Tensor, rotary_pos_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
         tower = self.tower
         hidden = tower.patch_embed(pixel_values)
         cos, sin = tower.rotary_pos_emb(hidden, rotary_pos_ids)
@@ -254,7 +260,8 @@ def export_onnx(
         "rotary_pos_ids": {0: block * merged_tokens},
         "cu_seqlens": {0: frames_plus_one},
     }
-    args = tuple(torch.from_numpy(array) for array in (example.pixel_values, example.rotary_pos_ids, example.cu_seqlens))
+    arrays = (example.pixel_values, example.rotary_pos_ids, example.cu_seqlens)
+    args = tuple(torch.from_numpy(array) for array in arrays)
     parameter_bytes = sum(p.numel() * p.element_size() for p in tower.parameters())
     onnx_path = out_dir / ONNX_FILE
     with torch.inference_mode():
@@ -282,7 +289,11 @@ def _write_metadata(onnx_path: Path, dims: dict[str, int]) -> None:
     model = onnx.load(str(onnx_path), load_external_data=False)
     # The exporter names the output's row count after an internal symbol ("s71"); say what it is.
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "merged_tokens"
-    values = {META_MERGE_SIZE: dims["merge_size"], META_PATCH_DIM: dims["patch_dim"], META_HIDDEN_SIZE: dims["hidden_size"]}
+    values = {
+        META_MERGE_SIZE: dims["merge_size"],
+        META_PATCH_DIM: dims["patch_dim"],
+        META_HIDDEN_SIZE: dims["hidden_size"],
+    }
     existing = {prop.key for prop in model.metadata_props}
     for key, value in values.items():
         if key not in existing:
@@ -357,37 +368,6 @@ def validate_onnx(
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrtProfile:
-    """One optimisation profile: patch counts (all images of a call together) and images/call.
-
-    Defaults fit the tiny default model (max_pixels 448*448 = 1024 patches per image) with up
-    to 8 images per call; a real checkpoint sets these from its max_pixels and batch policy.
-    """
-
-    min_patches: int = 4
-    opt_patches: int = 1024
-    max_patches: int = 8192
-    max_images: int = 8
-
-    def validate(self, merge_size: int = 2) -> None:
-        block = merge_size * merge_size
-        if not 0 < self.min_patches <= self.opt_patches <= self.max_patches:
-            raise ValueError(f"need 0 < min <= opt <= max patches, got {self}")
-        if any(n % block for n in (self.min_patches, self.opt_patches, self.max_patches)):
-            raise ValueError(f"patch counts must be multiples of {block} (merge_size**2), got {self}")
-        if self.max_images <= 0:
-            raise ValueError(f"max_images must be positive, got {self.max_images}")
-
-    def input_shapes(self, patch_dim: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-        """(min, opt, max) shape of each input; one frame per image at ``opt``."""
-        return {
-            "pixel_values": ((self.min_patches, patch_dim), (self.opt_patches, patch_dim), (self.max_patches, patch_dim)),
-            "rotary_pos_ids": ((self.min_patches, 2), (self.opt_patches, 2), (self.max_patches, 2)),
-            "cu_seqlens": ((2,), (2,), (self.max_images + 1,)),
-        }
-
-
 def tensorrt_unavailable_reason() -> str | None:
     """None where TensorRT's Python API imports; else why not (for skips and CLI errors)."""
     try:
@@ -401,7 +381,7 @@ def build_tensorrt_plan(
     onnx_path: str | Path,
     plan_path: str | Path,
     patch_dim: int,
-    profile: TrtProfile = TrtProfile(),
+    profile: TrtProfile | None = None,
     precision: Precision = "fp16",
     workspace_bytes: int = 4 << 30,
 ) -> Path:
@@ -411,6 +391,7 @@ def build_tensorrt_plan(
         raise EncoderBuildError(reason)
     import tensorrt as trt
 
+    profile = profile or TrtProfile()
     profile.validate()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -434,97 +415,6 @@ def build_tensorrt_plan(
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.write_bytes(bytes(serialized))
     return plan_path
-
-
-def tensorrt_plan_config(
-    patch_dim: int,
-    hidden_size: int,
-    profile: TrtProfile = TrtProfile(),
-    name: str = "vit_encoder",
-    instance_count: int = 1,
-    cuda_graph_patches: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """The ``tensorrt_plan`` model's config as plain data, for the repository builder.
-
-    ``max_batch_size`` is 0: the leading dimension is patches, not requests; a call carries
-    up to ``profile.max_images`` images concatenated (``cu_seqlens`` separates them). CUDA
-    graphs are captured for fixed shapes, so one graph per listed patch count, one image each.
-    """
-    profile.validate()
-    graph_patches = list(cuda_graph_patches or sorted({profile.opt_patches, profile.max_patches}))
-    for patches in graph_patches:
-        if not profile.min_patches <= patches <= profile.max_patches:
-            raise ValueError(f"CUDA graph at {patches} patches is outside the profile {profile}")
-    return {
-        "name": name,
-        "platform": "tensorrt_plan",
-        "max_batch_size": 0,
-        "input": [
-            {"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [-1, patch_dim]},
-            {"name": "rotary_pos_ids", "data_type": "TYPE_INT64", "dims": [-1, 2]},
-            {"name": "cu_seqlens", "data_type": "TYPE_INT64", "dims": [-1]},
-        ],
-        "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [-1, hidden_size]}],
-        "instance_group": [{"kind": "KIND_GPU", "count": instance_count}],
-        "optimization": {
-            "cuda": {
-                "graphs": True,
-                "graph_spec": [
-                    {
-                        "input": {
-                            "pixel_values": [patches, patch_dim],
-                            "rotary_pos_ids": [patches, 2],
-                            "cu_seqlens": [2],
-                        }
-                    }
-                    for patches in graph_patches
-                ],
-            }
-        },
-        "parameters": {
-            "profile_min_patches": str(profile.min_patches),
-            "profile_opt_patches": str(profile.opt_patches),
-            "profile_max_patches": str(profile.max_patches),
-            "profile_max_images": str(profile.max_images),
-        },
-    }
-
-
-def render_tensorrt_plan_config(description: dict[str, Any]) -> str:
-    """config.pbtxt text for :func:`tensorrt_plan_config`'s description."""
-
-    def tensor(entry: dict[str, Any]) -> str:
-        dims = ", ".join(str(d) for d in entry["dims"])
-        return f'  {{ name: "{entry["name"]}" data_type: {entry["data_type"]} dims: [ {dims} ] }}'
-
-    def graph_spec(spec: dict[str, Any]) -> str:
-        inputs = "\n".join(
-            f'        input {{ key: "{key}" value {{ dim: [ {", ".join(str(d) for d in dims)} ] }} }}'
-            for key, dims in spec["input"].items()
-        )
-        return f"      {{\n{inputs}\n      }}"
-
-    cuda = description["optimization"]["cuda"]
-    lines = [
-        f'name: "{description["name"]}"',
-        f'platform: "{description["platform"]}"',
-        f"max_batch_size: {description['max_batch_size']}",
-        "input [\n" + ",\n".join(tensor(e) for e in description["input"]) + "\n]",
-        "output [\n" + ",\n".join(tensor(e) for e in description["output"]) + "\n]",
-        "instance_group [\n"
-        + ",\n".join(f'  {{ kind: {g["kind"]} count: {g["count"]} }}' for g in description["instance_group"])
-        + "\n]",
-        "optimization {\n  cuda {\n"
-        + f"    graphs: {str(cuda['graphs']).lower()}\n"
-        + "    graph_spec [\n"
-        + ",\n".join(graph_spec(s) for s in cuda["graph_spec"])
-        + "\n    ]\n  }\n}",
-    ]
-    lines += [
-        f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}'
-        for key, value in description["parameters"].items()
-    ]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------

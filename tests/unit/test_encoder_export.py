@@ -19,18 +19,16 @@ from builders.encoder import (
     PARITY_TOLERANCE,
     VALIDATION_GRIDS,
     EncoderBuildError,
-    TrtProfile,
     build_tensorrt_plan,
     export_onnx,
     load_vision_tower,
     load_vision_weights,
-    render_tensorrt_plan_config,
-    tensorrt_plan_config,
     tensorrt_unavailable_reason,
     torch_reference,
     tower_dims,
     validate_onnx,
 )
+from builders.tensorrt_config import TrtProfile, cuda_graph_shapes, tensorrt_config
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.vit_onnx import (
     OnnxVisionEncoder,
@@ -77,7 +75,8 @@ def test_reads_only_the_vision_shard(model_dir: Path, tower) -> None:
     vision_files = {f for k, f in index["weight_map"].items() if k.startswith("visual.")}
     assert weights.shard_files_read == tuple(sorted(vision_files)) == ("model-00001-of-00002.safetensors",)
     assert weights.shard_files_total == 2
-    assert set(weights.tensors) == set(tower.state_dict()) - {"rotary_pos_emb.inv_freq", "rotary_pos_emb.original_inv_freq"}
+    rotary_buffers = {"rotary_pos_emb.inv_freq", "rotary_pos_emb.original_inv_freq"}
+    assert set(weights.tensors) == set(tower.state_dict()) - rotary_buffers
 
     started = time.perf_counter()
     everything = _all_tensors(model_dir)
@@ -159,7 +158,7 @@ def test_runner_splits_per_image_and_packing_changes_nothing(onnx_path: Path) ->
     pixels = np.random.default_rng(2).standard_normal((sum(rows), packed.patch_dim), dtype=np.float32)
     together = packed.encode(pixels, grids)
     assert [e.shape for e in together] == [(n, packed.hidden_size) for n in embedding_counts(grids, 2)]
-    for ours, theirs in zip(together, grouped.encode(pixels, grids)):
+    for ours, theirs in zip(together, grouped.encode(pixels, grids), strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
     offsets = np.cumsum([0, *rows])
     for i, embeds in enumerate(together):
@@ -193,7 +192,8 @@ def test_runner_rejects_inconsistent_inputs(onnx_path: Path) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_tensorrt_plan_builds(onnx_path: Path, tower, precision: str) -> None:
     profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=4096, max_images=4)
-    plan = build_tensorrt_plan(onnx_path, onnx_path.parent / f"model-{precision}.plan", tower_dims(tower)["patch_dim"], profile, precision)  # type: ignore[arg-type]
+    plan_path = onnx_path.parent / f"model-{precision}.plan"
+    plan = build_tensorrt_plan(onnx_path, plan_path, tower_dims(tower)["patch_dim"], profile, precision)  # type: ignore[arg-type]
     assert plan.stat().st_size > 0
 
 
@@ -204,26 +204,46 @@ def test_tensorrt_unavailable_is_a_clear_error_here(onnx_path: Path) -> None:
         build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", 1176)
 
 
-def test_tensorrt_plan_config_description() -> None:
-    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=8192, max_images=8)
-    description = tensorrt_plan_config(patch_dim=1176, hidden_size=1536, profile=profile)
-    assert description["platform"] == "tensorrt_plan" and description["max_batch_size"] == 0
-    assert {i["name"]: i["dims"] for i in description["input"]} == {
-        "pixel_values": [-1, 1176],
-        "rotary_pos_ids": [-1, 2],
-        "cu_seqlens": [-1],
-    }
-    assert description["output"] == [{"name": "image_embeds", "data_type": "TYPE_FP32", "dims": [-1, 1536]}]
-    cuda = description["optimization"]["cuda"]
-    assert cuda["graphs"] is True
-    assert [spec["input"]["pixel_values"] for spec in cuda["graph_spec"]] == [[1024, 1176], [8192, 1176]]
-    assert description["parameters"]["profile_max_images"] == "8"
+def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> None:
+    """The gpu vit_encoder config against what the export declares (the ONNX graph the plan is
+    built from, not the builder's own description): the engine's inputs and output as Triton
+    hands them over (after the config's reshape), and every CUDA graph and profile shape with
+    the rank and fixed dims of the graph input it is set on (TensorRT's setInputShape)."""
+    import onnx
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
 
-    text = render_tensorrt_plan_config(description)
-    assert 'platform: "tensorrt_plan"' in text and "max_batch_size: 0" in text
-    assert '{ name: "pixel_values" data_type: TYPE_FP32 dims: [ -1, 1176 ] }' in text
-    assert "graphs: true" in text and 'input { key: "cu_seqlens" value { dim: [ 2 ] } }' in text
-    assert "${" not in text and text.count("{") == text.count("}")
+    def declared(values) -> dict[str, list[int]]:
+        return {
+            v.name: [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]
+            for v in values
+        }
+
+    def fits(shape: list[int], dims: list[int]) -> bool:
+        return len(shape) == len(dims) and all(d == -1 or s == d for s, d in zip(shape, dims, strict=True))
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    engine_inputs, engine_outputs = declared(graph.input), declared(graph.output)
+    dims = tower_dims(tower)
+    facts = {**dims, "vision_shards": 1, "checkpoint_shards": 2, "vision_weight_bytes": 1, "checkpoint_weight_bytes": 2}
+    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=8192, max_images=8)
+    config = text_format.Parse(tensorrt_config("gpu", facts, profile, "fp16", 1), model_config_pb2.ModelConfig())
+    assert config.platform == "tensorrt_plan" and config.max_batch_size == 0
+
+    def as_engine_sees(tensors) -> dict[str, list[int]]:
+        return {t.name: list(t.reshape.shape) if t.HasField("reshape") else list(t.dims) for t in tensors}
+
+    assert as_engine_sees(config.input) == engine_inputs
+    assert as_engine_sees(config.output) == engine_outputs
+    graphs = config.optimization.cuda.graph_spec
+    assert config.optimization.cuda.graphs and len(graphs) == 2
+    for spec in graphs:
+        assert set(spec.input) == set(engine_inputs)
+        for name, shape in spec.input.items():
+            assert fits(list(shape.dim), engine_inputs[name]), (name, list(shape.dim), engine_inputs[name])
+    assert sorted(spec.input["pixel_values"].dim[0] for spec in graphs) == [1024, 8192]
+    for name, shapes in profile.input_shapes(dims["patch_dim"]).items():
+        assert all(fits(list(shape), engine_inputs[name]) for shape in shapes), name
 
 
 @pytest.mark.parametrize(
@@ -236,4 +256,4 @@ def test_tensorrt_plan_config_description() -> None:
 )
 def test_tensorrt_profile_is_checked(profile: TrtProfile, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        tensorrt_plan_config(patch_dim=1176, hidden_size=128, profile=profile)
+        cuda_graph_shapes(profile, patch_dim=1176)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
@@ -17,13 +18,16 @@ from builders.repository import (
     TARGETS,
     CachePolicy,
     EncoderFacts,
-    RepositoryBuildError,
     build_dali_artifact,
     ensure_artifact,
     render_template,
     repository_files,
     write_repository,
 )
+from python_backends.contract import ContractError
+from python_backends.vit_onnx import INPUT_NAMES as VIT_INPUT_NAMES
+from python_backends.vit_onnx import OUTPUT_NAME as VIT_OUTPUT_NAME
+from python_backends.vit_onnx import encoder_inputs
 
 FACTS = EncoderFacts(
     patch_dim=1176,
@@ -65,7 +69,7 @@ def full_shape(config: Config, entry: model_config_pb2.ModelInput | model_config
 
 
 def compatible(a: list[int], b: list[int]) -> bool:
-    return len(a) == len(b) and all(x == y or -1 in (x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(x == y or -1 in (x, y) for x, y in zip(a, b, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,9 +102,38 @@ def test_files_of_each_target(model_dir: Path) -> None:
         assert {p.split("/")[0] for p in repository_files(target, model_dir, FACTS)} == set(target.models)
 
 
-def test_generation_is_deterministic(model_dir: Path) -> None:
-    for target in TARGETS.values():
-        assert repository_files(target, model_dir, FACTS) == repository_files(target, model_dir, FACTS)
+GENERATE_AND_DIGEST = """
+import hashlib, json, sys
+from pathlib import Path
+from builders.repository import TARGETS, EncoderFacts, repository_files
+facts = EncoderFacts(**json.loads(sys.argv[2]))
+files = {t: repository_files(TARGETS[t], Path(sys.argv[1]), facts) for t in sorted(TARGETS)}
+print(hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest())
+"""
+
+
+def test_generation_is_the_same_in_every_process(model_dir: Path) -> None:
+    """Stamps and the idempotent write rely on it: a config whose text depends on the process
+    (set or hash order, e.g. parameters rendered from a set) would be rewritten by every build
+    and restart every server that watches the repository. String hashing differs per
+    PYTHONHASHSEED, so processes with different seeds must write the same bytes."""
+    import json
+    import subprocess
+    import sys
+
+    def digest(seed: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", GENERATE_AND_DIGEST, str(model_dir), json.dumps(vars(FACTS))],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            cwd=Path(repository.__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    digests = {seed: digest(seed) for seed in ("1", "2", "3")}
+    assert len(set(digests.values())) == 1, digests
 
 
 def test_cpu_preprocess_is_the_python_model_with_dynamic_batching(model_dir: Path) -> None:
@@ -145,27 +178,41 @@ def test_cpu_vit_encoder_runs_onnx_runtime_with_dynamic_batching(model_dir: Path
         assert params[name] == str(value)
 
 
-def test_gpu_vit_encoder_is_the_tensorrt_plan_description(model_dir: Path) -> None:
-    from builders.encoder import TrtProfile, tensorrt_plan_config
+def one_image_grid(patches: int, merge_size: int) -> np.ndarray:
+    """A one-frame grid of ``patches`` patches (sides multiples of the merge size)."""
+    return np.array([[1, merge_size, patches // merge_size]], dtype=np.int64)
 
+
+def engine_input_shapes(patches: int) -> dict[str, list[int]]:
+    """The plan's input shapes for one image of ``patches`` patches, as the serving code builds
+    them: python_backends.vit_onnx.encoder_inputs, the function that feeds the exported graph
+    (the ONNX Runtime model and, through vit_positions, the plan). Independent of the builder."""
+    grid = one_image_grid(patches, FACTS.merge_size)
+    inputs = encoder_inputs(np.zeros((patches, FACTS.patch_dim), np.float32), grid, FACTS.merge_size)
+    return {name: list(getattr(inputs, name).shape) for name in VIT_INPUT_NAMES}
+
+
+def test_gpu_vit_encoder_is_the_tensorrt_plan(model_dir: Path) -> None:
     config = configs("gpu", model_dir)["vit_encoder"]
-    stage = TARGETS["gpu"].encode
-    description = tensorrt_plan_config(FACTS.patch_dim, FACTS.hidden_size, TrtProfile(**stage.trt_profile))
+    profile = TARGETS["gpu"].encode.trt_profile
     assert config.platform == "tensorrt_plan" and config.max_batch_size == 0
-    assert [i.name for i in config.input] == [i["name"] for i in description["input"]]
-    assert [o.name for o in config.output] == [o["name"] for o in description["output"]]
+    # The engine's inputs and output are the exported graph's (vit_onnx names them).
+    assert [i.name for i in config.input] == list(VIT_INPUT_NAMES)
+    assert [o.name for o in config.output] == [VIT_OUTPUT_NAME]
     # One image per request: a leading 1 on the wire, the engine's [patches, ...] inside.
     for name, width in (("pixel_values", FACTS.patch_dim), ("image_embeds", FACTS.hidden_size)):
         entry = tensor(config, name)
         assert list(entry.dims) == [1, -1, width] and list(entry.reshape.shape) == [-1, width]
+    # CUDA graphs are captured at the shapes the TensorRT backend gives setInputShape: the
+    # engine's own, without the config's reshape (a wire shape [1, p, patch_dim] never matches
+    # the rank-2 engine input, and the graph would silently never be captured).
     cuda = config.optimization.cuda
     assert cuda.graphs
-    assert [list(spec.input["rotary_pos_ids"].dim) for spec in cuda.graph_spec] == [
-        [p, 2] for p in (stage.trt_profile["opt_patches"], stage.trt_profile["max_patches"])
-    ]
+    graphs = [{name: list(shape.dim) for name, shape in spec.input.items()} for spec in cuda.graph_spec]
+    assert graphs == [engine_input_shapes(p) for p in (profile.opt_patches, profile.max_patches)]
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["precision"] == stage.trt_precision
-    assert params["profile_max_patches"] == str(stage.trt_profile["max_patches"])
+    assert params["precision"] == TARGETS["gpu"].encode.trt_precision
+    assert params["profile_max_patches"] == str(profile.max_patches)
 
 
 def test_gpu_vit_positions_feeds_the_plan(model_dir: Path) -> None:
@@ -336,7 +383,9 @@ def test_dali_artifact_per_target(tmp_path: Path, model_dir: Path) -> None:
     assert b"mixed" in gpu_bytes and b"mixed" not in cpu_bytes
 
 
-def test_write_repository_switches_targets_cleanly(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_repository_switches_targets_cleanly(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The ONNX export (seconds, tested in test_encoder_export.py and by the server session) is
     # replaced here; everything else is the real build.
     def fake_onnx(model_dir: Path, version_dir: Path, stamp_dir: Path):
@@ -371,13 +420,14 @@ def test_every_store_user_gets_the_one_cache_policy(target: str, model_dir: Path
     users = ["epd", "prefill", "decode", *policy.encoder_models]
     for name in users:
         params = {k: v.string_value for k, v in parsed[name].parameters.items()}
-        for key, value in policy.parameters().items():
+        for key, value in policy.to_parameters().items():
             assert params[key] == str(value), (name, key)
     epd = {k: v.string_value for k, v in parsed["epd"].parameters.items()}
     encoder = {k: v.string_value for k, v in parsed["encoder_0"].parameters.items()}
     assert epd["encoder_models"] == "encoder_0,encoder_1"
     # Both compute content keys from the same files: the same image is the same key.
-    assert epd["encoder_file"] == encoder["encoder_file"] and epd["preprocessor_config"] == encoder["preprocessor_config"]
+    for key in ("encoder_file", "preprocessor_config"):
+        assert epd[key] == encoder[key], key
     assert encoder["encoder_file"].endswith("model.plan" if target == "gpu" else "model.onnx")
     assert parsed["encoder_0"].model_transaction_policy.decoupled
     assert [t.name for t in parsed["encoder_0"].output] == ["references", "mm_hash", "cache_hit", "error"]
@@ -395,9 +445,9 @@ def test_cache_policy_overrides_and_checks(model_dir: Path) -> None:
     epd = text_format.Parse(files["epd/config.pbtxt"], Config())
     params = {k: v.string_value for k, v in epd.parameters.items()}
     assert params["cache_scope"] == "instance" and params["store_ttl_s"] == "60"
-    with pytest.raises(RepositoryBuildError):
+    with pytest.raises(ContractError, match="encoders must be at least 1"):
         CachePolicy(encoders=0)
-    with pytest.raises(RepositoryBuildError):
+    with pytest.raises(ContractError, match="scope must be 'node' or 'instance'"):
         CachePolicy(scope="cluster")  # type: ignore[arg-type]
 
 

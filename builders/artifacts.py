@@ -1,0 +1,271 @@
+"""Binary artefacts of the repository, built once: ``model.dali``, ``model.onnx``, ``model.plan``.
+
+A stamp under ``build/stamps/`` records a digest of everything an artefact depends on
+(checkpoint files, preprocessor config, builder sources, library versions), so a rebuild of
+an up-to-date repository takes well under a second and a changed input rebuilds only what
+depends on it. Heavy libraries (DALI, torch, TensorRT) are imported only when a build runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from builders.targets import RepositoryBuildError, Target
+from python_backends import contract
+
+LOGGER = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STAMPS = REPO_ROOT / "build" / "stamps"
+
+
+@dataclass(frozen=True)
+class EncoderFacts:
+    """Shapes and provenance of the exported vision encoder (kept in its build stamp); the
+    configs size their tensors from it and write it as ``vit_encoder`` parameters."""
+
+    patch_dim: int
+    hidden_size: int
+    merge_size: int
+    vision_shards: int  # shard files the export read
+    checkpoint_shards: int  # shard files in the checkpoint
+    vision_weight_bytes: int
+    checkpoint_weight_bytes: int
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any]) -> EncoderFacts:
+        return cls(**{name: int(report[name]) for name in cls.__dataclass_fields__})
+
+    def parameters(self) -> dict[str, int]:
+        """The facts as config parameters; also the sizes of named dims (contract.PATCH_DIM, ...)."""
+        return {key: getattr(self, key) for key in contract.ENCODER_FACTS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Stamps
+# ---------------------------------------------------------------------------------------------
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _source_digest(*relative: str) -> str:
+    return _digest({name: file_sha256(REPO_ROOT / name) for name in relative})
+
+
+def ensure_artifact(
+    version_dir: Path,
+    kind: str,
+    inputs: dict[str, Any],
+    build: Callable[[Path], dict[str, Any]],
+    stamp_dir: Path = DEFAULT_STAMPS,
+) -> tuple[dict[str, Any], bool]:
+    """Run ``build(scratch_dir)`` and move what it wrote into ``version_dir``, unless the stamp
+    of ``version_dir``/``kind`` says the same ``inputs`` built the files that are there now.
+
+    Returns (the build's report, whether it built). A file changed or removed since its build
+    (size or mtime differ) makes the artefact stale too.
+    """
+    version_dir = Path(version_dir).resolve()
+    digest = _digest(inputs)
+    stamp_path = stamp_dir / f"{kind}-{hashlib.sha1(str(version_dir).encode()).hexdigest()[:16]}.json"
+    stamp = json.loads(stamp_path.read_text()) if stamp_path.is_file() else None
+    if stamp and stamp.get("inputs") == digest and _files_unchanged(version_dir, stamp.get("files", {})):
+        return stamp["report"], False
+    stamp_dir.mkdir(parents=True, exist_ok=True)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=stamp_dir, prefix=f"{kind}-") as scratch:
+        report = build(Path(scratch))
+        produced = sorted(p for p in Path(scratch).iterdir() if p.is_file())
+        if not produced:
+            raise RepositoryBuildError(f"building {kind} for {version_dir} wrote no file")
+        for path in produced:
+            shutil.move(str(path), str(version_dir / path.name))
+    files = {p.name: _file_state(version_dir / p.name) for p in produced}
+    stamp_path.write_text(json.dumps({"inputs": digest, "files": files, "report": report}, indent=2) + "\n")
+    return report, True
+
+
+def _file_state(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _files_unchanged(version_dir: Path, files: dict[str, list[int]]) -> bool:
+    return bool(files) and all(
+        (version_dir / name).is_file() and _file_state(version_dir / name) == state for name, state in files.items()
+    )
+
+
+def safetensors_tensor_bytes(path: Path) -> int:
+    """Bytes of tensor data in a safetensors file, from its header alone."""
+    with path.open("rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+    return sum(
+        end - begin for key, entry in header.items() if key != "__metadata__" for begin, end in [entry["data_offsets"]]
+    )
+
+
+def checkpoint_fingerprint(model_dir: Path) -> dict[str, Any]:
+    """What the exported encoder depends on in a checkpoint, without reading weights."""
+    small = {
+        name: file_sha256(model_dir / name)
+        for name in ("config.json", "preprocessor_config.json", "model.safetensors.index.json")
+        if (model_dir / name).is_file()
+    }
+    shards = {p.name: _file_state(p) for p in sorted(model_dir.glob("*.safetensors"))}
+    return {"files": small, "shards": shards}
+
+
+# ---------------------------------------------------------------------------------------------
+# The three artefacts
+# ---------------------------------------------------------------------------------------------
+
+
+def build_dali_artifact(
+    target: Target, model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
+) -> tuple[dict[str, Any], bool]:
+    from python_backends.dali_pipeline import ImageTransformConfig, write_pipeline
+
+    serving = target.encode
+    config = ImageTransformConfig.from_file(model_dir)
+    inputs = {
+        "transform": asdict(config),
+        "device": serving.device,
+        "max_batch_size": serving.max_batch_size,
+        "dali": _version("nvidia-dali-cuda120"),
+        "source": _source_digest("python_backends/dali_pipeline.py"),
+    }
+
+    def build(scratch: Path) -> dict[str, Any]:
+        path = write_pipeline(scratch / contract.DALI_FILE, config, serving.device, serving.max_batch_size)
+        LOGGER.info("serialized the DALI pipeline for %s (%d bytes)", serving.device, path.stat().st_size)
+        return {"device": serving.device, "bytes": path.stat().st_size, "patch_dim": config.patch_dim}
+
+    return ensure_artifact(version_dir, "dali", inputs, build, stamp_dir)
+
+
+def build_onnx_artifact(
+    model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
+) -> tuple[EncoderFacts, dict[str, Any], bool]:
+    inputs = {
+        "checkpoint": checkpoint_fingerprint(model_dir),
+        "source": _source_digest("builders/encoder.py", "python_backends/vit_onnx.py"),
+        "versions": {p: _version(p) for p in ("torch", "onnx", "onnxscript", "transformers", "onnxruntime")},
+    }
+
+    def build(scratch: Path) -> dict[str, Any]:
+        # torch and transformers: only when the encoder is exported.
+        from builders.encoder import (
+            export_onnx,
+            load_vision_tower,
+            load_vision_weights,
+            tower_dims,
+            validate_onnx,
+            vision_shard_plan,
+        )
+        from python_backends.dali_pipeline import ImageTransformConfig
+
+        weights = load_vision_weights(model_dir)
+        tower = load_vision_tower(model_dir, weights)
+        dims = tower_dims(tower)
+        transform_patch_dim = ImageTransformConfig.from_file(model_dir).patch_dim
+        if dims["patch_dim"] != transform_patch_dim:
+            raise RepositoryBuildError(
+                f"{model_dir}: the vision config gives {dims['patch_dim']} values per patch, "
+                f"preprocessor_config.json {transform_patch_dim}; the checkpoint is inconsistent"
+            )
+        path = export_onnx(tower, scratch)
+        parity = validate_onnx(path, tower)
+        if not parity.ok:
+            raise RepositoryBuildError(
+                f"ONNX Runtime differs from torch by {parity.worst:.2e} (> {parity.tolerance:.0e}) on {model_dir}"
+            )
+        _, total = vision_shard_plan(model_dir)
+        shard_files = sorted({p.name for p in model_dir.glob("*.safetensors")})
+        facts = EncoderFacts(
+            patch_dim=dims["patch_dim"],
+            hidden_size=dims["hidden_size"],
+            merge_size=dims["merge_size"],
+            vision_shards=len(weights.shard_files_read),
+            checkpoint_shards=total,
+            vision_weight_bytes=sum(t.numel() * t.element_size() for t in weights.tensors.values()),
+            checkpoint_weight_bytes=sum(safetensors_tensor_bytes(model_dir / name) for name in shard_files),
+        )
+        LOGGER.info(
+            "exported the vision encoder: %d of %d shard files read (%s) in %.2f s, "
+            "%.1f MB of %.1f MB weights; ONNX Runtime vs torch max-abs %.1e over %d grid batches",
+            facts.vision_shards, facts.checkpoint_shards, ", ".join(weights.shard_files_read), weights.seconds,
+            facts.vision_weight_bytes / 1e6, facts.checkpoint_weight_bytes / 1e6, parity.worst, len(parity.grids),
+        )
+        return {
+            **asdict(facts),
+            "shard_files_read": list(weights.shard_files_read),
+            "vision_load_seconds": weights.seconds,
+            "parity_max_abs": parity.worst,
+        }
+
+    report, built = ensure_artifact(version_dir, "onnx", inputs, build, stamp_dir)
+    return EncoderFacts.from_report(report), report, built
+
+
+def build_plan_artifact(
+    target: Target,
+    facts: EncoderFacts,
+    version_dir: Path,
+    onnx_report: dict[str, Any],
+    stamp_dir: Path = DEFAULT_STAMPS,
+) -> bool:
+    """TensorRT plan where TensorRT imports (the NGC image); elsewhere a warning, no plan."""
+    from builders.encoder import build_tensorrt_plan, tensorrt_unavailable_reason
+
+    reason = tensorrt_unavailable_reason()
+    if reason:
+        LOGGER.warning(
+            "vit_encoder/1/%s not built: %s. Run `python -m builders.repository --target gpu` there; "
+            "Triton cannot load vit_encoder (and encode) until then.", contract.PLAN_FILE, reason,
+        )
+        return False
+    serving = target.encode
+    profile = asdict(serving.trt_profile)
+    onnx_path = Path(version_dir) / contract.ONNX_FILE
+    inputs = {
+        "onnx": file_sha256(onnx_path),
+        "precision": serving.trt_precision,
+        "profile": profile,
+        "tensorrt": _version("tensorrt"),
+        "source": _source_digest("builders/encoder.py", "builders/tensorrt_config.py"),
+    }
+
+    def build(scratch: Path) -> dict[str, Any]:
+        build_tensorrt_plan(
+            onnx_path, scratch / contract.PLAN_FILE, facts.patch_dim, serving.trt_profile, serving.trt_precision
+        )
+        parity = onnx_report.get("parity_max_abs")
+        return {"precision": serving.trt_precision, "profile": profile, "onnx_parity": parity}
+
+    _, built = ensure_artifact(version_dir, "plan", inputs, build, stamp_dir)
+    return built

@@ -1,0 +1,299 @@
+"""Every generated text file of a target's repository, one function per model (or group).
+
+Tensors come from ``python_backends/contract.py`` (sized with the exported encoder's facts),
+parameter keys too; the values come from the target (``builders/targets.py``). Models per
+target (names are a contract, DESIGN.md):
+
+- ``llm``: one colocated vLLM engine (both targets).
+- ``preprocess``: the one DALI pipeline (``python_backends/dali_pipeline.py``), serialized into
+  ``preprocess/1/model.dali``. ``cpu``: run with ``device_id=None`` by a python-backend model;
+  ``gpu``: Triton's DALI backend, mixed (nvJPEG) decoder. Dynamic batching over images of
+  different sizes (``allow_ragged_batch`` on ``image``); one image per batch row.
+- ``vit_encoder``: the vision tower + merger exported from the checkpoint's vision shards only
+  (``builders/encoder.py``) to ``vit_encoder/1/model.onnx``. ``cpu``: ONNX Runtime in a
+  python-backend model with dynamic batching; ``gpu``: a ``tensorrt_plan`` (``model.plan``,
+  built where TensorRT imports) with CUDA graphs (``builders/tensorrt_config.py``).
+- ``vit_positions`` (``gpu`` only): the TensorRT graph takes rotary position ids and
+  ``cu_seqlens`` as inputs (DESIGN.md, ONNX export recipe); this python model computes them
+  from ``image_grid_thw`` (on ``cpu`` the ONNX Runtime model does so itself).
+- ``encode``: ensemble ``preprocess -> [vit_positions ->] vit_encoder``; in: ``image`` (uint8,
+  the encoded file); out: ``image_embeds`` and ``image_grid_thw`` per image. A request of one
+  image has the same wire shapes on both targets (``[1, bytes]`` in, ``[1, tokens, hidden]``
+  and ``[1, 3]`` out); the ``cpu`` target also takes several images of one size per request.
+- ``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
+- ``encoder_<i>`` (``CachePolicy.encoders`` of them): encode by reference -- image in, content
+  key, store claim (hit / single-flight join / encode through ``encode`` and write the store),
+  signed reference out (``python_backends/cached_encoder.py``).
+- ``prefill``, ``decode`` (vLLM KV producer / consumer) and ``epd`` (the BLS entry point):
+  their model.py is kept in ``model_repository/<name>/1/``; config and engine args are written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from builders.artifacts import EncoderFacts
+from builders.pbtxt import TEMPLATES, EnsembleStep, render_parameters, render_steps, render_template, render_tensors
+from builders.targets import Target
+from builders.tensorrt_config import tensorrt_config
+from python_backends import contract
+from python_backends.contract import ModelInterface
+
+POSITIONS_MODEL_TEMPLATE = "vit_positions_model.py"
+ENCODER_MODEL_TEMPLATE = "encoder_model.py"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def _preprocessor_config(model_dir: Path) -> str:
+    return str((model_dir / "preprocessor_config.json").resolve())
+
+
+def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    # Embeddings by value (``ensemble``, or a client that ran ``encode``) are checked against
+    # the exported encoder's output: hidden size and merge size come from its facts.
+    interface = contract.LLM.sized(facts.parameters())
+    embeds = {contract.IMAGE_EMBEDS_HIDDEN_SIZE: facts.hidden_size, contract.SPATIAL_MERGE_SIZE: facts.merge_size}
+    config = render_template(
+        "llm.pbtxt",
+        {
+            "target": target.name,
+            "instance_kind": target.instance_kind,
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "parameters": render_parameters({**target.limits, **target.vllm_env, **embeds}),
+        },
+    )
+    engine_args = {"model": str(model_dir.resolve()), **target.engine_args, "enable_mm_embeds": True}
+    return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
+
+
+def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    serving = target.encode
+    interface = contract.PREPROCESS.sized(facts.parameters())
+    values = {
+        "target": target.name,
+        "max_batch_size": str(serving.max_batch_size),
+        "max_queue_delay_us": str(serving.max_queue_delay_us),
+        "inputs": render_tensors(interface.inputs),
+        "outputs": render_tensors(interface.outputs),
+        "instances": str(serving.preprocess_instances),
+    }
+    if serving.device == "gpu":
+        return {"preprocess/config.pbtxt": render_template("preprocess_dali.pbtxt", values)}
+    parameters = {
+        contract.PIPELINE_FILE: contract.DALI_FILE,
+        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
+        contract.DALI_NUM_THREADS: serving.dali_threads,
+        contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
+        contract.MAX_IMAGE_PIXELS: target.limits[contract.MAX_IMAGE_PIXELS],
+    }
+    values["parameters"] = render_parameters(parameters)
+    return {"preprocess/config.pbtxt": render_template("preprocess_python.pbtxt", values)}
+
+
+def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
+    serving = target.encode
+    if serving.device == "gpu":
+        config = tensorrt_config(
+            target.name, facts.parameters(), serving.trt_profile, serving.trt_precision, serving.encoder_instances
+        )
+        return {"vit_encoder/config.pbtxt": config}
+    interface = contract.VIT_ENCODER.sized(facts.parameters())
+    parameters = {
+        contract.ONNX_FILE_KEY: contract.ONNX_FILE,
+        contract.INTRA_OP_THREADS: serving.ort_intra_op_threads,
+        contract.MAX_PATCHES_PER_RUN: serving.max_patches_per_run,
+        # Checked against the ONNX file's metadata at load, and shown as metrics.
+        **facts.parameters(),
+    }
+    config = render_template(
+        "vit_encoder_onnxruntime.pbtxt",
+        {
+            "target": target.name,
+            "max_batch_size": str(serving.max_batch_size),
+            "max_queue_delay_us": str(serving.max_queue_delay_us),
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "instances": str(serving.encoder_instances),
+            "parameters": render_parameters(parameters),
+        },
+    )
+    return {"vit_encoder/config.pbtxt": config}
+
+
+def vit_positions_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
+    interface = contract.VIT_POSITIONS
+    config = render_template(
+        "vit_positions.pbtxt",
+        {
+            "target": target.name,
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "parameters": render_parameters({contract.MERGE_SIZE: facts.merge_size}),
+        },
+    )
+    model_py = (TEMPLATES / POSITIONS_MODEL_TEMPLATE).read_text()
+    return {"vit_positions/config.pbtxt": config, "vit_positions/1/model.py": model_py}
+
+
+def _same_names(*names: str) -> dict[str, str]:
+    """A step's tensor map where the model's tensors keep their names in the ensemble."""
+    return {name: name for name in names}
+
+
+def encode_steps(target: Target) -> list[EnsembleStep]:
+    """``image`` -> ``image_embeds`` + ``image_grid_thw``: the steps of ``encode`` (and the head
+    of ``ensemble``)."""
+    grid = _same_names(contract.IMAGE_GRID_THW)
+    embeds = _same_names(contract.IMAGE_EMBEDS)
+    preprocess = EnsembleStep(
+        contract.PREPROCESS_MODEL, _same_names(contract.IMAGE), {**_same_names(contract.PIXEL_VALUES), **grid}
+    )
+    if target.encode.device == "gpu":
+        positions_out = _same_names(contract.ROTARY_POS_IDS, contract.CU_SEQLENS)
+        positions = EnsembleStep(contract.VIT_POSITIONS_MODEL, grid, positions_out)
+        encoder_in = {**_same_names(contract.PIXEL_VALUES), **positions_out}
+        return [preprocess, positions, EnsembleStep(contract.VIT_ENCODER_MODEL, encoder_in, embeds)]
+    encoder_in = {**_same_names(contract.PIXEL_VALUES), **grid}
+    return [preprocess, EnsembleStep(contract.VIT_ENCODER_MODEL, encoder_in, embeds)]
+
+
+def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
+    serving = target.encode
+    # gpu: the plan runs one image per request (max_batch_size 0): the batch row is explicit.
+    one_image = serving.device == "gpu"
+    interface = (contract.ENCODE_ONE_IMAGE if one_image else contract.ENCODE).sized(facts.parameters())
+    config = render_template(
+        "encode.pbtxt",
+        {
+            "target": target.name,
+            "max_batch_size": "0" if one_image else str(serving.max_batch_size),
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "steps": render_steps(encode_steps(target)),
+        },
+    )
+    return {"encode/config.pbtxt": config}
+
+
+def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
+    """``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
+
+    Exactly one image per request (``image``: UINT8 [1, bytes], as ``encode`` takes it): a
+    static DAG runs each step once and cannot loop over images or skip the encoder, so 0 or
+    several images are refused by Triton's shape check (use ``llm`` or ``epd`` for those).
+    Decoupled streaming passes through: ``llm``'s responses are the ensemble's.
+    """
+    del facts  # the llm step's own config carries the hidden size
+    interface = contract.ENSEMBLE
+    options = _same_names(*(spec.name for spec in contract.GENERATE_OPTIONS))
+    llm_in = _same_names(contract.TEXT_INPUT, contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW)
+    llm = EnsembleStep(contract.LLM_MODEL, {**llm_in, **options}, _same_names(*contract.LLM.output_names))
+    config = render_template(
+        "ensemble.pbtxt",
+        {
+            "target": target.name,
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "steps": render_steps([*encode_steps(target), llm]),
+        },
+    )
+    return {"ensemble/config.pbtxt": config}
+
+
+def _store_parameters(target: Target, facts: EncoderFacts) -> dict[str, Any]:
+    return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: facts.merge_size}
+
+
+def _key_parameters(target: Target, model_dir: Path) -> dict[str, Any]:
+    """What content keys cover besides the media (read by ``epd`` and the encoders alike)."""
+    encoder_file = contract.PLAN_FILE if target.encode.device == "gpu" else contract.ONNX_FILE
+    return {
+        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
+        # Relative to the model repository: its digest is the encoder version in content keys.
+        contract.ENCODER_FILE: f"{contract.VIT_ENCODER_MODEL}/1/{encoder_file}",
+    }
+
+
+def _python_model_config(target: Target, name: str, interface: ModelInterface, parameters: dict[str, Any]) -> str:
+    return render_template(
+        "python_decoupled.pbtxt",
+        {
+            "target": target.name,
+            "name": name,
+            "instance_kind": target.instance_kind,
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "parameters": render_parameters(parameters),
+        },
+    )
+
+
+def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    """``encoder_<i>``: media in, store write, references out (one model per encoder)."""
+    model_py = (TEMPLATES / ENCODER_MODEL_TEMPLATE).read_text()
+    parameters = {
+        **_store_parameters(target, facts),
+        **_key_parameters(target, model_dir),
+        contract.ENCODE_MODEL_KEY: contract.ENCODE_MODEL,
+        contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
+    }
+    files: dict[str, str] = {}
+    for name in target.cache.encoder_models:
+        files[f"{name}/config.pbtxt"] = _python_model_config(target, name, contract.ENCODER, parameters)
+        files[f"{name}/1/model.py"] = model_py
+    return files
+
+
+def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    """``prefill`` and ``decode`` (vLLM KV producer / consumer): configs and engine args."""
+    # Light: the engine-args helper does not import vLLM.
+    from python_backends.pd.engines import pd_engine_args
+
+    base = {"model": str(model_dir.resolve()), **target.engine_args}
+    files: dict[str, str] = {}
+    for interface in (contract.PREFILL, contract.DECODE):
+        role = interface.name
+        parameters = {
+            contract.MAX_TOKENS_LIMIT: target.limits[contract.MAX_TOKENS_LIMIT],
+            **target.vllm_env,
+            **target.pd.role_env.get(role, {}),
+            **_store_parameters(target, facts),
+        }
+        files[f"{role}/config.pbtxt"] = _python_model_config(target, role, interface, parameters)
+        args = pd_engine_args(base, role, target.pd.kv_store_path)  # type: ignore[arg-type]
+        files[f"{role}/1/engine_args.json"] = _json(args)
+    return files
+
+
+def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    """``epd``: the BLS entry point's config (its model.py is kept in model_repository/epd/1/)."""
+    parameters = {
+        **target.limits,
+        **_store_parameters(target, facts),
+        **_key_parameters(target, model_dir),
+        contract.ENCODER_MODELS_KEY: ",".join(target.cache.encoder_models),
+        contract.PREFILL_MODEL_KEY: contract.PREFILL_MODEL,
+        contract.DECODE_MODEL_KEY: contract.DECODE_MODEL,
+    }
+    return {"epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, contract.EPD, parameters)}
+
+
+def repository_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+    """Relative path -> content of every generated text file for ``target``."""
+    files = llm_files(target, model_dir, facts)
+    files.update(preprocess_files(target, model_dir, facts))
+    if contract.VIT_POSITIONS_MODEL in target.models:
+        files.update(vit_positions_files(target, facts))
+    files.update(vit_encoder_files(target, facts))
+    files.update(encode_files(target, facts))
+    files.update(ensemble_files(target, facts))
+    files.update(encoder_files(target, model_dir, facts))
+    files.update(kv_stage_files(target, model_dir, facts))
+    files.update(epd_files(target, model_dir, facts))
+    return files

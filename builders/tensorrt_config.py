@@ -1,0 +1,117 @@
+"""``vit_encoder`` on the gpu target: the TensorRT plan's optimisation profile and its config.
+
+The plan takes one image per request (``max_batch_size`` 0, rows = patches). On the wire its
+``pixel_values`` and ``image_embeds`` carry a leading 1, so that ``encode`` has the cpu
+target's shapes; the config's ``reshape`` gives the engine its own ``[patches, ...]``
+(python_backends/contract.py, ``VIT_ENCODER_TENSORRT``).
+
+CUDA graphs are captured for fixed input shapes, written in the ENGINE's dims: Triton's
+TensorRT backend passes a graph spec's shapes to ``setInputShape`` as they are, without the
+config's reshape, so a graph written in wire dims (``[1, patches, patch_dim]``) would never
+match the engine's rank-2 input and would silently never be captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from builders.pbtxt import render_dims, render_parameters, render_template, render_tensors
+from python_backends import contract
+
+SizedShape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrtProfile:
+    """One optimisation profile: patch counts (all images of a call together) and images/call.
+
+    Defaults fit the tiny default model (max_pixels 448*448 = 1024 patches per image) with up
+    to 8 images per call; a real checkpoint sets these from its max_pixels and batch policy.
+    """
+
+    min_patches: int = contract.default_of(contract.PROFILE_MIN_PATCHES)
+    opt_patches: int = contract.default_of(contract.PROFILE_OPT_PATCHES)
+    max_patches: int = contract.default_of(contract.PROFILE_MAX_PATCHES)
+    max_images: int = contract.default_of(contract.PROFILE_MAX_IMAGES)
+
+    def validate(self, merge_size: int = 2) -> None:
+        block = merge_size * merge_size
+        if not 0 < self.min_patches <= self.opt_patches <= self.max_patches:
+            raise ValueError(f"need 0 < min <= opt <= max patches, got {self}")
+        if any(n % block for n in (self.min_patches, self.opt_patches, self.max_patches)):
+            raise ValueError(f"patch counts must be multiples of {block} (merge_size**2), got {self}")
+        if self.max_images <= 0:
+            raise ValueError(f"max_images must be positive, got {self.max_images}")
+
+    def input_shapes(self, patch_dim: int) -> dict[str, tuple[SizedShape, SizedShape, SizedShape]]:
+        """(min, opt, max) engine shape of each input; one frame per image at ``opt``."""
+        return {
+            contract.PIXEL_VALUES: (
+                (self.min_patches, patch_dim), (self.opt_patches, patch_dim), (self.max_patches, patch_dim)
+            ),
+            contract.ROTARY_POS_IDS: ((self.min_patches, 2), (self.opt_patches, 2), (self.max_patches, 2)),
+            contract.CU_SEQLENS: ((2,), (2,), (self.max_images + 1,)),
+        }
+
+    def parameters(self) -> dict[str, int]:
+        return {
+            contract.PROFILE_MIN_PATCHES: self.min_patches,
+            contract.PROFILE_OPT_PATCHES: self.opt_patches,
+            contract.PROFILE_MAX_PATCHES: self.max_patches,
+            contract.PROFILE_MAX_IMAGES: self.max_images,
+        }
+
+
+def cuda_graph_shapes(
+    profile: TrtProfile, patch_dim: int, graph_patches: Sequence[int] | None = None
+) -> list[dict[str, SizedShape]]:
+    """Engine input shapes of each CUDA graph: one image of ``patches`` patches (by default the
+    profile's opt and max)."""
+    profile.validate()
+    patches_list = sorted(set(graph_patches or (profile.opt_patches, profile.max_patches)))
+    for patches in patches_list:
+        if not profile.min_patches <= patches <= profile.max_patches:
+            raise ValueError(f"CUDA graph at {patches} patches is outside the profile {profile}")
+    return [
+        {
+            contract.PIXEL_VALUES: (patches, patch_dim),
+            contract.ROTARY_POS_IDS: (patches, 2),
+            contract.CU_SEQLENS: (2,),  # one image: [0, patches]
+        }
+        for patches in patches_list
+    ]
+
+
+def _graph_spec(shapes: dict[str, SizedShape]) -> str:
+    lines = [f'        input {{ key: "{name}" value {{ dim: {render_dims(dims)} }} }}' for name, dims in shapes.items()]
+    return "      {\n" + "\n".join(lines) + "\n      }"
+
+
+def tensorrt_config(
+    target_name: str,
+    facts: dict[str, Any],
+    profile: TrtProfile,
+    precision: str,
+    instances: int,
+) -> str:
+    """``vit_encoder/config.pbtxt`` for the plan. ``facts``: the exported encoder's
+    (``EncoderFacts``), written as parameters too (checked at load, shown as metrics)."""
+    interface = contract.VIT_ENCODER_TENSORRT.sized(facts)
+    return render_template(
+        "vit_encoder_tensorrt.pbtxt",
+        {
+            "target": target_name,
+            "name": contract.VIT_ENCODER_MODEL,
+            "platform": "tensorrt_plan",
+            "max_batch_size": "0",  # the leading dimension is patches, not requests
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "instance_group": f"  {{ count: {instances} kind: KIND_GPU }}",
+            "cuda_graphs": "true",
+            "graph_spec": ",\n".join(_graph_spec(s) for s in cuda_graph_shapes(profile, facts[contract.PATCH_DIM])),
+            "parameters": render_parameters({**profile.parameters(), contract.PRECISION: precision, **facts}),
+        },
+    )
+

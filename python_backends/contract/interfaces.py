@@ -1,0 +1,289 @@
+"""Every model's interface: its input and output tensors (name, data type, dims, optional or
+not) and the config parameter keys it reads.
+
+``builders`` render each config's tensors from these (named dims sized with the exported
+encoder's facts); ``model.py`` files read their input names from them (``LLM.input_names``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from python_backends.contract import names as n
+from python_backends.contract.names import ContractError
+
+__all__ = [
+    "DECODE",
+    "ENCODE",
+    "ENCODER",
+    "ENCODE_ONE_IMAGE",
+    "ENSEMBLE",
+    "EPD",
+    "GENERATE_OPTIONS",
+    "GENERATE_OUTPUTS",
+    "INTERFACES",
+    "LLM",
+    "PREFILL",
+    "PREPROCESS",
+    "VIT_ENCODER",
+    "VIT_ENCODER_TENSORRT",
+    "VIT_POSITIONS",
+    "DataType",
+    "Dim",
+    "ModelInterface",
+    "TensorSpec",
+    "interfaces_of",
+    "tensor_names",
+]
+
+Dim = int | str
+DataType = Literal["TYPE_BOOL", "TYPE_UINT8", "TYPE_UINT32", "TYPE_INT64", "TYPE_FP32", "TYPE_STRING"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model config (dims without the batch dimension)."""
+
+    name: str
+    data_type: DataType
+    dims: tuple[Dim, ...]
+    optional: bool = False
+    # Requests of different lengths share a batch (Triton's allow_ragged_batch).
+    ragged: bool = False
+    # What the backend sees instead of ``dims`` (Triton's ``reshape``), if anything.
+    reshape: tuple[Dim, ...] | None = None
+
+    def sized(self, sizes: Mapping[str, int]) -> TensorSpec:
+        """The spec with every named dim (``patch_dim``, ``hidden_size``) replaced by its size."""
+
+        def resolve(dims: tuple[Dim, ...]) -> tuple[int, ...]:
+            try:
+                return tuple(d if isinstance(d, int) else int(sizes[d]) for d in dims)
+            except KeyError as exc:
+                raise ContractError(f"tensor '{self.name}' needs the size {exc} to be rendered") from None
+
+        reshape = None if self.reshape is None else resolve(self.reshape)
+        return TensorSpec(self.name, self.data_type, resolve(self.dims), self.optional, self.ragged, reshape)
+
+
+def _tensor(name: str, data_type: DataType, *dims: Dim, **options: Any) -> TensorSpec:
+    return TensorSpec(name, data_type, tuple(dims), **options)
+
+
+@dataclass(frozen=True)
+class ModelInterface:
+    """A model's tensors and the config parameter keys it reads (``VLLM_*`` too when
+    ``vllm_env``: process environment for its vLLM engine)."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parameters: tuple[str, ...] = ()
+    vllm_env: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
+    def tensor(self, name: str) -> TensorSpec:
+        for spec in (*self.inputs, *self.outputs):
+            if spec.name == name:
+                return spec
+        raise ContractError(f"model '{self.name}' has no tensor '{name}'")
+
+    def sized(self, sizes: Mapping[str, int]) -> ModelInterface:
+        return ModelInterface(
+            self.name,
+            tuple(t.sized(sizes) for t in self.inputs),
+            tuple(t.sized(sizes) for t in self.outputs),
+            self.parameters,
+            self.vllm_env,
+        )
+
+    def accepts_parameter(self, key: str) -> bool:
+        return key in self.parameters or (self.vllm_env and key.startswith(n.VLLM_ENV_PREFIX))
+
+
+GENERATE_OPTIONS = (
+    _tensor(n.STREAM, "TYPE_BOOL", 1, optional=True),
+    _tensor(n.SAMPLING_PARAMETERS, "TYPE_STRING", 1, optional=True),
+    _tensor(n.EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", 1, optional=True),
+)
+GENERATE_OUTPUTS = (
+    _tensor(n.TEXT_OUTPUT, "TYPE_STRING", -1),
+    _tensor(n.OUTPUT_TOKEN_IDS, "TYPE_INT64", -1),
+    _tensor(n.NUM_INPUT_TOKENS, "TYPE_UINT32", 1),
+    _tensor(n.NUM_OUTPUT_TOKENS, "TYPE_UINT32", 1),
+    _tensor(n.FINISH_REASON, "TYPE_STRING", 1),
+)
+_PROMPT = _tensor(n.TEXT_INPUT, "TYPE_STRING", 1)
+_ENCODED_IMAGES = _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True)  # one or more encoded files
+_IMAGE_REFERENCES = _tensor(n.REFERENCES, "TYPE_STRING", -1, optional=True)  # <= 1 KB JSON each
+_ERRORS_AS_OUTPUTS = _tensor(n.ERRORS_AS_OUTPUTS, "TYPE_BOOL", 1, optional=True)
+_ERROR = _tensor(n.ERROR, "TYPE_STRING", 1)
+_STORE_USER = (*n.STORE_KEYS, n.SPATIAL_MERGE_SIZE)
+_CONTENT_KEYS = (n.PREPROCESSOR_CONFIG, n.ENCODER_FILE)
+
+# ``llm``: one colocated vLLM engine. ``image`` (encoded files) or, instead, embeddings by value:
+# ``image_embeds`` [n, tokens, hidden] (encode's output as it is) with ``image_grid_thw`` [images, 3].
+LLM = ModelInterface(
+    n.LLM_MODEL,
+    (
+        _PROMPT,
+        _ENCODED_IMAGES,
+        _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, -1, n.HIDDEN_SIZE, optional=True),
+        _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3, optional=True),
+        *GENERATE_OPTIONS,
+    ),
+    GENERATE_OUTPUTS,
+    (*n.LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
+    vllm_env=True,
+)
+# ``ensemble``: encode's steps -> llm; exactly one image per request, as encode takes it.
+ENSEMBLE = ModelInterface(
+    n.ENSEMBLE_MODEL, (_PROMPT, _tensor(n.IMAGE, "TYPE_UINT8", 1, -1), *GENERATE_OPTIONS), GENERATE_OUTPUTS
+)
+# ``epd``: the main entry point (BLS); llm's interface plus per-stage timings.
+EPD = ModelInterface(
+    n.EPD_MODEL,
+    (_PROMPT, _ENCODED_IMAGES, *GENERATE_OPTIONS),
+    (
+        *GENERATE_OUTPUTS,
+        *(_tensor(n.timing_output(stage), "TYPE_FP32", 1) for stage in n.TIMING_STAGES),
+        _tensor(n.CACHE_HITS, "TYPE_UINT32", 1),
+    ),
+    (*n.LIMITS, *_STORE_USER, *_CONTENT_KEYS, n.ENCODER_MODELS_KEY, n.PREFILL_MODEL_KEY, n.DECODE_MODEL_KEY),
+)
+# ``preprocess``: the file's bytes, one image per batch row; rows of different requests differ in
+# length, hence ragged (the DALI backend's input convention). Output order is the pipeline's.
+PREPROCESS = ModelInterface(
+    n.PREPROCESS_MODEL,
+    (_tensor(n.IMAGE, "TYPE_UINT8", -1, ragged=True),),
+    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.PATCH_DIM), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
+    (n.PIPELINE_FILE, n.PREPROCESSOR_CONFIG, n.DALI_NUM_THREADS, n.MAX_IMAGE_BYTES, n.MAX_IMAGE_PIXELS),
+)
+_EMBEDS = _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, n.HIDDEN_SIZE)
+# ``vit_encoder`` (cpu): ONNX Runtime, dynamically batched, computes positions itself.
+VIT_ENCODER = ModelInterface(
+    n.VIT_ENCODER_MODEL,
+    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.PATCH_DIM, ragged=True), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
+    (_EMBEDS,),
+    (n.ONNX_FILE_KEY, n.INTRA_OP_THREADS, n.MAX_PATCHES_PER_RUN, *n.ENCODER_FACTS),
+)
+# ``vit_encoder`` (gpu): the TensorRT plan, one image per request (max_batch_size 0). pixel_values
+# and image_embeds carry a leading 1 on the wire so that ``encode`` has the cpu target's shapes;
+# Triton reshapes them to the engine's [patches, ...] (the engine's own input dims).
+VIT_ENCODER_TENSORRT = ModelInterface(
+    n.VIT_ENCODER_MODEL,
+    (
+        _tensor(n.PIXEL_VALUES, "TYPE_FP32", 1, -1, n.PATCH_DIM, reshape=(-1, n.PATCH_DIM)),
+        _tensor(n.ROTARY_POS_IDS, "TYPE_INT64", -1, 2),
+        _tensor(n.CU_SEQLENS, "TYPE_INT64", -1),
+    ),
+    (_tensor(n.IMAGE_EMBEDS, "TYPE_FP32", 1, -1, n.HIDDEN_SIZE, reshape=(-1, n.HIDDEN_SIZE)),),
+    (
+        n.PRECISION,
+        n.PROFILE_MIN_PATCHES,
+        n.PROFILE_OPT_PATCHES,
+        n.PROFILE_MAX_PATCHES,
+        n.PROFILE_MAX_IMAGES,
+        *n.ENCODER_FACTS,
+    ),
+)
+# ``vit_positions`` (gpu): rotary position ids and cu_seqlens for the plan, from the grid.
+VIT_POSITIONS = ModelInterface(
+    n.VIT_POSITIONS_MODEL,
+    (_tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3),),
+    (_tensor(n.ROTARY_POS_IDS, "TYPE_INT64", -1, 2), _tensor(n.CU_SEQLENS, "TYPE_INT64", -1)),
+    (n.MERGE_SIZE,),
+)
+# ``encode``: image -> embeddings + grid by value. Batched (cpu: several images of one size) or
+# one image per request with the batch row explicit (gpu: the plan takes one image).
+ENCODE = ModelInterface(
+    n.ENCODE_MODEL, (_tensor(n.IMAGE, "TYPE_UINT8", -1),), (_EMBEDS, _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3))
+)
+ENCODE_ONE_IMAGE = ModelInterface(
+    n.ENCODE_MODEL,
+    (_tensor(n.IMAGE, "TYPE_UINT8", 1, -1),),
+    (_tensor(n.IMAGE_EMBEDS, "TYPE_FP32", 1, -1, n.HIDDEN_SIZE), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 1, 3)),
+)
+# ``encoder_<i>``: media in, store write, references out. ``lease_owner``: the pid of the
+# process the leases are for (epd); absent: no lease (warm-up).
+ENCODER = ModelInterface(
+    n.ENCODER_MODEL_PREFIX + "<i>",
+    (_tensor(n.IMAGE, "TYPE_STRING", -1), _tensor(n.LEASE_OWNER, "TYPE_INT64", 1, optional=True), _ERRORS_AS_OUTPUTS),
+    (
+        _tensor(n.REFERENCES, "TYPE_STRING", -1),
+        _tensor(n.MM_HASH, "TYPE_STRING", -1),
+        _tensor(n.CACHE_HIT, "TYPE_BOOL", -1),
+        _ERROR,
+    ),
+    (*_STORE_USER, *_CONTENT_KEYS, n.ENCODE_MODEL_KEY, n.MAX_IMAGE_BYTES, n.MAX_IMAGES_PER_REQUEST),
+)
+# ``prefill``: vLLM KV producer; prompt + references in, first token + KV transfer parameters out.
+PREFILL = ModelInterface(
+    n.PREFILL_MODEL,
+    (_PROMPT, _IMAGE_REFERENCES, _tensor(n.SAMPLING_PARAMETERS, "TYPE_STRING", 1, optional=True), _ERRORS_AS_OUTPUTS),
+    (
+        _tensor(n.OUTPUT_TOKEN_IDS, "TYPE_INT64", -1),
+        _tensor(n.TEXT_OUTPUT, "TYPE_STRING", -1),
+        _tensor(n.NUM_INPUT_TOKENS, "TYPE_UINT32", 1),
+        _tensor(n.FINISH_REASON, "TYPE_STRING", 1),
+        _tensor(n.TRANSFER_PARAMS, "TYPE_STRING", 1),
+        _ERROR,
+    ),
+    (n.MAX_TOKENS_LIMIT, *_STORE_USER),
+    vllm_env=True,
+)
+# ``decode``: vLLM KV consumer, streams tokens 2..N. ``abort`` = true: a control request.
+DECODE = ModelInterface(
+    n.DECODE_MODEL,
+    (
+        _IMAGE_REFERENCES,
+        _tensor(n.TRANSFER_PARAMS, "TYPE_STRING", 1, optional=True),
+        _tensor(n.SAMPLING_PARAMETERS, "TYPE_STRING", 1, optional=True),
+        _tensor(n.STREAM, "TYPE_BOOL", 1, optional=True),
+        _tensor(n.REQUEST_ID, "TYPE_STRING", 1, optional=True),
+        _tensor(n.ABORT, "TYPE_BOOL", 1, optional=True),
+        _ERRORS_AS_OUTPUTS,
+    ),
+    (*GENERATE_OUTPUTS, _ERROR),
+    (n.MAX_TOKENS_LIMIT, *_STORE_USER),
+    vllm_env=True,
+)
+
+# Every interface by model name; a name may have one per target (cpu first, then gpu).
+INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
+    n.LLM_MODEL: (LLM,),
+    n.ENSEMBLE_MODEL: (ENSEMBLE,),
+    n.EPD_MODEL: (EPD,),
+    n.PREPROCESS_MODEL: (PREPROCESS,),
+    n.VIT_ENCODER_MODEL: (VIT_ENCODER, VIT_ENCODER_TENSORRT),
+    n.VIT_POSITIONS_MODEL: (VIT_POSITIONS,),
+    n.ENCODE_MODEL: (ENCODE, ENCODE_ONE_IMAGE),
+    n.PREFILL_MODEL: (PREFILL,),
+    n.DECODE_MODEL: (DECODE,),
+}
+
+
+def interfaces_of(model: str) -> tuple[ModelInterface, ...]:
+    """The interfaces a model of this name may have (``encoder_<i>``: the encoder's)."""
+    if model.startswith(n.ENCODER_MODEL_PREFIX) and model[len(n.ENCODER_MODEL_PREFIX) :].isdigit():
+        return (ENCODER,)
+    try:
+        return INTERFACES[model]
+    except KeyError:
+        raise ContractError(f"model '{model}' is not declared in python_backends/contract.py") from None
+
+
+def tensor_names() -> frozenset[str]:
+    """Every tensor name of every model."""
+    return frozenset(
+        t.name for group in (*INTERFACES.values(), (ENCODER,)) for m in group for t in (*m.inputs, *m.outputs)
+    )

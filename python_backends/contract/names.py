@@ -1,0 +1,130 @@
+"""Names of the contract: models, tensors and config parameter keys (plain strings).
+
+Code writes ``contract.TEXT_INPUT``, never the literal: a name is changed here and nowhere
+else (tests/unit/test_contract.py checks that every name the serving code uses is declared).
+"""
+
+# No imports here: ``from names import *`` in the package exports exactly the names below.
+
+
+class ContractError(ValueError):
+    """A value breaks the contract (a parameter that does not parse, an unknown name or size)."""
+
+
+# Models (DESIGN.md: the names are used by tests, clients and docs).
+LLM_MODEL = "llm"
+EPD_MODEL = "epd"
+ENSEMBLE_MODEL = "ensemble"
+PREPROCESS_MODEL = "preprocess"
+VIT_ENCODER_MODEL = "vit_encoder"
+VIT_POSITIONS_MODEL = "vit_positions"
+ENCODE_MODEL = "encode"
+PREFILL_MODEL = "prefill"
+DECODE_MODEL = "decode"
+ENCODER_MODEL_PREFIX = "encoder_"  # encoder_0 .. encoder_<n-1>, one per encoder of the cache policy
+
+
+def encoder_model_names(count: int) -> tuple[str, ...]:
+    return tuple(f"{ENCODER_MODEL_PREFIX}{i}" for i in range(count))
+
+
+# The user-facing request (llm, ensemble, epd), close to Triton's vllm_backend.
+TEXT_INPUT = "text_input"
+IMAGE = "image"
+STREAM = "stream"
+SAMPLING_PARAMETERS = "sampling_parameters"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+TEXT_OUTPUT = "text_output"
+OUTPUT_TOKEN_IDS = "output_token_ids"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
+FINISH_REASON = "finish_reason"
+CACHE_HITS = "cache_hits"  # epd: images served from the embedding store
+TIMING_STAGES = ("hash", "lookup", "encode", "prefill", "decode")  # epd: timing_<stage>_ms
+
+# The encode path (preprocess -> [vit_positions ->] vit_encoder), embeddings by value.
+PIXEL_VALUES = "pixel_values"
+IMAGE_GRID_THW = "image_grid_thw"
+ROTARY_POS_IDS = "rotary_pos_ids"
+CU_SEQLENS = "cu_seqlens"
+IMAGE_EMBEDS = "image_embeds"
+
+# Stages that epd calls over BLS (encoder_<i>, prefill, decode).
+REFERENCES = "references"  # one signed reference per image, never media
+MM_HASH = "mm_hash"
+CACHE_HIT = "cache_hit"
+LEASE_OWNER = "lease_owner"
+TRANSFER_PARAMS = "transfer_params"
+REQUEST_ID = "request_id"
+ABORT = "abort"
+# Errors as an output on request: why in python_backends/triton_edge/responses.py.
+ERRORS_AS_OUTPUTS = "errors_as_outputs"
+ERROR = "error"
+
+
+def timing_output(stage: str) -> str:
+    if stage not in TIMING_STAGES:
+        raise ContractError(f"no timing output for stage {stage!r}; stages: {TIMING_STAGES}")
+    return f"timing_{stage}_ms"
+
+
+# Sizes the exported encoder decides (EncoderFacts): a tensor dim may name one, filled in at
+# build time; they are vit_encoder parameters too.
+PATCH_DIM = "patch_dim"
+HIDDEN_SIZE = "hidden_size"
+
+# Config parameter keys (their defaults: parameters.py).
+VLLM_ENV_PREFIX = "VLLM_"  # parameters that are process environment for a vLLM engine
+# Request limits of the user-facing models (image limits also bind preprocess and encoders).
+MAX_IMAGES = "max_images"
+MAX_IMAGE_BYTES = "max_image_bytes"
+MAX_IMAGE_PIXELS = "max_image_pixels"
+MAX_TOKENS_LIMIT = "max_tokens_limit"
+MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
+LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
+# Embeddings by value (llm) and the store's grid check.
+IMAGE_EMBEDS_HIDDEN_SIZE = "image_embeds_hidden_size"
+SPATIAL_MERGE_SIZE = "spatial_merge_size"
+# The models a model calls over BLS.
+ENCODE_MODEL_KEY = "encode_model"
+ENCODER_MODELS_KEY = "encoder_models"
+PREFILL_MODEL_KEY = "prefill_model"
+DECODE_MODEL_KEY = "decode_model"
+# What content keys cover besides the media (epd and encoder_<i> alike).
+PREPROCESSOR_CONFIG = "preprocessor_config"
+ENCODER_FILE = "encoder_file"
+# The embedding store (CachePolicy.to_parameters).
+STORE_PATH = "store_path"
+STORE_CAPACITY_BYTES = "store_capacity_bytes"
+STORE_EVICTION = "store_eviction"
+STORE_TTL_S = "store_ttl_s"
+STORE_DEVICE = "store_device"
+CACHE_SCOPE = "cache_scope"
+STORE_KEYS = (STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE)
+# preprocess (cpu): the serialized DALI pipeline.
+PIPELINE_FILE = "pipeline_file"
+DALI_NUM_THREADS = "dali_num_threads"
+# vit_encoder (cpu): ONNX Runtime.
+ONNX_FILE_KEY = "onnx_file"
+INTRA_OP_THREADS = "intra_op_threads"
+MAX_PATCHES_PER_RUN = "max_patches_per_run"
+# vit_encoder (both): the exported encoder's facts, checked at load and shown as metrics.
+MERGE_SIZE = "merge_size"  # also vit_positions'
+VISION_SHARDS = "vision_shards"
+CHECKPOINT_SHARDS = "checkpoint_shards"
+VISION_WEIGHT_BYTES = "vision_weight_bytes"
+CHECKPOINT_WEIGHT_BYTES = "checkpoint_weight_bytes"
+ENCODER_FACTS = (
+    PATCH_DIM, HIDDEN_SIZE, MERGE_SIZE, VISION_SHARDS, CHECKPOINT_SHARDS, VISION_WEIGHT_BYTES, CHECKPOINT_WEIGHT_BYTES
+)
+# vit_encoder (gpu): the TensorRT plan's precision and optimisation profile (shown, not read).
+PRECISION = "precision"
+PROFILE_MIN_PATCHES = "profile_min_patches"
+PROFILE_OPT_PATCHES = "profile_opt_patches"
+PROFILE_MAX_PATCHES = "profile_max_patches"
+PROFILE_MAX_IMAGES = "profile_max_images"
+
+# Artefact files in a model's version folder.
+DALI_FILE = "model.dali"
+ONNX_FILE = "model.onnx"
+PLAN_FILE = "model.plan"
