@@ -1,43 +1,122 @@
-"""Real-server fixtures: one tritonserver per test session, on free ports.
+"""Real-server fixtures: one tritonserver per test session, on free ports, with its own files.
 
-The server serves the repository that ``builders`` generate for the ``cpu`` target,
-with the tiny default model; tests talk to it over gRPC and HTTP like users do.
+The server serves the repository that ``builders`` generate for the ``cpu`` target, with the
+tiny default model; tests talk to it over gRPC and HTTP like users do.
+
+Isolation: a test session holds one *slot* (an exclusive lock, released when the session's
+process ends) and its server gets the slot's repository copy, embedding store, KV transfer
+folder and log, so test sessions running side by side (or a user's ``make serve``) never
+share a store, and a test that clears or shrinks the store touches only its own server's.
+The slot's repository path stays the same from one session to the next, so its build
+stamps (``model.onnx``, ``model.dali``) stay valid and nothing is exported again.
+
+Every server a test starts is stopped with a check: a stop that needed SIGKILL, a stub that
+segfaulted or a model that hit Triton's exit timeout fails the session (or module) that
+started it, with the log lines shown.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
-from builders.repository import TARGETS
-from client.epd_client import GrpcClient, HttpClient
 from builders.launcher import prepare
+from builders.repository import TARGETS
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, StopReport, TritonServer
+from client.epd_client import GrpcClient, HttpClient
 from python_backends.store import EmbeddingStore, StoreConfig
-from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
-LOG_DIR = REPO_ROOT / "build" / "test-logs"
-CACHE_POLICY = TARGETS["cpu"].cache  # what the served repository was generated with
+SLOTS = 16
+
+
+def _hold_slot() -> tuple[int, IO[str]]:
+    """The first slot no other live test session holds (flock: freed when its process dies)."""
+    lock_dir = REPO_ROOT / "build" / "test-slots"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for slot in range(SLOTS):
+        handle = open(lock_dir / f"slot-{slot}.lock", "w")  # held for the whole session
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        return slot, handle
+    raise RuntimeError(f"all {SLOTS} server-test slots are held by running test sessions")
+
+
+SLOT, _SLOT_LOCK = _hold_slot()
+LOG_DIR = REPO_ROOT / "build" / "test-logs" / f"slot-{SLOT}"
+SERVER_REPOSITORY = REPO_ROOT / "build" / "test-slots" / f"repository-{SLOT}"
+NODE_DIR = Path("/dev/shm") / f"triton-epd-test-slot-{SLOT}"  # tmpfs, like the served defaults
+KV_STORE_PATH = NODE_DIR / "kv"
+# What the session server's repository is generated with: the cpu target's, in this slot.
+CACHE_POLICY = dataclasses.replace(TARGETS["cpu"].cache, path=str(NODE_DIR / "embeddings"))
 
 
 def open_node_store(capacity_bytes: int = CACHE_POLICY.capacity_bytes) -> EmbeddingStore:
-    """The server's store, opened by the test like any process of the node. Opening sets the
-    capacity for every process (the store's documented rule): tests that shrink it with this
+    """The session server's store, opened by the test like any process of the node. Opening sets
+    the capacity for every process (the store's documented rule): tests that shrink it with this
     put it back afterwards."""
     return EmbeddingStore(StoreConfig(path=CACHE_POLICY.path, capacity_bytes=capacity_bytes, merge_size=2))
 
 
+def unclean_stop(report: StopReport | None) -> str | None:
+    """Why a stop was not clean (the report with its problem log lines), or None."""
+    if report is None or report.clean:
+        return None
+    return f"the server did not stop cleanly: {report.describe()}"
+
+
+def check_stop(report: StopReport | None) -> None:
+    problem = unclean_stop(report)
+    if problem:
+        pytest.fail(problem, pytrace=False)
+
+
+@contextlib.contextmanager
+def serving(options: ServerOptions, log_path: Path, timeout_s: float = 900) -> Iterator[TritonServer]:
+    """A ready server for the ``with`` body; stopped afterwards and failed if it stopped badly.
+    When the body raised, that error is the one reported (the server is stopped all the same)."""
+    server = TritonServer(options, log_path).start()
+    try:
+        server.wait_ready(timeout_s=timeout_s)
+        yield server
+    except BaseException:
+        server.stop()
+        raise
+    check_stop(server.stop())
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
+    # The default repository too: tests read its engine args and artefacts.
     return prepare("cpu", None, REPO_ROOT / "model_repository")
 
 
 @pytest.fixture(scope="session")
-def server(model_dir: Path) -> Iterator[TritonServer]:
-    options = ServerOptions(REPO_ROOT / "model_repository", Ports.free())
-    with TritonServer(options, LOG_DIR / "server.log") as running:
-        running.wait_ready(timeout_s=900)
+def server_repository(model_dir: Path) -> Iterator[Path]:
+    """The slot's repository: model code copied from model_repository/, configs generated with
+    the slot's store and KV paths; the slot's tmpfs files are removed before and after."""
+    shutil.rmtree(NODE_DIR, ignore_errors=True)
+    for tracked in (REPO_ROOT / "model_repository").glob("*/1/model.py"):
+        target = SERVER_REPOSITORY / tracked.relative_to(REPO_ROOT / "model_repository")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tracked, target)
+    prepare("cpu", model_dir, SERVER_REPOSITORY, cache=CACHE_POLICY, kv_store_path=str(KV_STORE_PATH))
+    yield SERVER_REPOSITORY
+    shutil.rmtree(NODE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def server(server_repository: Path) -> Iterator[TritonServer]:
+    with serving(ServerOptions(server_repository, Ports.free()), LOG_DIR / "server.log") as running:
         yield running
 
 

@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 from builders.repository import TARGETS, EncoderFacts, repository_files
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from tests.images import synthetic_image
-from tests.server.conftest import LOG_DIR
+from tests.server.conftest import LOG_DIR, serving
 from tests.server.test_encode import grpc_infer
 
 pytestmark = pytest.mark.server
@@ -104,8 +104,7 @@ def gpu_like_server(server: TritonServer, model_dir: Path, tmp_path_factory: pyt
     (out / "vit_encoder" / "1" / "model.py").write_text(TRT_STAND_IN)
     shutil.copy(CPU_REPOSITORY / "vit_encoder" / "1" / "model.onnx", out / "vit_encoder" / "1" / "model.onnx")
 
-    with TritonServer(ServerOptions(out, Ports.free()), LOG_DIR / "gpu-topology-server.log") as running:
-        running.wait_ready(timeout_s=300)
+    with serving(ServerOptions(out, Ports.free()), LOG_DIR / "gpu-topology-server.log", timeout_s=300) as running:
         yield running
 
 

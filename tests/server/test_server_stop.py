@@ -1,0 +1,158 @@
+"""How a server stops, checked: a tiny python model (no vLLM, seconds to start) in a temporary
+repository, whose ``finalize`` is clean, crashes its stub, or hangs past Triton's exit timeout.
+
+The tiny model imports ``tvm_ffi`` as the vLLM stubs do: its SIGSEGV handler is what prints
+``Segfault encountered`` with a backtrace into the server log (a stub without it dies silently).
+It also shows issue 17's teardown crash and its fix: pb_utils Metric/MetricFamily objects still
+alive when the stub's interpreter finalizes write to shared memory that is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from builders.tritonserver import Ports, ServerOptions, TritonServer
+from tests.server.conftest import serving, unclean_stop
+
+pytestmark = pytest.mark.server
+
+pytest.importorskip("tvm_ffi", reason="prints the stub's segfault trace into the log")
+
+MODEL = textwrap.dedent('''
+    import gc
+    import json
+    import os
+    import signal
+    import time
+
+    import tvm_ffi  # its SIGSEGV handler prints "Segfault encountered" and a backtrace, as in vLLM's stubs
+    import triton_python_backend_utils as pb_utils
+
+
+    class Counters:
+        """Holds a family and its metric, and itself: a reference cycle, as real models' helpers have."""
+
+        def __init__(self, family, metric):
+            self.family, self.metric, self.me = family, metric, self
+
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            config = json.loads(args["model_config"])
+            self.on_finalize = config["parameters"]["on_finalize"]["string_value"]
+            self.family = pb_utils.MetricFamily(
+                name="tiny_requests", description="requests", kind=pb_utils.MetricFamily.COUNTER)
+            self.metric = self.family.Metric(labels={"model": "tiny"})
+            self.counters = Counters(self.family, self.metric)
+
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                self.metric.increment(1)
+                x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x)]))
+            return responses
+
+        def finalize(self):
+            if self.on_finalize in ("release_metrics", "release_metrics_without_gc"):
+                # The recipe: drop every Metric, then every MetricFamily, then collect the
+                # cycles that still hold them, while the stub's shared memory exists.
+                del self.metric
+                del self.family
+                self.counters = None
+                if self.on_finalize == "release_metrics":
+                    gc.collect()
+            elif self.on_finalize == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            elif self.on_finalize == "hang":
+                time.sleep(3600)
+            # "keep_metrics": nothing released; the interpreter's teardown frees them too late.
+''')
+
+CONFIG = '''
+name: "tiny"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "x", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+output [ {{ name: "y", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+parameters: {{ key: "on_finalize", value: {{ string_value: "{on_finalize}" }} }}
+'''
+
+SHORT_EXIT_TIMEOUT_S = 3  # Triton's own (default 30 s), for the model that hangs
+
+
+def tiny_repository(root: Path, on_finalize: str) -> Path:
+    (root / "tiny" / "1").mkdir(parents=True)
+    (root / "tiny" / "config.pbtxt").write_text(CONFIG.format(on_finalize=on_finalize))
+    (root / "tiny" / "1" / "model.py").write_text(MODEL)
+    return root
+
+
+def options(repository: Path, exit_timeout_s: int | None = None) -> ServerOptions:
+    extra = () if exit_timeout_s is None else (f"--exit-timeout-secs={exit_timeout_s}",)
+    return ServerOptions(repository, Ports.free(), extra_args=extra)
+
+
+def ask(server: TritonServer) -> None:
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "INT32", "data": [7]}]}).encode()
+    url = f"http://{server.http_url}/v2/models/tiny/infer"
+    with urllib.request.urlopen(urllib.request.Request(url, body), timeout=30) as response:
+        assert json.loads(response.read())["outputs"][0]["data"] == [7]
+
+
+def test_a_clean_stop_passes_the_check(tmp_path: Path) -> None:
+    log = tmp_path / "clean.log"
+    with serving(options(tiny_repository(tmp_path / "repo", "release_metrics")), log, timeout_s=120) as server:
+        ask(server)
+    report = server.stop_report
+    assert report is not None and report.clean, report
+    assert (report.exit_code, report.killed, report.problems) == (0, False, ())
+    assert report.seconds < 30
+
+
+def test_a_stub_that_segfaults_fails_the_check_with_its_log_lines(tmp_path: Path) -> None:
+    log = tmp_path / "segfault.log"
+    with pytest.raises(pytest.fail.Exception) as failure:
+        with serving(options(tiny_repository(tmp_path / "repo", "segfault")), log, timeout_s=120) as server:
+            ask(server)
+    message = str(failure.value)
+    assert "did not stop cleanly" in message and "Segfault encountered" in message and str(log) in message
+    assert server.stop_report is not None and not server.stop_report.killed  # a crash, not a forced kill
+
+
+def test_a_model_that_outlives_the_exit_timeout_fails_the_check(tmp_path: Path) -> None:
+    log = tmp_path / "hang.log"
+    with pytest.raises(pytest.fail.Exception) as failure:
+        repository = tiny_repository(tmp_path / "repo", "hang")
+        with serving(options(repository, SHORT_EXIT_TIMEOUT_S), log, timeout_s=120) as server:
+            ask(server)
+    message = str(failure.value)
+    assert "Exit timeout expired" in message and "failed to stop server" in message
+    report = server.stop_report
+    assert report is not None and report.exit_code != 0
+    assert report.leftovers >= 1  # the hung stub, killed with the group
+
+
+@pytest.mark.parametrize(
+    ("on_finalize", "crashes"),
+    [("keep_metrics", True), ("release_metrics_without_gc", True), ("release_metrics", False)],
+)
+def test_metrics_alive_at_stub_teardown_crash_it_and_releasing_them_in_finalize_does_not(
+    tmp_path: Path, on_finalize: str, crashes: bool
+) -> None:
+    """Issue 17's ``Metric::SaveToSharedMemory <- Metric::Clear <- MetricFamily::~MetricFamily``."""
+    server = TritonServer(options(tiny_repository(tmp_path / "repo", on_finalize)), tmp_path / "server.log")
+    with server:
+        server.wait_ready(timeout_s=120)
+        ask(server)
+    report = server.stop_report
+    assert report is not None and not report.killed and report.exit_code == 0
+    assert (unclean_stop(report) is not None) == crashes, report.describe()
+    if crashes:
+        assert "MetricFamily::~MetricFamily" in (tmp_path / "server.log").read_text()
