@@ -54,10 +54,21 @@ class EventLoopThread:
             return len(self._pending)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        for future in pending:
-            future.cancel()
-        concurrent.futures.wait(pending, timeout=timeout_s)
+        """Cancel every task on the loop and wait (up to ``timeout_s``) until each has run its
+        cleanup -- a cancelled request still aborts its engine request and ends its stream --
+        then stop the loop and its thread."""
+
+        async def cancel_all() -> None:
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout_s)
+
+        if self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout_s + 1.0)
+            except Exception:
+                log.warning("tasks still running when the event loop stopped", exc_info=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)

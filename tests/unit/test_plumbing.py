@@ -218,3 +218,19 @@ def test_cancel_watch_asks_triton_at_most_once_per_interval():
     now = CancelWatch(Sender(), interval_s=0.0)
     Sender.answer = True
     assert now.cancelled() and now.cancelled() and Sender.calls == 2  # a cancel sticks, asked once
+
+
+def test_event_loop_stop_lets_cancelled_tasks_finish_their_cleanup():
+    loop = EventLoopThread()
+    cleaned: list[str] = []
+
+    async def request() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)  # e.g. abort the engine request, then end the stream
+            cleaned.append("done")
+
+    loop.submit(request())
+    loop.stop()
+    assert cleaned == ["done"]
