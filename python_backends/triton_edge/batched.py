@@ -53,5 +53,8 @@ class BatchedModel:
             for result in results
         ]
 
+    def log_info(self, message: str) -> None:
+        pb_utils.Logger.log_info(message)
+
     def finalize(self) -> None:
         self.metrics.release()

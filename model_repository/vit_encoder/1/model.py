@@ -8,8 +8,6 @@ or one coded error per request (python_backends.triton_edge.batched).
 import time
 from pathlib import Path
 
-import triton_python_backend_utils as pb_utils
-
 from python_backends import contract
 from python_backends.encode_stage import EncoderProvenance, EncoderStage
 from python_backends.triton_edge.batched import BatchedModel
@@ -32,7 +30,7 @@ class TritonPythonModel(BatchedModel):
         seconds = time.perf_counter() - started
         provenance.check(encoder, params)
         megabytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*")) / 1e6
-        pb_utils.Logger.log_info(provenance.describe(onnx_path.name, megabytes, seconds))
+        self.log_info(provenance.describe(onnx_path.name, megabytes, seconds))
         self.stage = EncoderStage(encoder)
         shards = "Checkpoint shard files behind the served encoder: read (vision) and total"
         load = "Seconds the vit_encoder instance took to load its weights"
