@@ -172,3 +172,29 @@ def test_cancel_running_and_finalize_end_a_running_request_like_a_cancel():
     late = Sender()
     toy.execute([Request(late, text_input=text("hi"))])
     assert late.sent[0][0].error.code() == late.sent[0][0].error.UNAVAILABLE
+
+
+def test_a_batched_model_answers_each_request_and_a_failed_batch_with_one_coded_error_each():
+    from python_backends.triton_edge.batched import BatchedModel
+
+    class Doubler(BatchedModel):
+        INPUTS = ("x",)
+
+        def setup(self, args):
+            self.metrics.gauge("toy_loaded", "d").set(1)
+
+        def run(self, batch):
+            if len(batch) > 2:
+                raise KeyError("/secret/path")
+            return [EpdError("x < 0") if b["x"][0] < 0 else {"y": b["x"] * 2} for b in batch]
+
+    toy = Doubler()
+    metrics = _Metric.alive
+    toy.initialize({"model_name": "doubler", "model_config": json.dumps({"name": "doubler"})})
+    ok, bad = toy.execute([FakeRequest(x=np.array([2])), FakeRequest(x=np.array([-1]))])
+    assert ok.error is None and ok.outputs()["y"].tolist() == [4]
+    assert bad.error.code() == bad.error.INVALID_ARG and bad.error.message() == "x < 0"
+    failed = toy.execute([FakeRequest(x=np.array([1]))] * 3)
+    assert [r.error.message() for r in failed] == ["internal error: KeyError"] * 3
+    toy.finalize()
+    assert _Metric.alive == metrics
