@@ -1,0 +1,295 @@
+"""The contract (python_backends/contract) against both of its sides.
+
+Build side: every config.pbtxt generated for each target has exactly the tensors the contract
+declares for that model, and only parameters the model is declared to read, with values that
+parse. Serving side: every tensor name, parameter key and model name that a model.py, a
+template model or a BLS call writes as a literal is declared in the contract. So a name
+changed in the contract alone breaks the configs' check (the builders render from it) or the
+source check (a literal left behind).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from builders import repository
+from builders.default_model import build_default_model
+from builders.repository import TARGETS, EncoderFacts, write_repository
+from python_backends import contract
+from python_backends.model_params import ModelParameters
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FACTS = EncoderFacts(
+    patch_dim=1176,
+    hidden_size=128,
+    merge_size=2,
+    vision_shards=1,
+    checkpoint_shards=2,
+    vision_weight_bytes=3_502_592,
+    checkpoint_weight_bytes=5_800_960,
+)
+DataType = model_config_pb2.DataType
+
+
+@pytest.fixture(scope="module")
+def repositories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both targets' repositories, generated as `python -m builders.repository` writes them; the
+    ONNX export (tested in test_encoder_export.py) and the TensorRT build are replaced."""
+    model_dir = build_default_model()
+
+    def fake_onnx(model_dir: Path, version_dir: Path, stamp_dir: Path):
+        version_dir.mkdir(parents=True, exist_ok=True)
+        (version_dir / contract.ONNX_FILE).write_bytes(b"onnx")
+        return FACTS, {"parity_max_abs": 0.0}, True
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(repository, "build_onnx_artifact", fake_onnx)
+    patch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)
+    try:
+        out = {}
+        for target in sorted(TARGETS):
+            out[target] = tmp_path_factory.mktemp(f"repository_{target}")
+            write_repository(target, model_dir, out[target], tmp_path_factory.mktemp(f"stamps_{target}"))
+        return out
+    finally:
+        patch.undo()
+
+
+def generated_configs(root: Path) -> Iterator[model_config_pb2.ModelConfig]:
+    for path in sorted(root.glob("*/config.pbtxt")):
+        yield text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def config_tensors(entries) -> list[tuple]:
+    return [
+        (
+            e.name,
+            DataType.Name(e.data_type),
+            tuple(e.dims),
+            e.optional if hasattr(e, "optional") else False,
+            e.allow_ragged_batch if hasattr(e, "allow_ragged_batch") else False,
+            tuple(e.reshape.shape) if e.HasField("reshape") else None,
+        )
+        for e in entries
+    ]
+
+
+def contract_tensors(specs: tuple[contract.TensorSpec, ...]) -> list[tuple]:
+    return [(t.name, t.data_type, t.dims, t.optional, t.ragged, t.reshape) for t in specs]
+
+
+def declared_interface(config: model_config_pb2.ModelConfig) -> contract.ModelInterface:
+    """The contract's interface (of the model's name) that the config's tensors are."""
+    found = (config_tensors(config.input), config_tensors(config.output))
+    candidates = [i.sized(FACTS.parameters()) for i in contract.interfaces_of(config.name)]
+    for interface in candidates:
+        if (contract_tensors(interface.inputs), contract_tensors(interface.outputs)) == found:
+            return interface
+    raise AssertionError(
+        f"{config.name}: tensors {found} are none of the contract's {[(c.inputs, c.outputs) for c in candidates]}"
+    )
+
+
+def parses(key: str, value: str) -> None:
+    default = contract.default_of(key)
+    if isinstance(default, bool):
+        contract.parse_boolean(key, value)
+    elif isinstance(default, int) or key in contract.ENCODER_FACTS:
+        contract.parse_integer(key, value)
+    elif isinstance(default, float):
+        contract.parse_number(key, value)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_generated_config_is_the_contract(target: str, repositories: dict[str, Path]) -> None:
+    configs = {c.name: c for c in generated_configs(repositories[target])}
+    assert set(configs) == set(TARGETS[target].models)
+    for name, config in configs.items():
+        interface = declared_interface(config)
+        values = {key: entry.string_value for key, entry in config.parameters.items()}
+        for key, value in values.items():
+            assert interface.accepts_parameter(key), f"{name} has parameter {key!r} the contract does not give it"
+            if not key.startswith(contract.VLLM_ENV_PREFIX):
+                parses(key, value)
+        if config.backend == "python":  # what its model.py cannot do without
+            required = {key for key in interface.parameters if contract.default_of(key) is None}
+            assert required <= set(values), f"{name} lacks required parameters {required - set(values)}"
+        for step in config.ensemble_scheduling.step:  # ensembles connect declared tensors only
+            model = configs[step.model_name]
+            assert set(step.input_map) <= {i.name for i in model.input}, step.model_name
+            assert set(step.output_map) <= {o.name for o in model.output}, step.model_name
+            assert {*step.input_map.values(), *step.output_map.values()} <= contract.tensor_names()
+
+
+def test_store_users_carry_the_cache_policy_and_read_it_back(repositories: dict[str, Path]) -> None:
+    for target, root in repositories.items():
+        policy = TARGETS[target].cache
+        for config in generated_configs(root):
+            values = {key: entry.string_value for key, entry in config.parameters.items()}
+            if contract.STORE_PATH in values:
+                expected = dataclasses.replace(policy, encoders=contract.CachePolicy().encoders)
+                assert contract.CachePolicy.from_parameters(values) == expected, config.name
+                assert ModelParameters(config.name, values).store_config().capacity_bytes == policy.capacity_bytes
+
+
+def test_model_parameters_fall_back_to_the_contracts_one_default() -> None:
+    empty = ModelParameters("m", {})
+    for key, declared in contract.PARAMETERS.items():
+        if declared.default is None:
+            with pytest.raises(ValueError, match=f"'{key}' is required"):
+                empty.string(key)
+        elif isinstance(declared.default, bool):
+            assert empty.boolean(key) is declared.default
+        elif isinstance(declared.default, int):
+            assert empty.integer(key) == declared.default
+        elif isinstance(declared.default, float):
+            assert empty.number(key) == declared.default
+        else:
+            assert empty.string(key) == declared.default
+    # The store's capacity has one home (python_backends/store/config.py).
+    from python_backends.store import DEFAULT_CAPACITY_BYTES, StoreConfig
+
+    assert contract.CachePolicy().capacity_bytes == StoreConfig().capacity_bytes == DEFAULT_CAPACITY_BYTES
+    assert empty.store_config().capacity_bytes == DEFAULT_CAPACITY_BYTES
+    with pytest.raises(ValueError, match="model 'm': parameter 'max_images' must be >= 0, got -1"):
+        ModelParameters("m", {contract.MAX_IMAGES: "-1"}).integer(contract.MAX_IMAGES)
+
+
+def test_the_contract_imports_without_triton_torch_or_vllm() -> None:
+    probe = (
+        "import sys; import python_backends.contract; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'vllm', 'triton_python_backend_utils', "
+        "'tritonclient', 'transformers', 'onnxruntime', 'nvidia'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# The serving side: every literal name is declared
+# ---------------------------------------------------------------------------------------------
+
+TENSOR_CALLS = {"Tensor": 0, "bytes_tensor": 0, "tensor": 0, "get_input_tensor_by_name": 1}
+PARAMETER_READS = {"string", "integer", "number", "boolean"}
+TENSOR_MAPS = {"inputs", "outputs", "out", "result", "response", "tensors"}  # name -> array dicts
+NAME_LISTS = ("INPUT_NAMES", "OUTPUT_NAMES", "OUTPUT_NAME", "INPUTS", "OUTPUTS")
+
+
+def serving_sources() -> list[Path]:
+    """model.py files (kept and template), and the runtime, including its BLS calls."""
+    return sorted([*model_files(), *REPO_ROOT.glob("python_backends/**/*.py")])
+
+
+def model_files() -> list[Path]:
+    """Kept model.py files and the template models (generated encoder_<i> copies left out)."""
+    kept = REPO_ROOT.glob("model_repository/*/1/model.py")
+    return [p for p in kept if not p.parent.parent.name.startswith("encoder_")] + list(
+        REPO_ROOT.glob("builders/templates/*.py")
+    )
+
+
+def _strings(node: ast.AST | None) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for element in node.elts for s in _strings(element)]
+    return []
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def literal_names(tree: ast.AST) -> Iterator[tuple[str, str, int]]:
+    """(kind, literal, line) for every name written as a literal where code names a tensor, a
+    parameter or a model."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = _callee(node)
+            if callee in TENSOR_CALLS and len(node.args) > TENSOR_CALLS[callee]:
+                yield from (("tensor", s, node.lineno) for s in _strings(node.args[TENSOR_CALLS[callee]]))
+            if callee == "read_inputs" and len(node.args) > 1:
+                yield from (("tensor", s, node.lineno) for s in _strings(node.args[1]))
+            if callee in PARAMETER_READS and isinstance(node.func, ast.Attribute) and node.args:
+                yield from (("parameter", s, node.lineno) for s in _strings(node.args[0]))
+            # Request parsers read tensors from a name -> array mapping: f(inputs, "name") or inputs.get("name").
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Name) and first.id in TENSOR_MAPS and len(node.args) > 1:
+                yield from (("tensor", s, node.lineno) for s in _strings(node.args[1]))
+            receiver = node.func.value if isinstance(node.func, ast.Attribute) else None
+            if callee == "get" and isinstance(receiver, ast.Name) and receiver.id in TENSOR_MAPS and node.args:
+                yield from (("tensor", s, node.lineno) for s in _strings(node.args[0]))
+            for keyword in node.keywords:
+                if keyword.arg == "requested_output_names":
+                    yield from (("tensor", s, node.lineno) for s in _strings(keyword.value))
+                if keyword.arg == "model_name":
+                    yield from (("model", s, node.lineno) for s in _strings(keyword.value))
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in TENSOR_MAPS:
+            yield from (("tensor", s, node.lineno) for s in _strings(node.slice))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id.endswith(NAME_LISTS) for t in targets):
+                yield from (("tensor", s, node.lineno) for s in _strings(node.value))
+
+
+def declared(kind: str, name: str) -> bool:
+    if kind == "tensor":
+        return name in contract.tensor_names()
+    if kind == "parameter":
+        return name in contract.PARAMETERS or name.startswith(contract.VLLM_ENV_PREFIX)
+    try:
+        contract.interfaces_of(name)
+    except contract.ContractError:
+        return False
+    return True
+
+
+def test_every_literal_name_in_the_serving_code_is_declared() -> None:
+    sources = serving_sources()
+    assert any(p.name == "model.py" for p in sources) and any("templates" in p.parts for p in sources)
+    unknown = [
+        f"{path.relative_to(REPO_ROOT)}:{line}: {kind} {name!r}"
+        for path in sources
+        for kind, name, line in literal_names(ast.parse(path.read_text(), str(path)))
+        if not declared(kind, name)
+    ]
+    assert not unknown, "names not declared in python_backends/contract:\n" + "\n".join(unknown)
+
+
+def test_model_files_and_bls_calls_write_no_declared_name_as_a_literal() -> None:
+    """Where the contract is used most (model.py files, template models, the BLS calls), names
+    come from it as constants: a bare literal of a declared tensor name or parameter key (any
+    string constant but a docstring) would not follow a rename in the contract."""
+    names = contract.tensor_names() | set(contract.PARAMETERS)
+    bls = sorted(REPO_ROOT.glob("python_backends/triton_edge/bls.py"))
+    bare = []
+    for path in [*model_files(), *bls]:
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        bare += [
+            f"{path.relative_to(REPO_ROOT)}:{n.lineno}: {n.value!r}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value in names and id(n) not in docstrings
+        ]
+    assert not bare, "write these as python_backends.contract constants:\n" + "\n".join(bare)
+
+
+def test_the_source_check_sees_literals() -> None:
+    """The scanner itself: each way of naming a tensor, parameter or model is found."""
+    code = """
+pb_utils.Tensor("t1", x); bytes_tensor("t2", []); pb_utils.get_input_tensor_by_name(request, "t3")
+read_inputs(request, ("t4", "t5")); params.integer("p1", 3); _scalar(inputs, "t6"); inputs.get("t7")
+out["t8"]; INPUT_NAMES = ("t9",); pb_utils.InferenceRequest(model_name="m1", requested_output_names=["t10"])
+"""
+    found = {(kind, name) for kind, name, _ in literal_names(ast.parse(code))}
+    assert found == {("tensor", f"t{i}") for i in range(1, 11)} | {("parameter", "p1"), ("model", "m1")}
