@@ -40,15 +40,15 @@ SAMPLING = {"max_tokens": 2, "temperature": 0.0}  # TTFT is the point; decode is
 
 
 def images(count: int) -> list[bytes]:
-    from bench.encode import photo_like_jpeg  # noqa: PLC0415
+    from bench.encode import photo_like_jpeg
 
     return [photo_like_jpeg(448, 336, seed=10_000 + i) for i in range(count)]
 
 
 def _repository(scope: str) -> Path:
     """A private copy of the repository, generated with ``scope``."""
-    from builders.repository import TARGETS  # noqa: PLC0415
-    from builders.launcher import prepare  # noqa: PLC0415
+    from builders.repository import TARGETS
+    from builders.launcher import prepare
 
     repo = WORK_DIR / f"repo-{scope}"
     shutil.rmtree(repo, ignore_errors=True)
@@ -159,10 +159,10 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels, p50, p90 = [], [], []

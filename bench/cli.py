@@ -49,7 +49,7 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload_spec(args: argparse.Namespace) -> Any:
-    from bench.workload import LengthDist, WorkloadSpec, parse_sizes  # noqa: PLC0415
+    from bench.workload import LengthDist, WorkloadSpec, parse_sizes
 
     tokenizer = args.tokenizer or (DEFAULT_TOKENIZER if DEFAULT_TOKENIZER.is_file() else None)
     return WorkloadSpec(
@@ -164,7 +164,7 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
         host, _, port = args.url.rpartition(":")
         pid = args.server_pid
         if pid is None and host in LOCAL_HOSTS:
-            from bench.server_stats import find_listening_pid  # noqa: PLC0415
+            from bench.server_stats import find_listening_pid
 
             pid = find_listening_pid(int(port))
         yield {
@@ -174,8 +174,8 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
             "origin": "given with --url" + ("" if pid else " (server CPU not measured: no pid)"),
         }
         return
-    from builders.launcher import prepare  # noqa: PLC0415
-    from builders.tritonserver import Ports, ServerOptions, TritonServer  # noqa: PLC0415
+    from builders.launcher import prepare
+    from builders.tritonserver import Ports, ServerOptions, TritonServer
 
     repository = REPO_ROOT / "model_repository"
     prepare("cpu", args.model, repository)
@@ -194,13 +194,13 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
 
 def _sweep_config(args: argparse.Namespace) -> Any:
     """The SweepConfig the options describe; None (after a message) when there is no load point."""
-    from bench.loadgen import LoadPoint  # noqa: PLC0415
-    from bench.metrics import Slo  # noqa: PLC0415
-    from bench.server_stats import (  # noqa: PLC0415
+    from bench.loadgen import LoadPoint
+    from bench.metrics import Slo
+    from bench.server_stats import (
         DEFAULT_CACHE_HIT_METRIC,
         DEFAULT_ENCODE_METRIC,
     )
-    from bench.sweep import ModeSpec, SweepConfig  # noqa: PLC0415
+    from bench.sweep import ModeSpec, SweepConfig
 
     points = [LoadPoint("concurrency", c) for c in args.concurrency]
     points += [LoadPoint("rate", r, args.arrival, args.burst_size) for r in args.request_rate]
@@ -242,9 +242,9 @@ def _meta(args: argparse.Namespace, machine: dict[str, Any], started: float, ori
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from bench.machine import describe_machine  # noqa: PLC0415
-    from bench.report import markdown, write_outputs  # noqa: PLC0415
-    from bench.sweep import Sweep  # noqa: PLC0415
+    from bench.machine import describe_machine
+    from bench.report import markdown, write_outputs
+    from bench.sweep import Sweep
 
     config = _sweep_config(args)
     if config is None:
@@ -261,10 +261,11 @@ def command_run(args: argparse.Namespace) -> int:
 
 
 def command_peers(args: argparse.Namespace) -> int:
-    from builders.default_model import build_default_model, resolve_model  # noqa: PLC0415
-    from bench.machine import describe_machine  # noqa: PLC0415
-    from bench.peers import PeerRun, PeerRunConfig, PeerSettings  # noqa: PLC0415
-    from bench.peers_report import peers_markdown, write_peer_outputs  # noqa: PLC0415
+    from builders.default_model import build_default_model, resolve_model
+    from bench.machine import describe_machine
+    from bench.peer_servers import PeerSettings
+    from bench.peers import PeerRun, PeerRunConfig
+    from bench.peers_report import peers_markdown, write_peer_outputs
 
     config = _sweep_config(args)
     if config is None:
@@ -287,7 +288,7 @@ def command_peers(args: argparse.Namespace) -> int:
 
 
 def command_compare(args: argparse.Namespace) -> int:
-    from bench.compare import diff, load_summary, render  # noqa: PLC0415
+    from bench.compare import diff, load_summary, render
 
     changes, only_old, only_new = diff(load_summary(args.old), load_summary(args.new))
     text = render(changes, only_old, only_new, args.threshold, (str(args.old), str(args.new)))
@@ -299,7 +300,7 @@ def command_compare(args: argparse.Namespace) -> int:
 
 
 async def _declared_inputs(url: str, models: list[str]) -> dict[str, set[str]]:
-    import tritonclient.grpc.aio as grpcaio  # noqa: PLC0415
+    import tritonclient.grpc.aio as grpcaio
 
     client = grpcaio.InferenceServerClient(url)
     declared = {}
@@ -314,8 +315,8 @@ async def _declared_inputs(url: str, models: list[str]) -> dict[str, set[str]]:
 
 
 def command_perf_analyzer_inputs(args: argparse.Namespace) -> int:
-    from bench.perf_analyzer import write_inputs  # noqa: PLC0415
-    from bench.workload import WorkloadBuilder  # noqa: PLC0415
+    from bench.perf_analyzer import write_inputs
+    from bench.workload import WorkloadBuilder
 
     spec = _workload_spec(args)
     requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")

@@ -78,7 +78,7 @@ class Router:
         self._next_encoder = itertools.cycle(range(len(self.encode_urls)))
 
     async def start(self) -> None:
-        import aiohttp  # noqa: PLC0415
+        import aiohttp
 
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
@@ -110,7 +110,7 @@ class Router:
         return len(payloads)
 
     async def chat_completions(self, request: Any) -> Any:
-        from aiohttp import web  # noqa: PLC0415
+        from aiohttp import web
 
         try:
             body = await request.json()
@@ -137,14 +137,14 @@ class Router:
             await response.write_eof()
             return response
 
-    async def health(self, request: Any) -> Any:  # noqa: ARG002
-        from aiohttp import web  # noqa: PLC0415
+    async def health(self, request: Any) -> Any:
+        from aiohttp import web
 
         async def ok(url: str) -> bool:
             try:
                 async with self.session.get(f"{url}/health") as response:
                     return response.status == 200
-            except Exception:  # noqa: BLE001 - down is an answer
+            except Exception:  # down is an answer
                 return False
 
         urls = [*self.encode_urls, self.decode_url]
@@ -152,14 +152,14 @@ class Router:
         healthy = all(states)
         return web.json_response({"healthy": healthy, **dict(zip(urls, states))}, status=200 if healthy else 503)
 
-    async def models(self, request: Any) -> Any:  # noqa: ARG002
-        from aiohttp import web  # noqa: PLC0415
+    async def models(self, request: Any) -> Any:
+        from aiohttp import web
 
         async with self.session.get(f"{self.decode_url}/v1/models") as upstream:
             return web.Response(body=await upstream.read(), status=upstream.status, content_type=upstream.content_type)
 
     def app(self) -> Any:
-        from aiohttp import web  # noqa: PLC0415
+        from aiohttp import web
 
         app = web.Application(client_max_size=256 << 20)  # images travel inline as data URIs
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -176,13 +176,13 @@ class Router:
 
 
 def _error(status: int, message: str) -> Any:
-    from aiohttp import web  # noqa: PLC0415
+    from aiohttp import web
 
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from aiohttp import web  # noqa: PLC0415
+    from aiohttp import web
 
     parser = argparse.ArgumentParser(prog="python -m bench.epd_router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")

@@ -35,8 +35,8 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 4)
 
 
-def _reader(config: StoreConfig, references: list[bytes], reps: int, queue) -> None:  # noqa: ANN001
-    import torch  # noqa: PLC0415
+def _reader(config: StoreConfig, references: list[bytes], reps: int, queue) -> None:
+    import torch
 
     rows = []
     with EmbeddingStore(config) as store:
@@ -58,7 +58,7 @@ def _reader(config: StoreConfig, references: list[bytes], reps: int, queue) -> N
 
 
 def measure(reps: int) -> list[dict[str, Any]]:
-    import torch  # noqa: PLC0415
+    import torch
 
     capacity = 2 * sum(rows * hidden * 2 for rows, hidden in SIZES)  # the kept entries + churn
     with tempfile.TemporaryDirectory(prefix="epd-gpu-bench-", dir="/dev/shm") as path:
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/latest/gpu_store"))
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    import torch  # noqa: PLC0415
+    import torch
 
     gpu = torch.cuda.get_device_name(0)
     results = measure(args.reps)

@@ -74,7 +74,7 @@ class RequestRecord:
             await asyncio.wait_for(stream(record, started), timeout_s)
         except asyncio.TimeoutError:
             record.error = f"timeout after {timeout_s:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - one failed request must not end the run
+        except Exception as exc:  # one failed request must not end the run
             record.error = f"{type(exc).__name__}: {exc}"
         return record
 

@@ -161,13 +161,13 @@ class PeerServerInfo:
     def __init__(self, name: str, version: str, configs: dict[str, dict[str, Any]]) -> None:
         self.name, self.version, self.configs = name, version, configs
 
-    async def get_server_metadata(self, as_json: bool = True) -> dict[str, Any]:  # noqa: ARG002
+    async def get_server_metadata(self, as_json: bool = True) -> dict[str, Any]:
         return {"name": self.name, "version": self.version}
 
-    async def get_model_repository_index(self, as_json: bool = True) -> dict[str, Any]:  # noqa: ARG002
+    async def get_model_repository_index(self, as_json: bool = True) -> dict[str, Any]:
         return {"models": [{"name": name, "state": "READY"} for name in self.configs]}
 
-    async def get_model_config(self, name: str, as_json: bool = True) -> dict[str, Any]:  # noqa: ARG002
+    async def get_model_config(self, name: str, as_json: bool = True) -> dict[str, Any]:
         return {"config": self.configs[name]}
 
 
@@ -187,7 +187,7 @@ class OpenAIChatTarget:
 
     def _http(self) -> Any:
         if self._session is None:
-            import aiohttp  # noqa: PLC0415
+            import aiohttp
 
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
@@ -207,14 +207,14 @@ class OpenAIChatTarget:
                 if response.status == 200:
                     return None
                 return f"{self.base_url}/health answered {response.status}"
-        except Exception as exc:  # noqa: BLE001 - any transport failure is a reason to skip
+        except Exception as exc:  # any transport failure is a reason to skip
             return f"cannot reach {self.base_url}: {exc}"
 
-    def prepare(self, request: BenchRequest, model: str) -> PreparedChat:  # noqa: ARG002 - one model per target
+    def prepare(self, request: BenchRequest, model: str) -> PreparedChat:  # one model per target
         body = chat_body(request, self.served_model, self.want_prompt_text)
         return PreparedChat(request, json.dumps(body).encode("utf-8"))
 
-    async def send(self, model: str, prepared: PreparedChat, timeout_s: float) -> RequestRecord:  # noqa: ARG002
+    async def send(self, model: str, prepared: PreparedChat, timeout_s: float) -> RequestRecord:
         """One request; transport and server errors end up in ``record.error``, never raised."""
         record = await RequestRecord.of_request(
             prepared.request, lambda record, started: self._stream(prepared, record, started), timeout_s

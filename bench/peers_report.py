@@ -1,14 +1,20 @@
-"""Outputs of ``bench peers``: the usual files (summary.json, raw.json, results.csv, plots)
-plus peers.csv (ratios against the best peer) and a results.md that starts with what the
-peer comparison is for: the goals, the ratios against the best peer and output equality."""
+"""What ``bench peers`` concludes and writes: the comparisons (ratios against the best peer,
+the issue's goals, validity warnings, sweep-time token agreement) and the outputs: the usual
+files (summary.json, raw.json, results.csv, plots) plus peers.csv and a results.md that starts
+with what the peer comparison is for: the goals, the ratios against the best peer and output
+equality."""
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.metrics import RequestRecord
+from bench.peer_servers import COLOCATED, PEER_MODELS
 from bench.report import markdown, write_outputs
+from bench.sweep import RATIO_METRICS
 
 PEER_SHORT = {"vllm-colocated": "C", "vllm-colocated:repeated": "C", "vllm-epd": "E", "vllm-epd:repeated": "E"}
 RATIO_COLUMNS = (
@@ -20,6 +26,146 @@ RATIO_COLUMNS = (
     ("request_throughput", "req/s"),
     ("output_token_throughput", "tok/s"),
 )
+
+
+THROUGHPUT_METRICS = ("request_throughput", "output_token_throughput")
+# The issue's stated goals (ours, CPU).
+E2E_GOAL_FACTOR = 1.15
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparison against the best peer
+# ---------------------------------------------------------------------------------------------
+
+
+def policy_of(label: str) -> str:
+    """Media policy class of a mode label: repeated vs unique (default counts as unique
+    when the plain modes use no reuse, which is how bench-peers runs)."""
+    return "repeated" if label.endswith(":repeated") else "unique"
+
+
+def model_of(label: str) -> str:
+    return label.partition(":")[0]
+
+
+def _value(point: dict[str, Any], metric: str, stat: str | None) -> float | None:
+    value = point["summary"].get(metric)
+    return value.get(stat) if stat and isinstance(value, dict) else value
+
+
+def best_peer_ratios(
+    points: Sequence[dict[str, Any]], peer_models: Sequence[str] = PEER_MODELS
+) -> list[dict[str, Any]]:
+    """For each of our modes and load point: per metric, ours / the best peer's value among
+    the peer modes with the same media policy at the same load point (best = lowest latency,
+    highest throughput), and which peer that was."""
+    ran = [p for p in points if p.get("status") == "ran"]
+    peers = [p for p in ran if model_of(p["mode"]) in peer_models]
+    rows = []
+    for point in ran:
+        if model_of(point["mode"]) in peer_models:
+            continue
+        candidates = [p for p in peers
+                      if p["load_label"] == point["load_label"] and policy_of(p["mode"]) == policy_of(point["mode"])]
+        if not candidates:
+            continue
+        row: dict[str, Any] = {"mode": point["mode"], "load_label": point["load_label"], "best_peer": {}}
+        for metric, stat in RATIO_METRICS:
+            name = f"{metric}_{stat}" if stat else metric
+            values = [(v, p["mode"]) for p in candidates if (v := _value(p, metric, stat)) is not None]
+            ours = _value(point, metric, stat)
+            if not values or ours is None:
+                row[name] = None
+                continue
+            best, who = (max if metric in THROUGHPUT_METRICS else min)(values)
+            row[name] = ours / best if best else None
+            row["best_peer"][name] = who
+        rows.append(row)
+    return rows
+
+
+def _point(points: Sequence[dict[str, Any]], mode: str, load_label: str) -> dict[str, Any] | None:
+    ran = (p for p in points if p.get("status") == "ran")
+    return next((p for p in ran if p["mode"] == mode and p["load_label"] == load_label), None)
+
+
+def _top_stages(point: dict[str, Any], count: int = 3) -> str:
+    ms = point.get("stages", {}).get("ms", {})
+    top = sorted(ms.items(), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{name} {value:.0f} ms" for name, value in top) or "no stage timings"
+
+
+def goal_checks(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's goals at every load point both modes ran: ``epd:repeated`` beats
+    ``vllm-epd:repeated`` on TTFT p50 and p90; ``epd`` e2e p50 within 1.15x ``vllm-colocated``'s."""
+    checks = []
+    labels = list(dict.fromkeys(p["load_label"] for p in points if p.get("status") == "ran"))
+    for label in labels:
+        ours, peer = _point(points, "epd:repeated", label), _point(points, "vllm-epd:repeated", label)
+        if ours and peer:
+            for stat in ("p50", "p90"):
+                a, b = ours["summary"]["ttft_ms"][stat], peer["summary"]["ttft_ms"][stat]
+                if a is None or b is None:
+                    continue
+                checks.append({
+                    "goal": f"epd:repeated TTFT {stat} < vllm-epd:repeated", "load_label": label,
+                    "ours_ms": a, "peer_ms": b, "ratio": a / b, "met": a < b,
+                    "ours_stages": _top_stages(ours), "peer_stages": _top_stages(peer),
+                })
+        ours, peer = _point(points, "epd", label), _point(points, COLOCATED, label)
+        if ours and peer:
+            a, b = ours["summary"]["e2e_ms"]["p50"], peer["summary"]["e2e_ms"]["p50"]
+            if a is not None and b is not None:
+                checks.append({
+                    "goal": f"epd e2e p50 <= {E2E_GOAL_FACTOR}x vllm-colocated", "load_label": label,
+                    "ours_ms": a, "peer_ms": b, "ratio": a / b, "met": a <= E2E_GOAL_FACTOR * b,
+                    "ours_stages": _top_stages(ours), "peer_stages": _top_stages(peer),
+                })
+    return checks
+
+
+def validity_warnings(points: Sequence[dict[str, Any]]) -> list[str]:
+    """Measurements that do not mean what their mode says: a unique-media point whose images
+    were served from our store (an earlier run's images, or another server's), a point
+    with errors."""
+    warnings = []
+    for p in points:
+        if p.get("status") != "ran":
+            continue
+        s = p["summary"]
+        if policy_of(p["mode"]) == "unique" and (s.get("cache_hits") or 0) > 0:
+            warnings.append(f"{p['mode']} {p['load_label']}: {s['cache_hits']:.0f} store hits with unique images "
+                            "(the images were not new to the store: use a fresh --media-salt)")
+        if s.get("errors"):
+            warnings.append(f"{p['mode']} {p['load_label']}: {s['errors']:.0f} failed requests")
+    return warnings
+
+
+def agreement_by_policy(
+    records: dict[tuple[str, str], list[RequestRecord]], baseline_model: str = "llm"
+) -> dict[str, float | None]:
+    """Sweep-time token agreement: each mode against the baseline model run with the same
+    media policy at the same load point, request by request (the workload is the same).
+    Under concurrency the batches differ between servers, so a random-weight model's
+    near-tied logits may flip a token here; the equality pass (one request at a time) is
+    the test of equal outputs."""
+    agreement: dict[str, float | None] = {}
+    for (label, load), recs in records.items():
+        if model_of(label) == baseline_model:
+            continue
+        base_label = baseline_model if policy_of(label) == "unique" else f"{baseline_model}:repeated"
+        base = records.get((base_label, load))
+        if base is None:
+            continue
+        base_tokens = {r.key: r.output_token_ids for r in base if r.ok}
+        pairs = [(r.output_token_ids, base_tokens[r.key]) for r in recs if r.ok and r.key in base_tokens]
+        agreement[f"{label} {load} vs {base_label}"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+    return agreement
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -41,7 +187,7 @@ def write_peer_outputs(out: Path, summary: dict[str, Any], raw: list[dict[str, A
             })
     written.append(out / "peers.csv")
     if plots and summary["points"]:
-        from bench.plots import write_peer_plots  # noqa: PLC0415 - matplotlib is slow to import
+        from bench.plots import write_peer_plots  # matplotlib is slow to import
 
         written.extend(write_peer_plots(summary, out))
     names = [p.name for p in written if p.suffix == ".png"]
@@ -51,9 +197,9 @@ def write_peer_outputs(out: Path, summary: dict[str, Any], raw: list[dict[str, A
 
 def peers_markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> str:
     """report.markdown's document with the peer sections after its header."""
+    servers = "- Servers: one group at a time, each started and stopped by the harness (below)"
     base = "\n".join(
-        "- Servers: one group at a time, each started and stopped by the harness (below)" if line.startswith("- Server: ") else line
-        for line in markdown(summary, plot_names).split("\n")
+        servers if line.startswith("- Server: ") else line for line in markdown(summary, plot_names).split("\n")
     )
     head, sep, rest = base.partition("\n## Latency and throughput")
     return head.rstrip("\n") + "\n" + "\n".join(_peer_lines(summary)) + "\n" + sep + rest
@@ -64,7 +210,8 @@ def _peer_lines(summary: dict[str, Any]) -> list[str]:
     warnings = [f"- **{w}**" for w in peers.get("warnings", [])]
     return (
         (["", "## Warnings", "", *warnings] if warnings else [])
-        + _group_lines(peers) + _goal_lines(peers) + _best_peer_lines(peers) + _equality_lines(peers) + _proof_lines(peers)
+        + _group_lines(peers) + _goal_lines(peers) + _best_peer_lines(peers)
+        + _equality_lines(peers) + _proof_lines(peers)
     )
 
 
@@ -88,23 +235,26 @@ def _group_lines(peers: dict[str, Any]) -> list[str]:
     for group in peers["groups"]:
         quiet = group.get("quiet")
         if quiet:
-            lines.append(f"- before {group['group']}: waited {quiet['waited_s']:.0f} s for other work to leave the CPUs "
-                         f"(busy {quiet['busy_share_at_start']:.0%} when it started)")
+            lines.append(f"- before {group['group']}: waited {quiet['waited_s']:.0f} s for other work to leave the "
+                         f"CPUs (busy {quiet['busy_share_at_start']:.0%} when it started)")
         if "error" in group:
-            lines.append(f"- **{group['group']}** ({', '.join(group['modes'])}): did not start: {group['error'].splitlines()[0]}")
+            lines.append(f"- **{group['group']}** ({', '.join(group['modes'])}): did not start: "
+                         f"{group['error'].splitlines()[0]}")
             continue
         processes = group.get("processes")
         what = ("processes: " + ", ".join(processes)) if processes else "one tritonserver"
         lines.append(
             f"- **{group['group']}** ({', '.join(group['modes'])}): {group['server'].get('name')} "
-            f"{group['server'].get('version')}; {what}; ready in {group['ready_s']:.0f} s, sweep {group['sweep_s']:.0f} s, "
+            f"{group['server'].get('version')}; {what}; ready in {group['ready_s']:.0f} s, "
+            f"sweep {group['sweep_s']:.0f} s, "
             f"equality pass {group['equality_s']:.0f} s, {group.get('wall_s', 0):.0f} s in all"
         )
     settings = peers["settings"]
     lines += [
         "",
         f"Peer engines get our `cpu` target's engine args {settings['engine_args']} and environment "
-        f"{settings['vllm_env']}; vLLM-EPD's encoder {settings['encoder_env'] or 'default binding'} (our prefill's core), "
+        f"{settings['vllm_env']}; vLLM-EPD's encoder {settings['encoder_env'] or 'default binding'} "
+        "(our prefill's core), "
         f"its consumer {settings['consumer_env'] or 'default binding'} (our decode's core); the colocated engine keeps "
         "vLLM's default binding, as our `llm` does. Exact command lines: `summary.json` -> `peers.groups`.",
     ]
@@ -182,9 +332,13 @@ def _equality_lines(peers: dict[str, Any]) -> list[str]:
             if cell is None:
                 cells.append("")
                 continue
-            text = "=" if cell["verdict"] == "equal" else cell["verdict"] if not cell["error"] else f"error: {cell['error'][:60]}"
+            if cell["error"]:
+                text = f"error: {cell['error'][:60]}"
+            else:
+                text = "=" if cell["verdict"] == "equal" else cell["verdict"]
             if cell["cache_hits"]:
                 text += f" (hits {cell['cache_hits']})"
             cells.append(text)
-        lines.append(f"| {row['key']} | {row['policy']} | {'/'.join(str(c) for c in counts)} | " + " | ".join(cells) + " |")
+        counted = "/".join(str(c) for c in counts)
+        lines.append(f"| {row['key']} | {row['policy']} | {counted} | " + " | ".join(cells) + " |")
     return lines

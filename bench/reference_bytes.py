@@ -41,7 +41,7 @@ def _counter(url: str, name: str) -> float:
 
 def _encode_bytes(url: str, image: bytes) -> tuple[int, int]:
     """(bytes of image_embeds, tokens) that `encode` returns for ``image``."""
-    import tritonclient.grpc as grpcclient  # noqa: PLC0415
+    import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
     try:
@@ -55,7 +55,7 @@ def _encode_bytes(url: str, image: bytes) -> tuple[int, int]:
 
 
 def measure(server: TritonServer) -> list[dict[str, Any]]:
-    from bench.encode import photo_like_jpeg  # noqa: PLC0415
+    from bench.encode import photo_like_jpeg
 
     epd = GrpcClient(server.grpc_url, "epd")
     rows = []
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    from builders.launcher import prepare  # noqa: PLC0415
+    from builders.launcher import prepare
 
     prepare("cpu", None, REPO_ROOT / "model_repository")
     extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in MODELS))

@@ -64,7 +64,7 @@ def write_outputs(out: Path, summary: dict[str, Any], raw: list[dict[str, Any]],
         writer.writeheader()
         writer.writerows(rows)
     if plots and rows:
-        from bench.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import
+        from bench.plots import write_plots  # matplotlib is slow to import
 
         written.extend(write_plots(summary, out))
     (out / "results.md").write_text(markdown(summary, [p.name for p in written if p.suffix == ".png"]))

@@ -36,8 +36,8 @@ class TritonGrpcTarget:
     """Sends requests to one Triton server; safe to share between tasks of one event loop."""
 
     def __init__(self, url: str) -> None:
-        import tritonclient.grpc as grpcclient  # noqa: PLC0415 - keep `--help` fast
-        import tritonclient.grpc.aio as grpcaio  # noqa: PLC0415
+        import tritonclient.grpc as grpcclient  # keep `--help` fast
+        import tritonclient.grpc.aio as grpcaio
 
         self.url = url
         self._grpc = grpcclient
@@ -53,7 +53,7 @@ class TritonGrpcTarget:
                 return f"server at {self.url} is not live"
             if await self.client.is_model_ready(model):
                 return None
-        except Exception as exc:  # noqa: BLE001 - any transport failure is a reason to skip
+        except Exception as exc:  # any transport failure is a reason to skip
             return f"cannot reach {self.url}: {exc}"
         return f"model '{model}' is not loaded on {self.url}"
 

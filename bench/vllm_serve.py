@@ -27,7 +27,7 @@ def _version(name: str) -> str:
 
 def main() -> None:
     importlib.metadata.version = _version
-    from vllm.entrypoints.cli.main import main as vllm_main  # noqa: PLC0415 - after the fix
+    from vllm.entrypoints.cli.main import main as vllm_main  # after the fix
 
     sys.argv[0] = "vllm"
     vllm_main()

@@ -209,7 +209,7 @@ class FolderMedia:
         order = np.random.default_rng(seed).permutation(len(files))
         self.files = [files[i] for i in order]
 
-    def image(self, key: str, size: tuple[int, int]) -> bytes:  # noqa: ARG002 - real files keep their size
+    def image(self, key: str, size: tuple[int, int]) -> bytes:  # real files keep their size
         return self.files[_stable_seed(key) % len(self.files)].read_bytes()
 
 
@@ -223,7 +223,7 @@ class PromptMaker:
     def __init__(self, tokenizer_path: Path | None) -> None:
         self._tokenizer = None
         if tokenizer_path is not None:
-            from tokenizers import Tokenizer  # noqa: PLC0415 - optional, light
+            from tokenizers import Tokenizer  # optional, light
 
             self._tokenizer = Tokenizer.from_file(str(tokenizer_path))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import PeerSettings, vllm_colocated
+from bench.peer_servers import PeerSettings, vllm_colocated
 from bench.triton_target import TritonGrpcTarget
 from bench.workload import LengthDist, WorkloadBuilder, WorkloadSpec
 from builders.tritonserver import REPO_ROOT, TritonServer
@@ -38,12 +38,14 @@ def test_vllm_colocated_peer_matches_our_llm(server: TritonServer, model_dir: Pa
         async def peer() -> tuple[list, dict[str, str]]:
             target = handle.make_target(True)
             try:
-                return [await target.send("vllm-colocated", target.prepare(r, "vllm-colocated"), 120.0) for r in requests], target.rendered_prompts
+                model = "vllm-colocated"
+                sent = [await target.send(model, target.prepare(r, model), 120.0) for r in requests]
+                return sent, target.rendered_prompts
             finally:
                 await target.close()
 
         records, rendered = asyncio.run(peer())
-    for request, mine, theirs in zip(requests, expected, records):
+    for request, mine, theirs in zip(requests, expected, records, strict=True):
         assert theirs.ok, theirs.error
         assert rendered[request.key] == request.prompt  # vLLM's chat template gives our prompt, exactly
         assert theirs.num_input_tokens == mine.num_input_tokens

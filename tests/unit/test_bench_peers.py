@@ -33,22 +33,18 @@ from bench.openai_target import (
     fold_chunk,
     parse_chat_prompt,
 )
-from bench.peers import (
-    GroupHandle,
-    ManagedProcess,
-    PeerRun,
-    PeerRunConfig,
-    PeerSettings,
-    StartError,
+from bench.peer_equality import equality_table
+from bench.peer_servers import GroupHandle, PeerSettings, peer_process, serve_flags, wait_healthy
+from bench.peers import PeerRun, PeerRunConfig
+from bench.peers_report import (
     agreement_by_policy,
     best_peer_ratios,
-    equality_table,
     goal_checks,
-    serve_flags,
-    wait_healthy,
+    validity_warnings,
+    write_peer_outputs,
 )
-from bench.peers_report import write_peer_outputs
 from bench.sweep import ModeSpec, SweepConfig
+from builders.processes import StartError
 from bench.workload import BenchRequest, LengthDist, WorkloadSpec
 from client.epd_client import chat_prompt
 
@@ -108,7 +104,7 @@ class FakeVllm:
         await response.write_eof()
         return response
 
-    async def health(self, request: web.Request) -> web.Response:  # noqa: ARG002
+    async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     def app(self) -> web.Application:
@@ -146,7 +142,7 @@ async def _through_router(encoders: list[FakeVllm], consumer: FakeVllm, body: di
         enc_urls = [await stack.enter_async_context(serve(e.app())) for e in encoders]
         dec_url = await stack.enter_async_context(serve(consumer.app()))
         router_url = await stack.enter_async_context(serve(Router(enc_urls, dec_url).app()))
-        import aiohttp  # noqa: PLC0415
+        import aiohttp
 
         async with aiohttp.ClientSession() as session:
             async with session.post(f"{router_url}/v1/chat/completions", json=body) as response:
@@ -300,16 +296,18 @@ def test_peer_settings_follow_our_cpu_target(tmp_path: Path) -> None:
     assert "--mm-encoder-only" in command and "--enforce-eager" in command and command[command.index("--port") + 1] == "1234"
 
 
-def test_managed_process_stops_its_process_group(tmp_path: Path) -> None:
-    proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], {}, tmp_path / "s.log")
+def test_a_peer_process_stops_with_its_process_group(tmp_path: Path) -> None:
+    proc = peer_process("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], {}, tmp_path / "s.log")
     proc.start()
     assert proc.exited() is None
-    proc.stop(timeout_s=5)
+    report = proc.stop(timeout_s=5)
     assert proc.exited() is not None
+    assert report is not None and not report.killed  # SIGTERM was enough
+    assert (tmp_path / "s.log").read_text().startswith("$ " + sys.executable)  # the log names the command
 
 
 def test_wait_healthy_names_a_process_that_died(tmp_path: Path) -> None:
-    proc = ManagedProcess("dies", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], {}, tmp_path / "d.log")
+    proc = peer_process("dies", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], {}, tmp_path / "d.log")
     proc.start()
     proc.process.wait(10)
     with pytest.raises(StartError, match="exited with code 3"):
@@ -412,10 +410,10 @@ class ScriptedTarget:
     async def not_ready_reason(self, model: str) -> str | None:
         return None if model in self.models else f"'{model}' not served"
 
-    def prepare(self, request: BenchRequest, model: str) -> BenchRequest:  # noqa: ARG002
+    def prepare(self, request: BenchRequest, model: str) -> BenchRequest:
         return request
 
-    async def send(self, model: str, request: BenchRequest, timeout_s: float) -> RequestRecord:  # noqa: ARG002
+    async def send(self, model: str, request: BenchRequest, timeout_s: float) -> RequestRecord:
         await asyncio.sleep(0)
         seed = zlib.crc32(request.prompt.encode() + b"".join(request.images))
         tokens = request.sampling["max_tokens"]
@@ -507,7 +505,7 @@ def test_a_group_that_fails_to_start_is_reported_and_the_run_goes_on(tmp_path: P
 
 
 def test_a_noisy_repetition_is_measured_again_with_fresh_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench.sweep as sweep_module  # noqa: PLC0415
+    import bench.sweep as sweep_module
 
     shares = iter([0.6, 0.1, 0.05])  # rep 1: noisy, then clean; rep 2: clean
     real = sweep_module.cpu_usage
@@ -537,7 +535,7 @@ def test_a_noisy_repetition_is_measured_again_with_fresh_requests(monkeypatch: p
 
 
 def test_pool_primers_show_every_pool_image_once() -> None:
-    from bench.workload import WorkloadBuilder  # noqa: PLC0415
+    from bench.workload import WorkloadBuilder
 
     spec = WorkloadSpec(media_pool_size=3, images_per_request=LengthDist.parse("2"), image_sizes=((32, 24), (16, 16)))
     builder = WorkloadBuilder(spec)
@@ -553,7 +551,7 @@ def test_pool_primers_show_every_pool_image_once() -> None:
 
 
 def test_media_salt_changes_images_not_prompts() -> None:
-    from bench.workload import WorkloadBuilder  # noqa: PLC0415
+    from bench.workload import WorkloadBuilder
 
     plain = WorkloadBuilder(WorkloadSpec(image_sizes=((32, 24),))).build(3, 0.5, "measure", 0, 0)
     salted = WorkloadBuilder(WorkloadSpec(image_sizes=((32, 24),), media_salt="run-2")).build(3, 0.5, "measure", 0, 0)
@@ -565,7 +563,7 @@ def test_media_salt_changes_images_not_prompts() -> None:
 
 
 def test_peers_command_salts_media_per_run_and_run_does_not() -> None:
-    from bench.cli import _workload_spec, build_parser  # noqa: PLC0415
+    from bench.cli import _workload_spec, build_parser
 
     peers = _workload_spec(build_parser().parse_args(["peers"]))
     assert peers.media_salt  # a fresh salt
@@ -574,7 +572,6 @@ def test_peers_command_salts_media_per_run_and_run_does_not() -> None:
 
 
 def test_unique_media_served_from_the_store_is_flagged() -> None:
-    from bench.peers import validity_warnings  # noqa: PLC0415
 
     hit = point("epd", "c=1", 20, 150, 5.0)
     hit["summary"]["cache_hits"] = 24
