@@ -56,8 +56,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Hub layout first; transformers 5 save_pretrained may keep its load-time names.
 VISION_PREFIXES: tuple[str, ...] = ("visual.", "model.visual.")
-ONNX_FILE = contract.ONNX_FILE
-PLAN_FILE = contract.PLAN_FILE
+ONNX_FILE, PLAN_FILE = contract.ONNX_FILE, contract.PLAN_FILE
 ONNX_OPSET = 18
 # Above this, weights go to an external data file (protobuf's hard limit is 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
@@ -289,11 +288,8 @@ def _write_metadata(onnx_path: Path, dims: dict[str, int]) -> None:
     model = onnx.load(str(onnx_path), load_external_data=False)
     # The exporter names the output's row count after an internal symbol ("s71"); say what it is.
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "merged_tokens"
-    values = {
-        META_MERGE_SIZE: dims["merge_size"],
-        META_PATCH_DIM: dims["patch_dim"],
-        META_HIDDEN_SIZE: dims["hidden_size"],
-    }
+    names = {"merge_size": META_MERGE_SIZE, "patch_dim": META_PATCH_DIM, "hidden_size": META_HIDDEN_SIZE}
+    values = {meta: dims[name] for name, meta in names.items()}
     existing = {prop.key for prop in model.metadata_props}
     for key, value in values.items():
         if key not in existing:
