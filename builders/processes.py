@@ -173,11 +173,15 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _kill_group(pgid: int) -> int:
-    """SIGKILL every process of the group; returns how many were alive."""
+def _kill_group(pgid: int, settle_s: float = 5.0) -> int:
+    """SIGKILL every process of the group and wait (up to ``settle_s``) until none runs, so that
+    a caller that checks for leftovers right after a stop sees none; returns how many were alive."""
     alive = len(_group_members(pgid))
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + settle_s
+    while alive and _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return alive
 
 

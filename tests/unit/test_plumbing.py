@@ -234,3 +234,33 @@ def test_event_loop_stop_lets_cancelled_tasks_finish_their_cleanup():
     loop.submit(request())
     loop.stop()
     assert cleaned == ["done"]
+
+
+def test_launcher_stops_on_the_first_signal_and_ignores_the_next(monkeypatch: pytest.MonkeyPatch):
+    import signal
+
+    from builders import launcher
+
+    installed = {}
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: installed.setdefault(signum, handler))
+    launcher.install_stop_handlers()
+    handler = installed[signal.SIGINT]
+    assert installed[signal.SIGTERM] is handler  # docker stop / systemd stop like Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+    handler(signal.SIGTERM, None)  # a second signal while stopping must not cut the stop short
+
+
+def test_launcher_gives_a_server_its_own_store_and_kv_folder(tmp_path: Path):
+    import dataclasses
+
+    from builders.launcher import cache_policy, parse_args
+    from builders.repository import TARGETS
+
+    args = parse_args(["--cache-path", str(tmp_path / "store"), "--kv-store-path", str(tmp_path / "kv")])
+    policy = cache_policy(args)
+    assert policy == dataclasses.replace(TARGETS["cpu"].cache, path=str(tmp_path / "store"))
+    assert args.kv_store_path == tmp_path / "kv"
+    assert cache_policy(parse_args([])) is None  # no override: the target's policy as is
+    scoped = cache_policy(parse_args(["--cache-path", "/x", "--cache-scope", "instance"]))
+    assert (scoped.path, scoped.scope) == ("/x", "instance")
