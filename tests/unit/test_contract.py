@@ -164,6 +164,23 @@ def test_model_parameters_fall_back_to_the_contracts_one_default() -> None:
         ModelParameters("m", {contract.MAX_IMAGES: "-1"}).integer(contract.MAX_IMAGES)
 
 
+def test_the_contract_is_one_namespace() -> None:
+    """Every public name defined in a part of the package is ``contract.<name>`` (the package
+    re-exports its parts; a name missing from a part's ``__all__`` would not be)."""
+    parts = sorted((REPO_ROOT / "python_backends" / "contract").glob("[!_]*.py"))
+    assert {p.stem for p in parts} == {"interfaces", "names", "parameters"}
+    for part in parts:
+        tree = ast.parse(part.read_text())
+        defined = {
+            target.id
+            for node in tree.body
+            for target in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
+            if isinstance(target, ast.Name)
+        } | {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        missing = {name for name in defined if not name.startswith("_") and name != "__all__"} - set(vars(contract))
+        assert not missing, f"{part.name}: {sorted(missing)}"
+
+
 def test_the_contract_imports_without_triton_torch_or_vllm() -> None:
     probe = (
         "import sys; import python_backends.contract; "
