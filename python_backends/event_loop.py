@@ -23,6 +23,7 @@ class EventLoopThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # submitted ones now running (loop thread only)
         self._lock = threading.Lock()
         self._thread.start()
 
@@ -36,11 +37,20 @@ class EventLoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         """Fire-and-track: the coroutine must report its own errors to its client."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._finished)
         return future
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._tasks.discard(task)
 
     def _finished(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
@@ -53,13 +63,15 @@ class EventLoopThread:
         with self._lock:
             return len(self._pending)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Cancel every task on the loop and wait (up to ``timeout_s``) until each has run its
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Cancel every submitted coroutine and wait (up to ``timeout_s``) until each has run its
         cleanup -- a cancelled request still aborts its engine request and ends its stream --
-        then stop the loop and its thread."""
+        then stop the loop and its thread. Tasks a library runs on the loop (vLLM's output
+        handler) are left to that library's own shutdown."""
 
-        async def cancel_all() -> None:
-            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        async def cancel_submitted() -> None:
+            await asyncio.sleep(0)  # coroutines submitted just before start running
+            tasks = list(self._tasks)
             for task in tasks:
                 task.cancel()
             if tasks:
@@ -67,8 +79,12 @@ class EventLoopThread:
 
         if self.loop.is_running():
             try:
-                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout_s + 1.0)
+                asyncio.run_coroutine_threadsafe(cancel_submitted(), self.loop).result(timeout_s + 1.0)
             except Exception:
                 log.warning("tasks still running when the event loop stopped", exc_info=True)
+        with self._lock:
+            never_started = list(self._pending)
+        for future in never_started:
+            future.cancel()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)

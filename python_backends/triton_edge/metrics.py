@@ -12,7 +12,6 @@ family.
 from __future__ import annotations
 
 import asyncio
-import gc
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -63,11 +62,11 @@ class ModelMetrics:
         return self._metrics.get(key)
 
     def release(self) -> None:
-        """Drop every metric, then every family, while the stub is still alive."""
+        """Drop every metric, then every family, while the stub is still alive. Only this object
+        holds them, so each is destroyed as its entry goes (no collection pass: that would also
+        run the finalizers of whatever else is garbage, such as a shut-down vLLM engine's)."""
         self._metrics.clear()
-        gc.collect()
         self._families.clear()
-        gc.collect()
 
 
 class CacheMetrics:
