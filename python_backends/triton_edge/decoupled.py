@@ -30,7 +30,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ class DecoupledModel:
     def parse(self, inputs: dict[str, Any], request: pb_utils.InferenceRequest) -> Any:
         raise NotImplementedError
 
-    def serve(self, parsed: Any, request_id: str) -> AsyncIterator[Any]:
+    def serve(self, parsed: Any, request_id: str) -> AsyncGenerator[Any, None]:
         raise NotImplementedError
 
     def request_id(self, parsed: Any) -> str:
@@ -189,9 +189,9 @@ class DecoupledModel:
         finally:
             await self._end(stream, request_id, sender, ended)
 
-    async def _end(self, stream: AsyncIterator[Any], request_id: str, sender: Any, ended: bool) -> None:
+    async def _end(self, stream: AsyncGenerator[Any, None], request_id: str, sender: Any, ended: bool) -> None:
         try:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
             if not ended and callable(getattr(self.engine, "abort", None)):
                 await self.engine.abort(request_id)
         except Exception as exc:
