@@ -38,9 +38,9 @@ from typing import Any
 
 import pytest
 
-from python_backends.errors import EpdError, ErrorCode
 from builders.launcher import prepare
 from builders.tritonserver import REPO_ROOT
+from python_backends.errors import EpdError, ErrorCode
 
 ENGINE_ARGS = REPO_ROOT / "model_repository" / "llm" / "1" / "engine_args.json"
 MAX_TOKENS = 12
@@ -275,8 +275,10 @@ def test_bad_transfer_params_are_clear_errors(engines: Engines) -> None:
         ("path traversal", {**good, "transfer_id": "../../etc/passwd"}, images, ErrorCode.INVALID_ARG, "transfer_id"),
         ("unknown id", {**good, "transfer_id": "0" * 32}, images, ErrorCode.NOT_FOUND, "not found"),
         ("altered digest", {**good, "digest": "f" * 64}, images, ErrorCode.INVALID_ARG, "do not match"),
-        ("altered token count", {**good, "num_prompt_tokens": good["num_prompt_tokens"] - 1}, images, ErrorCode.INVALID_ARG, "do not match"),
-        ("altered first token", {**good, "first_token_id": (good["first_token_id"] + 1) % 1000}, images, ErrorCode.INVALID_ARG, "first_token_id"),
+        ("altered token count", {**good, "num_prompt_tokens": good["num_prompt_tokens"] - 1}, images,
+         ErrorCode.INVALID_ARG, "do not match"),
+        ("altered first token", {**good, "first_token_id": (good["first_token_id"] + 1) % 1000}, images,
+         ErrorCode.INVALID_ARG, "first_token_id"),
         ("images missing", good, [], ErrorCode.INVALID_ARG, "image"),
         ("other image", good, other_image, ErrorCode.INVALID_ARG, "could not load"),
     ]
@@ -370,7 +372,9 @@ def test_timings_prefill_decode_vs_colocated(engines: Engines) -> None:
     low = {k: min(v) * 1000 for k, v in rows.items()}
     print(
         f"\n[pd] {len(rows['pd_e2e'])} requests x {MAX_TOKENS} tokens, sequential, median (min) ms: "
-        f"colocated e2e {med['col_e2e']:.0f} ({low['col_e2e']:.0f}), TTFT {med['col_ttft']:.0f} ({low['col_ttft']:.0f}); "
-        f"P+D e2e {med['pd_e2e']:.0f} ({low['pd_e2e']:.0f}), TTFT = prefill {med['pd_ttft']:.0f} ({low['pd_ttft']:.0f}), "
+        f"colocated e2e {med['col_e2e']:.0f} ({low['col_e2e']:.0f}), "
+        f"TTFT {med['col_ttft']:.0f} ({low['col_ttft']:.0f}); "
+        f"P+D e2e {med['pd_e2e']:.0f} ({low['pd_e2e']:.0f}), "
+        f"TTFT = prefill {med['pd_ttft']:.0f} ({low['pd_ttft']:.0f}), "
         f"decode {med['decode']:.0f} ({low['decode']:.0f}); e2e ratio of medians {med['pd_e2e'] / med['col_e2e']:.2f}"
     )

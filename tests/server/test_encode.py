@@ -135,7 +135,8 @@ def reference(model_dir: Path):
 
 def visual_embeds(visual, pixel_values: np.ndarray, grid: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
-        out = visual(torch.from_numpy(np.array(pixel_values, dtype=np.float32)), grid_thw=torch.from_numpy(np.array(grid, dtype=np.int64)))
+        pixels = torch.from_numpy(np.array(pixel_values, dtype=np.float32))
+        out = visual(pixels, grid_thw=torch.from_numpy(np.array(grid, dtype=np.int64)))
     return getattr(out, "pooler_output", out).numpy()
 
 
@@ -208,7 +209,7 @@ def test_concurrent_requests_of_different_sizes_are_batched_and_unchanged(server
     before = {m: _counts(server, m) for m in ("preprocess", "vit_encoder")}
     with concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
         together = list(pool.map(lambda image: grpc_infer(grpc, "encode", image), images))
-    for single, batched in zip(alone, together):
+    for single, batched in zip(alone, together, strict=True):
         np.testing.assert_array_equal(single["image_grid_thw"], batched["image_grid_thw"])
         # Packing several images in one ONNX Runtime call changes float summation order only.
         np.testing.assert_allclose(single["image_embeds"], batched["image_embeds"], atol=1e-5, rtol=0)
@@ -239,7 +240,9 @@ def _peak_rss_mib(process: psutil.Process) -> float:
 
 @pytest.mark.parametrize("model", ["preprocess", "encode"])
 @pytest.mark.parametrize(("name", "image", "fragment"), BAD_IMAGES, ids=[b[0] for b in BAD_IMAGES])
-def test_bad_image_is_invalid_arg_and_the_server_keeps_serving(server, grpc, http, model, name, image, fragment) -> None:
+def test_bad_image_is_invalid_arg_and_the_server_keeps_serving(
+    server, grpc, http, model, name, image, fragment
+) -> None:
     with pytest.raises(InferenceServerException) as over_grpc:
         grpc_infer(grpc, model, image)
     # Not decoupled: gRPC unary carries the code.
@@ -249,7 +252,8 @@ def test_bad_image_is_invalid_arg_and_the_server_keeps_serving(server, grpc, htt
         http_infer(http, model, image)
     assert over_http.value.status() == "400" and fragment in over_http.value.message()
     assert "Traceback" not in over_grpc.value.message() + over_http.value.message()
-    assert grpc_infer(grpc, model, PARITY_IMAGES["28x28.png"])["image_grid_thw"].tolist() == [[1, 4, 4]]  # min_pixels: 56x56
+    smallest = grpc_infer(grpc, model, PARITY_IMAGES["28x28.png"])
+    assert smallest["image_grid_thw"].tolist() == [[1, 4, 4]]  # min_pixels: 56x56
 
 
 def test_bomb_costs_bounded_memory_and_time(server, grpc) -> None:
@@ -260,7 +264,8 @@ def test_bomb_costs_bounded_memory_and_time(server, grpc) -> None:
             grpc_infer(grpc, "encode", BOMB)
     seconds = (time.perf_counter() - started) / 3
     peak = _peak_rss_mib(stub)
-    print(f"\n30000x30000 PNG ({len(BOMB)} bytes): rejected in {seconds * 1e3:.0f} ms; preprocess stub peak RSS {peak:.0f} MiB")
+    print(f"\n30000x30000 PNG ({len(BOMB)} bytes): rejected in {seconds * 1e3:.0f} ms; "
+          f"preprocess stub peak RSS {peak:.0f} MiB")
     # Decoding it would take >= 900 MiB (gray) or 2.7 GB (RGB); the header check reads ~100 bytes.
     assert peak < 800, f"the preprocess process peaked at {peak:.0f} MiB"
     assert stub.is_running() and _stub(server, "preprocess").pid == stub.pid  # no restart
@@ -281,12 +286,15 @@ def test_encoder_instance_loaded_only_the_vision_shards(server, grpc, model_dir:
     from builders.encoder import load_vision_weights
 
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    shards = dict(re.findall(r'^epd_vit_encoder_checkpoint_shards\{model="vit_encoder",shards="(\w+)"\} (\S+)$', text, re.M))
+    shard_metric = r'^epd_vit_encoder_checkpoint_shards\{model="vit_encoder",shards="(\w+)"\} (\S+)$'
+    shards = dict(re.findall(shard_metric, text, re.M))
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     vision_files = {f for k, f in index.items() if k.startswith("visual.")}
     all_files = set(index.values())
-    assert {k: float(v) for k, v in shards.items()} == {"read": len(vision_files), "total": len(all_files)} == {"read": 1, "total": 2}
-    load_line = next(line for line in (LOG_DIR / "server.log").read_text().splitlines() if "vit_encoder: loaded" in line)
+    read = {k: float(v) for k, v in shards.items()}
+    assert read == {"read": len(vision_files), "total": len(all_files)} == {"read": 1, "total": 2}
+    log_lines = (LOG_DIR / "server.log").read_text().splitlines()
+    load_line = next(line for line in log_lines if "vit_encoder: loaded" in line)
     assert "exported from 1 of 2 checkpoint shard files" in load_line
 
     # The served file holds the vision weights and nothing of the language model.
@@ -307,6 +315,7 @@ def test_encoder_instance_loaded_only_the_vision_shards(server, grpc, model_dir:
     assert metric, "vit_encoder must export epd_vit_encoder_load_seconds"
     print(
         f"\nvit_encoder: shards read {shards['read']} of {shards['total']}; served ONNX weights {onnx_bytes} B, "
-        f"vision weights {vision_bytes} B, full checkpoint {all_bytes} B; instance load {float(metric.group(1)):.3f} s; "
+        f"vision weights {vision_bytes} B, full checkpoint {all_bytes} B; "
+        f"instance load {float(metric.group(1)):.3f} s; "
         f"vision-shard read {vision.seconds:.4f} s vs full-checkpoint read {full_seconds:.4f} s"
     )

@@ -12,10 +12,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from client.epd_client import ClientError, chat_prompt
+from builders.tritonserver import TritonServer
+from client.epd_client import ClientError, HttpClient, chat_prompt
 from python_backends.pd.transfer import TransferParams
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
-from builders.tritonserver import TritonServer
 from tests.images import synthetic_image
 from tests.server.conftest import open_node_store
 from tests.store_helpers import store_directory
@@ -23,6 +23,7 @@ from tests.store_helpers import store_directory
 pytestmark = pytest.mark.server
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0}
+EXACT = {**GREEDY, "ignore_eos": True}  # exactly 12 tokens, whatever the random model's greedy choices
 CASES = [
     ("Say something about nothing.", []),
     ("What is in this picture?", [(640, 480)]),
@@ -58,9 +59,11 @@ def test_greedy_tokens_equal_llm_over_grpc_streaming(epd, llm):
         pieces: list[str] = []
         got = epd.generate(prompt, images, GREEDY, on_text=pieces.append)
         assert got.token_ids == expected.token_ids, text
-        assert got.num_output_tokens == expected.num_output_tokens == 12
+        assert got.num_output_tokens == expected.num_output_tokens == len(got.token_ids) <= 12
         assert got.num_input_tokens == expected.num_input_tokens
         assert got.finish_reason == expected.finish_reason
+        # 12 tokens unless the model itself ended the answer (end-of-sequence).
+        assert got.finish_reason == ("length" if got.num_output_tokens == 12 else "stop")
         assert len(got.chunk_times) > 1  # first token from prefill, then decode's stream
         assert "".join(pieces) == got.text
 
@@ -130,7 +133,7 @@ def test_decode_with_bad_kv_parameters_is_a_clear_error(server, epd):
     unknown = TransferParams(transfer_id="0" * 32, num_prompt_tokens=8, first_token_id=1, digest="0" * 64)
     message = _stage_error(server, "decode", {"transfer_params": [unknown.to_json().encode()]})
     assert "not found" in message and "Traceback" not in message
-    assert epd.generate(chat_prompt("Still here?", 0), [], GREEDY).num_output_tokens == 12
+    assert epd.generate(chat_prompt("Still here?", 0), [], EXACT).num_output_tokens == 12
 
 
 def test_unknown_or_tampered_reference_is_refused_by_prefill(server, epd):
@@ -151,7 +154,7 @@ def test_unknown_or_tampered_reference_is_refused_by_prefill(server, epd):
             foreign = other.put(key, np.zeros((4, 64), np.float32), EntryMeta(grid_thw=(1, 4, 4)), lease=False)
         assert "send the media again" in _prefill_error(server, [foreign.to_bytes()])
     # The server keeps serving.
-    assert epd.generate(chat_prompt("Still here?", 0), [], GREEDY).num_output_tokens == 12
+    assert epd.generate(chat_prompt("Still here?", 0), [], EXACT).num_output_tokens == 12
 
 
 def test_cancelled_stream_leaves_no_lease_and_no_vllm_request(server, epd):
@@ -170,10 +173,20 @@ def test_cancelled_stream_leaves_no_lease_and_no_vllm_request(server, epd):
         time.sleep(0.2)
     assert _metric(server, "epd_decode_unfinished_requests") == 0
     assert _metric(server, "epd_store_active_leases") == 0
-    assert epd.generate(chat_prompt("Next one.", 0), [], GREEDY).num_output_tokens == 12
+    assert epd.generate(chat_prompt("Next one.", 0), [], EXACT).num_output_tokens == 12
 
 
-def test_bad_image_is_one_coded_error(epd):
-    with pytest.raises(ClientError) as info:
-        epd.generate(chat_prompt("Broken.", 1), [b"\xff\xd8\xff\xe0 not really a jpeg"], GREEDY)
-    assert "Traceback" not in str(info.value)
+def test_bad_image_is_one_coded_error(server, epd):
+    broken = b"\xff\xd8\xff\xe0 not really a jpeg"
+    prompt = chat_prompt("Broken.", 1)
+    with pytest.raises(ClientError) as info:  # a gRPC stream carries the message only
+        epd.generate(prompt, [broken], GREEDY)
+    message = str(info.value)
+    assert "image[0] cannot be read" in message and "Traceback" not in message, message
+    http = HttpClient(server.http_url, "epd")
+    try:
+        with pytest.raises(ClientError) as info:  # HTTP carries the code: 400 is INVALID_ARG
+            http.generate(prompt, [broken], GREEDY)
+    finally:
+        http.close()
+    assert (info.value.status, str(info.value)) == ("400", message)

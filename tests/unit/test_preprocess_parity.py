@@ -44,6 +44,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
     smart_resize as transformers_smart_resize,
 )
 
+from builders.default_model import build_default_model
 from python_backends.dali_pipeline import (
     ImageTransformConfig,
     PreprocessConfigError,
@@ -51,7 +52,6 @@ from python_backends.dali_pipeline import (
     smart_resize,
     smart_resize_nodes,
 )
-from builders.default_model import build_default_model
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.media import ImageLimits
 from python_backends.preprocess import DaliImagePreprocessor, PreprocessedImages
@@ -216,7 +216,7 @@ def test_parity_with_transformers_processor(
     result = preprocessor.preprocess(encoded)  # several DALI batches, mixed sizes per batch
     offsets = np.cumsum([0, *result.patch_counts()])
     report = []
-    for index, (case, data) in enumerate(zip(CASES, encoded)):
+    for index, (case, data) in enumerate(zip(CASES, encoded, strict=True)):
         ours = result.pixel_values[offsets[index] : offsets[index + 1]]
         ref_pixels, ref_grid = reference_outputs(reference_processor, data)
         assert result.image_grid_thw[index].tolist() == ref_grid[0].tolist(), case.name
@@ -228,7 +228,9 @@ def test_parity_with_transformers_processor(
         band_y = border_band(height, diff.shape[0])
         band_x = border_band(width, diff.shape[1])
         interior = diff[band_y:-band_y, band_x:-band_x]
-        report.append(f"{case.name}: max {diff.max():.4f} interior {interior.max(initial=0):.4f} mean {diff.mean():.6f}")
+        report.append(
+            f"{case.name}: max {diff.max():.4f} interior {interior.max(initial=0):.4f} mean {diff.mean():.6f}"
+        )
         assert interior.max(initial=0) <= INTERIOR_TOLERANCE, report[-1]
         assert diff.max() <= BORDER_TOLERANCE, report[-1]
         assert diff.mean() <= MEAN_TOLERANCE, report[-1]
@@ -266,9 +268,9 @@ def test_smart_resize_in_graph_matches_transformers(transform_config: ImageTrans
         if round_index == 0:  # exact half-way cases exercise round-half-to-even
             heights[:500] = factor // 2 * rng.integers(1, 300, 500)
             widths[:500] = factor // 2 * rng.integers(1, 300, 500)
-        pipeline.feed_input("hw", [np.array(pair, dtype=np.int64) for pair in zip(heights, widths)])
+        pipeline.feed_input("hw", [np.array(pair, dtype=np.int64) for pair in zip(heights, widths, strict=True)])
         out_h, out_w = pipeline.run()
-        for i, (h, w) in enumerate(zip(heights.tolist(), widths.tolist())):
+        for i, (h, w) in enumerate(zip(heights.tolist(), widths.tolist(), strict=True)):
             if max(h, w) / min(h, w) > 200:
                 continue
             expected = transformers_smart_resize(
@@ -287,7 +289,8 @@ def test_serialization_is_deterministic_across_processes(transform_config: Image
     here = serialize_pipeline(transform_config, "cpu")
     code = (
         "import sys; from python_backends.dali_pipeline import ImageTransformConfig, serialize_pipeline; "
-        f"sys.stdout.buffer.write(serialize_pipeline(ImageTransformConfig.from_dict({_config_dict(transform_config)!r}), 'cpu'))"
+        "sys.stdout.buffer.write(serialize_pipeline("
+        f"ImageTransformConfig.from_dict({_config_dict(transform_config)!r}), 'cpu'))"
     )
     there = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, check=True, timeout=120
@@ -364,7 +367,9 @@ def test_bad_input_is_invalid_arg(
 
 
 # "decoded": the header reads fine and DALI fails on the pixels; WebP's header check fails first.
-@pytest.mark.parametrize(("fmt", "stage"), [("JPEG", "decoded"), ("PNG", "decoded"), ("BMP", "decoded"), ("WEBP", "read")])
+@pytest.mark.parametrize(
+    ("fmt", "stage"), [("JPEG", "decoded"), ("PNG", "decoded"), ("BMP", "decoded"), ("WEBP", "read")]
+)
 def test_truncated_image_names_its_index_and_pipeline_recovers(
     preprocessor: DaliImagePreprocessor, fmt: str, stage: str
 ) -> None:
