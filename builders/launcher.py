@@ -56,13 +56,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-file", type=Path, help="tritonserver log (default: the terminal)")
+    parser.add_argument("--exit-timeout-s", type=int, help="on stop, wait this long for in-flight requests and "
+                        "model unloads before tritonserver gives up (default: Triton's, 30 s)")
     parser.add_argument("--demo", action="store_true", help="answer the bundled sample request, then stop")
     from builders.repository import add_cache_arguments  # light, no torch
 
     add_cache_arguments(parser)
     # Two servers on one node share a store and KV folder unless given their own (tests do).
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
-    parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV transfer directory (default: the target's)")
+    parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
     return parser.parse_args(argv)
 
 
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted while building; nothing was started", flush=True)
         return 130
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-    server = TritonServer(ServerOptions(args.model_repository, ports), args.log_file)
+    options = ServerOptions(args.model_repository, ports, exit_timeout_s=args.exit_timeout_s)
+    server = TritonServer(options, args.log_file)
     print(f"model: {model_dir}\nstarting: {' '.join(server.command())}", flush=True)
     code = serve(server, args.demo, started)
     report = server.stop()

@@ -140,6 +140,14 @@ class ServerOptions:
     log_verbose: int = 0
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    # How long a stop waits for in-flight requests and model unloads before Triton gives up
+    # ("Exit timeout expired", exit code 1); None: Triton's default, 30 s.
+    exit_timeout_s: int | None = None
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long to wait for tritonserver to exit before SIGKILL: past its own exit timeout."""
+        return (30 if self.exit_timeout_s is None else self.exit_timeout_s) + 30.0
 
 
 # Lines of a tritonserver log that mean the stop (or the run) was not clean: a python-backend
@@ -193,6 +201,7 @@ class TritonServer:
             f"--log-verbose={opts.log_verbose}",
             # A failing model must fail the server start, not leave it half-ready.
             "--exit-on-error=true",
+            *([] if opts.exit_timeout_s is None else [f"--exit-timeout-secs={opts.exit_timeout_s}"]),
             *opts.extra_args,
         ]
 
@@ -209,9 +218,10 @@ class TritonServer:
         return wait_until_ready(lambda: http_ok(url), [self.group], timeout_s, "tritonserver",
                                 poll_s=0.25, tail_lines=40)
 
-    def stop(self, timeout_s: float = 60.0) -> StopReport | None:
-        """Stop and report how it went (``None`` if it was never started)."""
-        report = self.group.stop(timeout_s, PROBLEM_MARKERS)
+    def stop(self, timeout_s: float | None = None) -> StopReport | None:
+        """Stop and report how it went (``None`` if it was never started). SIGKILL after
+        ``timeout_s`` (default: 30 s past Triton's own exit timeout)."""
+        report = self.group.stop(self.options.stop_timeout_s if timeout_s is None else timeout_s, PROBLEM_MARKERS)
         if report is not None:
             self.stop_report = report
         return report

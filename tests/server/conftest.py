@@ -54,6 +54,7 @@ def _hold_slot() -> tuple[int, IO[str]]:
 SLOT, _SLOT_LOCK = _hold_slot()
 LOG_DIR = REPO_ROOT / "build" / "test-logs" / f"slot-{SLOT}"
 SERVER_REPOSITORY = REPO_ROOT / "build" / "test-slots" / f"repository-{SLOT}"
+LAUNCHER_REPOSITORY = REPO_ROOT / "build" / "test-slots" / f"launcher-repository-{SLOT}"  # what test_launcher serves
 NODE_DIR = Path("/dev/shm") / f"triton-epd-test-slot-{SLOT}"  # tmpfs, like the served defaults
 KV_STORE_PATH = NODE_DIR / "kv"
 # What the session server's repository is generated with: the cpu target's, in this slot.
@@ -65,6 +66,16 @@ def open_node_store(capacity_bytes: int = CACHE_POLICY.capacity_bytes) -> Embedd
     the capacity for every process (the store's documented rule): tests that shrink it with this
     put it back afterwards."""
     return EmbeddingStore(StoreConfig(path=CACHE_POLICY.path, capacity_bytes=capacity_bytes, merge_size=2))
+
+
+def copy_model_code(repository: Path) -> Path:
+    """The hand-written ``model.py`` files of model_repository/ (the builders generate the rest)."""
+    source = REPO_ROOT / "model_repository"
+    for tracked in source.glob("*/1/model.py"):
+        target = repository / tracked.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tracked, target)
+    return repository
 
 
 def unclean_stop(report: StopReport | None) -> str | None:
@@ -101,22 +112,33 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def server_repository(model_dir: Path) -> Iterator[Path]:
-    """The slot's repository: model code copied from model_repository/, configs generated with
-    the slot's store and KV paths; the slot's tmpfs files are removed before and after."""
+def node_dir() -> Iterator[Path]:
+    """The slot's tmpfs folder (stores, KV folders): empty at the start, removed at the end."""
     shutil.rmtree(NODE_DIR, ignore_errors=True)
-    for tracked in (REPO_ROOT / "model_repository").glob("*/1/model.py"):
-        target = SERVER_REPOSITORY / tracked.relative_to(REPO_ROOT / "model_repository")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(tracked, target)
-    prepare("cpu", model_dir, SERVER_REPOSITORY, cache=CACHE_POLICY, kv_store_path=str(KV_STORE_PATH))
-    yield SERVER_REPOSITORY
+    NODE_DIR.mkdir(parents=True)
+    yield NODE_DIR
     shutil.rmtree(NODE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
+def server_repository(model_dir: Path, node_dir: Path) -> Path:
+    """The slot's repository: model code copied from model_repository/, configs generated with
+    the slot's store and KV paths."""
+    copy_model_code(SERVER_REPOSITORY)
+    prepare("cpu", model_dir, SERVER_REPOSITORY, cache=CACHE_POLICY, kv_store_path=str(KV_STORE_PATH))
+    return SERVER_REPOSITORY
+
+
+# Triton's exit timeout for test servers. vLLM-backed models take 15-30 s to unload on a busy
+# 2-core machine (mostly their stub's interpreter teardown), close to Triton's default 30 s; a model
+# that never unloads (issue 17: a stuck cancelled request) still fails the stop check, later.
+TEST_EXIT_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="session")
 def server(server_repository: Path) -> Iterator[TritonServer]:
-    with serving(ServerOptions(server_repository, Ports.free()), LOG_DIR / "server.log") as running:
+    options = ServerOptions(server_repository, Ports.free(), exit_timeout_s=TEST_EXIT_TIMEOUT_S)
+    with serving(options, LOG_DIR / "server.log") as running:
         yield running
 
 
