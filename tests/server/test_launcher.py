@@ -1,4 +1,4 @@
-"""The launcher as a user runs it, and a deliberately broken repository."""
+"""The launcher as a user runs it (also started with SIGINT ignored), and a deliberately broken repository."""
 
 from __future__ import annotations
 
@@ -12,19 +12,31 @@ from pathlib import Path
 import psutil
 import pytest
 
+from builders.tritonserver import PROBLEM_MARKERS, REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
-from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from tests.server.conftest import LAUNCHER_REPOSITORY, LOG_DIR, TEST_EXIT_TIMEOUT_S, copy_model_code
 
 pytestmark = pytest.mark.server
 
 
-def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, tmp_path: Path):
+def _ignore_sigint() -> None:
+    # As `cmd &` from a script or nohup start it: Python then installs no SIGINT handler itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sigint_at_start", ["default", "ignored"])
+def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, node_dir: Path, sigint_at_start: str):
     ports = Ports.free()
+    log = LOG_DIR / f"launcher-sigint-{sigint_at_start}.log"
+    # Its own repository, store and KV folder: the session server's stay untouched.
     process = subprocess.Popen(
         [sys.executable, "-m", "builders.launcher", "--http-port", str(ports.http),
-         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
-         "--log-file", str(tmp_path / "server.log")],
+         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics), "--log-file", str(log),
+         "--model-repository", str(copy_model_code(LAUNCHER_REPOSITORY)),
+         "--cache-path", str(node_dir / "launcher-embeddings"), "--kv-store-path", str(node_dir / "launcher-kv"),
+         "--exit-timeout-s", str(TEST_EXIT_TIMEOUT_S)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_ignore_sigint if sigint_at_start == "ignored" else None,
     )
     try:
         lines = []
@@ -33,15 +45,28 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, tmp_path: P
             if line.startswith("serving"):
                 break
         assert any(f"gRPC    127.0.0.1:{ports.grpc}" in line for line in lines), lines
+        engine_args = json.loads((LAUNCHER_REPOSITORY / "prefill" / "1" / "engine_args.json").read_text())
+        kv_folder = engine_args["kv_transfer_config"]["kv_connector_extra_config"]["store_path"]
+        assert kv_folder == str(node_dir / "launcher-kv")
+        assert str(node_dir / "launcher-embeddings") in (LAUNCHER_REPOSITORY / "epd" / "config.pbtxt").read_text()
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert any("tritonserver" in p.name() for p in descendants)
         client = GrpcClient(f"127.0.0.1:{ports.grpc}", "llm")
         assert client.generate(chat_prompt("hi", 0), [], {"max_tokens": 4, "temperature": 0}).num_output_tokens == 4
         client.close()
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=120) == 0
+        process.send_signal(signal.SIGINT)  # kill -INT
+        code = process.wait(timeout=TEST_EXIT_TIMEOUT_S + 60)
+        rest = process.stdout.read()
         _, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, f"left behind: {[p.name() for p in alive]}"
+        stopped = next((line for line in rest.splitlines() if line.startswith("stopped: ")), None)
+        assert stopped is not None, rest
+        # The stop report tells a clean exit from a forced one: tritonserver itself exited, with 0.
+        assert stopped.startswith("stopped: tritonserver exited with code 0 in "), rest
+        assert code == 0, rest
+        problems = [line for line in log.read_text(errors="replace").splitlines()
+                    if any(marker in line for marker in PROBLEM_MARKERS)]
+        assert not problems, "the server's stop logged:\n" + "\n".join(problems)
     finally:
         if process.poll() is None:
             process.kill()
