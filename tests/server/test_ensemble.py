@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client.epd_client import ClientError, GenerateResult, GrpcClient, chat_prompt
 from builders.tritonserver import TritonServer
+from client.epd_client import ClientError, GenerateResult, GrpcClient, chat_prompt
 from tests.images import synthetic_image
 
 pytestmark = pytest.mark.server
@@ -105,7 +105,7 @@ def _llm_inputs(prompt: str, embeds: np.ndarray | None, grid: np.ndarray | None,
     inputs = [
         _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
         _tensor("stream", np.array([True]), "BOOL"),
-        _tensor("sampling_parameters", np.array([b'{"max_tokens": 12, "temperature": 0.0}'], dtype=np.object_), "BYTES"),
+        _tensor("sampling_parameters", np.array([json.dumps(GREEDY).encode()], dtype=np.object_), "BYTES"),
     ]
     if embeds is not None:
         inputs.append(_tensor("image_embeds", embeds, "FP32"))
@@ -117,7 +117,7 @@ def _llm_inputs(prompt: str, embeds: np.ndarray | None, grid: np.ndarray | None,
 
 
 def test_ensemble_streams_the_same_tokens_as_llm_with_the_raw_image(ensemble, llm_tokens):
-    for (text, image), expected in zip(CASES, llm_tokens):
+    for (text, image), expected in zip(CASES, llm_tokens, strict=True):
         pieces: list[str] = []
         result = ensemble.generate(chat_prompt(text, 1), [image], GREEDY, on_text=pieces.append)
         assert result.token_ids == expected, text
@@ -128,7 +128,7 @@ def test_ensemble_streams_the_same_tokens_as_llm_with_the_raw_image(ensemble, ll
 
 
 def test_llm_with_encode_embeddings_matches_the_raw_image(raw, llm_tokens):
-    for (text, image), expected in zip(CASES, llm_tokens):
+    for (text, image), expected in zip(CASES, llm_tokens, strict=True):
         embeds, grid = _encode(raw, image)
         t, h, w = grid[0]
         tokens = t * h * w // 4
