@@ -28,8 +28,8 @@ from typing import Any
 from bench.machine import describe_machine, one_line
 from bench.metrics import distribution
 from bench.server_stats import counter_deltas, scrape, sum_counter
-from client.epd_client import GrpcClient, chat_prompt
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from client.epd_client import GrpcClient, chat_prompt
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "cache"
 WORK_DIR = REPO_ROOT / "build" / "bench-cache"
@@ -47,8 +47,8 @@ def images(count: int) -> list[bytes]:
 
 def _repository(scope: str) -> Path:
     """A private copy of the repository, generated with ``scope``."""
-    from builders.repository import TARGETS
     from builders.launcher import prepare
+    from builders.repository import TARGETS
 
     repo = WORK_DIR / f"repo-{scope}"
     shutil.rmtree(repo, ignore_errors=True)
@@ -126,7 +126,8 @@ def markdown(summary: dict[str, Any]) -> str:
         for phase, data in run["phases"].items():
             ttft = data["ttft_ms"]
             rows.append(
-                f"| {run['scope']} | {phase} ({data['encoder']}) | {data['requests']} | {data['encode_requests']:.0f} | "
+                f"| {run['scope']} | {phase} ({data['encoder']}) | {data['requests']} | "
+                f"{data['encode_requests']:.0f} | "
                 f"{data['cache_hits']} | {ttft['p50']:.0f} | {ttft['p90']:.0f} | {data['e2e_ms']['p50']:.0f} |"
             )
     ratios = summary["ratios"]
@@ -142,7 +143,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"(phase A), then the same images pinned to `encoder_1` (phase B), {summary['concurrency']} requests "
             f"in flight, max_tokens={SAMPLING['max_tokens']}. `node`: one store for every encoder (the product's "
             "default); `instance`: each encoder its own key space (the baseline). Encodes are counted on the server "
-            "(`nv_inference_request_success{model=\"encode\"}`), TTFT on the client.",
+            '(`nv_inference_request_success{model="encode"}`), TTFT on the client.',
             "",
             "| cache scope | phase | requests | encodes | cache hits | TTFT p50 ms | TTFT p90 ms | e2e p50 ms |",
             "|---|---|---|---|---|---|---|---|",

@@ -19,9 +19,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from client.epd_client import GrpcClient, chat_prompt
 from builders.launcher import SAMPLE_IMAGE, prepare
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from client.epd_client import GrpcClient, chat_prompt
 
 OFFLINE_START = textwrap.dedent(
     """

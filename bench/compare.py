@@ -77,7 +77,9 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[Change], list[s
     return changes, only_old, only_new
 
 
-def render(changes: list[Change], only_old: list[str], only_new: list[str], threshold: float, names: tuple[str, str]) -> str:
+def render(
+    changes: list[Change], only_old: list[str], only_new: list[str], threshold: float, names: tuple[str, str]
+) -> str:
     lines = [
         f"# {names[1]} vs {names[0]}",
         "",

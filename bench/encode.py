@@ -73,7 +73,9 @@ def batches(items: Sequence[bytes], batch_size: int) -> list[Sequence[bytes]]:
     return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
 
 
-def interleaved_samples(runners: dict[str, Callable[[object], object]], work: Sequence[object], images: int, repeats: int) -> dict[str, list[float]]:
+def interleaved_samples(
+    runners: dict[str, Callable[[object], object]], work: Sequence[object], images: int, repeats: int
+) -> dict[str, list[float]]:
     """Seconds per image per repeat; implementations alternate so load drift hits all alike."""
     for run in runners.values():
         run(work[0])  # warm-up: first-call allocations, thread pools
@@ -87,13 +89,14 @@ def interleaved_samples(runners: dict[str, Callable[[object], object]], work: Se
     return samples
 
 
-def bench_preprocess(model_dir: Path, images: list[bytes], batch_sizes: Sequence[int], repeats: int, threads: int) -> list[Timing]:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-
+def bench_preprocess(
+    model_dir: Path, images: list[bytes], batch_sizes: Sequence[int], repeats: int, threads: int
+) -> list[Timing]:
     from python_backends.dali_pipeline import ImageTransformConfig
     from python_backends.media import ImageLimits
     from python_backends.preprocess import DaliImagePreprocessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
     config = ImageTransformConfig.from_file(model_dir)
     limits = ImageLimits(max_images=max(batch_sizes), max_image_bytes=64 << 20)
@@ -105,7 +108,9 @@ def bench_preprocess(model_dir: Path, images: list[bytes], batch_sizes: Sequence
 
     def with_processor(processor: Callable[..., object]) -> Callable[[Sequence[bytes]], object]:
         # Same starting point as DALI: encoded bytes in, pixel_values out (decode included).
-        return lambda batch: processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in batch], return_tensors="np")
+        return lambda batch: processor(
+            images=[Image.open(io.BytesIO(b)).convert("RGB") for b in batch], return_tensors="np"
+        )
 
     runners: dict[str, Callable[[Sequence[bytes]], object]] = {"DALI pipeline (CPU)": dali.preprocess}
     runners.update({name: with_processor(p) for name, p in processors.items()})
@@ -117,14 +122,16 @@ def bench_preprocess(model_dir: Path, images: list[bytes], batch_sizes: Sequence
 
 
 def bench_encoder(model_dir: Path, images: list[bytes], batch_sizes: Sequence[int], repeats: int) -> list[Timing]:
-    from python_backends.dali_pipeline import ImageTransformConfig
     from builders.encoder import export_onnx, load_vision_tower, torch_reference
+    from python_backends.dali_pipeline import ImageTransformConfig
     from python_backends.media import ImageLimits
     from python_backends.preprocess import DaliImagePreprocessor
     from python_backends.vit_onnx import OnnxVisionEncoder
 
     config = ImageTransformConfig.from_file(model_dir)
-    dali = DaliImagePreprocessor.for_config(config, limits=ImageLimits(max_images=len(images), max_image_bytes=64 << 20))
+    dali = DaliImagePreprocessor.for_config(
+        config, limits=ImageLimits(max_images=len(images), max_image_bytes=64 << 20)
+    )
     tower = load_vision_tower(model_dir)
     with tempfile.TemporaryDirectory() as scratch:
         encoder = OnnxVisionEncoder(export_onnx(tower, scratch))
@@ -204,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "results.json").write_text(
-        json.dumps({"environment": environment, "timings": [asdict(t) for t in timings], "speedups": speedups}, indent=2) + "\n"
+        json.dumps(
+            {"environment": environment, "timings": [asdict(t) for t in timings], "speedups": speedups}, indent=2
+        )
+        + "\n"
     )
     report = markdown(timings, speedups, environment)
     (args.results / "results.md").write_text(report)

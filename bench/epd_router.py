@@ -51,7 +51,12 @@ def extract_mm_items(body: dict[str, Any]) -> list[dict[str, Any]]:
 def encoder_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
     """One encoder request per media item: the item alone (no text), one token, no stream."""
     return [
-        {"model": body.get("model"), "messages": [{"role": "user", "content": [item]}], "max_tokens": 1, "stream": False}
+        {
+            "model": body.get("model"),
+            "messages": [{"role": "user", "content": [item]}],
+            "max_tokens": 1,
+            "stream": False,
+        }
         for item in extract_mm_items(body)
     ]
 
@@ -89,7 +94,9 @@ class Router:
             await self.session.close()
 
     async def _encode_one(self, url: str, payload: dict[str, Any], request_id: str) -> None:
-        async with self.session.post(f"{url}/v1/chat/completions", json=payload, headers={"x-request-id": request_id}) as response:
+        async with self.session.post(
+            f"{url}/v1/chat/completions", json=payload, headers={"x-request-id": request_id}
+        ) as response:
             text = await response.text()
             if response.status != 200:
                 raise UpstreamError(response.status, f"encoder {url} answered {response.status}: {text[:500]}")
@@ -129,7 +136,9 @@ class Router:
         ) as upstream:
             if upstream.status != 200 or not body.get("stream"):
                 data = await upstream.read()
-                return web.Response(body=data, status=upstream.status, content_type=upstream.content_type, headers=headers)
+                return web.Response(
+                    body=data, status=upstream.status, content_type=upstream.content_type, headers=headers
+                )
             response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream"})
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
@@ -150,7 +159,8 @@ class Router:
         urls = [*self.encode_urls, self.decode_url]
         states = await asyncio.gather(*(ok(u) for u in urls))
         healthy = all(states)
-        return web.json_response({"healthy": healthy, **dict(zip(urls, states))}, status=200 if healthy else 503)
+        body = {"healthy": healthy, **dict(zip(urls, states, strict=True))}
+        return web.json_response(body, status=200 if healthy else 503)
 
     async def models(self, request: Any) -> Any:
         from aiohttp import web

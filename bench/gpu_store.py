@@ -87,7 +87,9 @@ def measure(reps: int) -> list[dict[str, Any]]:
                     }
                 )
             queue = multiprocessing.get_context("spawn").Queue()
-            reader = multiprocessing.get_context("spawn").Process(target=_reader, args=(config, references, reps, queue))
+            reader = multiprocessing.get_context("spawn").Process(
+                target=_reader, args=(config, references, reps, queue)
+            )
             reader.start()
             for row, timings in zip(results, queue.get(timeout=600), strict=True):
                 row.update(timings)
@@ -104,7 +106,8 @@ def write(results: list[dict[str, Any]], out: Path, gpu: str) -> None:
         "",
         f"GPU: {gpu}. Command: `python -m bench.gpu_store`. Medians; ratios from this run.",
         "",
-        "| embedding [tokens, hidden] fp16 | bytes | reference bytes | put ms | view ms | by-value ms | view / by-value |",
+        "| embedding [tokens, hidden] fp16 | bytes | reference bytes | put ms | view ms | by-value ms | view / "
+        "by-value |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from bench.metrics import RequestRecord
 
 Send = Callable[[Any], Awaitable[RequestRecord]]
@@ -115,7 +114,7 @@ async def open_loop(
         tick()
 
     tasks = []
-    for item, offset in zip(items, offsets):
+    for item, offset in zip(items, offsets, strict=True):
         if offset > max_seconds:
             break
         delay = started + offset - time.perf_counter()

@@ -86,7 +86,7 @@ class RequestRecord:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RequestRecord":
+    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
         return cls(**data)
 
 
@@ -138,7 +138,7 @@ def distribution(values: Iterable[float], scale: float = 1.0) -> dict[str, float
     if array.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     quantiles = np.percentile(array, PERCENTILES)
-    return {"mean": float(array.mean()), **{f"p{p}": float(q) for p, q in zip(PERCENTILES, quantiles)}}
+    return {"mean": float(array.mean()), **{f"p{p}": float(q) for p, q in zip(PERCENTILES, quantiles, strict=True)}}
 
 
 def meets_slo(record: RequestRecord, slo: Slo) -> bool:

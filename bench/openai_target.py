@@ -36,7 +36,13 @@ _CHAT_PROMPT = re.compile(
     r"<\|im_start\|>user\n(?P<user>.*)<\|im_end\|>\n<\|im_start\|>assistant\n\Z",
     re.DOTALL,
 )
-IMAGE_MIME = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp", b"GI": "image/gif"}
+IMAGE_MIME = {
+    b"\xff\xd8": "image/jpeg",
+    b"\x89P": "image/png",
+    b"RI": "image/webp",
+    b"BM": "image/bmp",
+    b"GI": "image/gif",
+}
 
 
 class PromptFormatError(ValueError):
@@ -58,7 +64,7 @@ def parse_chat_prompt(prompt: str) -> ChatParts:
     user = match["user"]
     count = 0
     while user.startswith(VISION_PLACEHOLDER):
-        user = user[len(VISION_PLACEHOLDER):]
+        user = user[len(VISION_PLACEHOLDER) :]
         count += 1
     if VISION_PLACEHOLDER in user or "<|image_pad|>" in user:
         raise PromptFormatError("images must all come before the text (as chat_prompt puts them)")
@@ -75,7 +81,9 @@ def chat_body(request: BenchRequest, served_model: str, want_prompt_text: bool =
     parts = parse_chat_prompt(request.prompt)
     if parts.num_images != len(request.images):
         raise PromptFormatError(f"prompt has {parts.num_images} image placeholders for {len(request.images)} images")
-    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": image_data_uri(i)}} for i in request.images]
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": image_data_uri(i)}} for i in request.images
+    ]
     content.append({"type": "text", "text": parts.text})
     body: dict[str, Any] = {
         "model": served_model,
@@ -176,7 +184,9 @@ class OpenAIChatTarget:
     endpoint; safe to share between tasks of one event loop (the HTTP session is made on
     first use, inside the loop)."""
 
-    def __init__(self, base_url: str, model: str, served_model: str, info: PeerServerInfo, want_prompt_text: bool = False) -> None:
+    def __init__(
+        self, base_url: str, model: str, served_model: str, info: PeerServerInfo, want_prompt_text: bool = False
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.served_model = served_model
@@ -224,7 +234,9 @@ class OpenAIChatTarget:
 
     async def _stream(self, prepared: PreparedChat, record: RequestRecord, started: float) -> None:
         headers = {"Content-Type": "application/json", "x-request-id": prepared.request.key}
-        async with self._http().post(f"{self.base_url}/v1/chat/completions", data=prepared.body, headers=headers) as response:
+        async with self._http().post(
+            f"{self.base_url}/v1/chat/completions", data=prepared.body, headers=headers
+        ) as response:
             if response.status != 200:
                 text = await response.text()
                 record.error = f"HTTP {response.status}: {text[:300]}"

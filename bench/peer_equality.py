@@ -23,8 +23,9 @@ def equality_requests(builder: WorkloadBuilder, unique: int, repeated: int) -> l
     return out
 
 
-async def run_equality(make_target: Callable[[], Any], model: str, requests: Sequence[tuple[str, BenchRequest]],
-                       timeout_s: float) -> list[dict[str, Any]]:
+async def run_equality(
+    make_target: Callable[[], Any], model: str, requests: Sequence[tuple[str, BenchRequest]], timeout_s: float
+) -> list[dict[str, Any]]:
     """The requests one at a time (no batching), in order; what each returned. The target is
     made here, inside the running loop (gRPC's aio channel belongs to the loop it is made in)."""
     target = make_target()
@@ -33,17 +34,19 @@ async def run_equality(make_target: Callable[[], Any], model: str, requests: Seq
         for policy, request in requests:
             record: RequestRecord = await target.send(model, target.prepare(request, model), timeout_s)
             rendered = getattr(target, "rendered_prompts", {}).get(request.key)
-            rows.append({
-                "model": model,
-                "mode": model if policy == "unique" else f"{model}:repeated",
-                "key": request.key,
-                "policy": policy,
-                "error": record.error,
-                "num_input_tokens": record.num_input_tokens,
-                "output_token_ids": record.output_token_ids,
-                "cache_hits": record.cache_hits,
-                "prompt_text_equal": None if rendered is None else rendered == request.prompt,
-            })
+            rows.append(
+                {
+                    "model": model,
+                    "mode": model if policy == "unique" else f"{model}:repeated",
+                    "key": request.key,
+                    "policy": policy,
+                    "error": record.error,
+                    "num_input_tokens": record.num_input_tokens,
+                    "output_token_ids": record.output_token_ids,
+                    "cache_hits": record.cache_hits,
+                    "prompt_text_equal": None if rendered is None else rendered == request.prompt,
+                }
+            )
     finally:
         await target.close()
     return rows
@@ -71,8 +74,9 @@ def equality_table(rows: Sequence[dict[str, Any]], reference: str = "llm") -> di
                 verdict = "equal"
             else:
                 pairs = zip(row["output_token_ids"], ref_tokens, strict=False)  # the shorter one ends the search
-                first = next((i for i, (a, b) in enumerate(pairs) if a != b),
-                             min(len(row["output_token_ids"]), len(ref_tokens)))
+                first = next(
+                    (i for i, (a, b) in enumerate(pairs) if a != b), min(len(row["output_token_ids"]), len(ref_tokens))
+                )
                 verdict = f"differs at token {first}"
             cells[model] = {
                 "mode": row["mode"],
@@ -83,14 +87,16 @@ def equality_table(rows: Sequence[dict[str, Any]], reference: str = "llm") -> di
                 "error": row["error"],
             }
         input_tokens = {c["num_input_tokens"] for c in cells.values() if not c["error"]}
-        table.append({
-            "key": key,
-            "policy": next(iter(models.values()))["policy"],
-            "reference_tokens": ref_tokens,
-            "models": cells,
-            "same_input_tokens": len(input_tokens) == 1,
-            "all_equal": all(c["verdict"] == "equal" for c in cells.values()),
-        })
+        table.append(
+            {
+                "key": key,
+                "policy": next(iter(models.values()))["policy"],
+                "reference_tokens": ref_tokens,
+                "models": cells,
+                "same_input_tokens": len(input_tokens) == 1,
+                "all_equal": all(c["verdict"] == "equal" for c in cells.values()),
+            }
+        )
     models = list(dict.fromkeys(row["model"] for row in rows))
     return {
         "reference": reference,
@@ -106,8 +112,15 @@ def equality_table(rows: Sequence[dict[str, Any]], reference: str = "llm") -> di
     }
 
 
-def ec_load_proof(encoder_url: str, consumer_url: str, storage: Path, served_model: str, request: BenchRequest,
-                  reference_tokens: dict[str, list[int]], timeout_s: float = 120.0) -> dict[str, Any]:
+def ec_load_proof(
+    encoder_url: str,
+    consumer_url: str,
+    storage: Path,
+    served_model: str,
+    request: BenchRequest,
+    reference_tokens: dict[str, list[int]],
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """Does vLLM-EPD's consumer use the encoder cache the producer stored, or encode the
     image itself? Equal tokens cannot tell (a consumer that recomputes gives the same
     tokens), so: the router's step 1 for a fresh image, then the stored tensor is replaced
@@ -115,10 +128,9 @@ def ec_load_proof(encoder_url: str, consumer_url: str, storage: Path, served_mod
     from what the other modes gave for this request prove the consumer read the storage."""
     import numpy as np
     import requests
-    from safetensors.numpy import load_file, save_file
-
     from bench.epd_router import encoder_requests
     from bench.openai_target import chat_body
+    from safetensors.numpy import load_file, save_file
 
     body = chat_body(request, served_model)
     body.update(stream=False)
@@ -148,9 +160,9 @@ def ec_load_proof(encoder_url: str, consumer_url: str, storage: Path, served_mod
         "proved": differs,
         "reason": (
             f"with the stored embeddings zeroed the consumer answered differently from {', '.join(others)} for the "
-            "same request: it reads the EC storage instead of encoding the image itself" if differs else
-            "no proof: no reference tokens, or the consumer's answer did not change with the stored embeddings zeroed"
+            "same request: it reads the EC storage instead of encoding the image itself"
+            if differs
+            else "no proof: no reference tokens, or the consumer's answer did not change with the stored embeddings "
+            "zeroed"
         ),
     }
-
-

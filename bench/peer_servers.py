@@ -55,8 +55,6 @@ def _log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-
-
 def serve_flags(engine_args: dict[str, Any]) -> list[str]:
     """vLLM engine args (AsyncEngineArgs field names, as in our engine_args.json) -> ``vllm
     serve`` flags: ``--snake-to-kebab``; True -> the flag, False -> ``--no-flag``, dicts as JSON."""
@@ -118,11 +116,19 @@ class PeerSettings:
     def serve_command(self, port: int, extra_args: dict[str, Any] | None = None) -> list[str]:
         args = {**self.engine_args, **(extra_args or {})}
         return [
-            sys.executable, "-m", "bench.vllm_serve", "serve", str(self.model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.served_model,
+            sys.executable,
+            "-m",
+            "bench.vllm_serve",
+            "serve",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            self.served_model,
             *serve_flags(args),
         ]
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,22 +183,36 @@ def _managed(processes: list[ProcessGroup]) -> Iterator[None]:
 @contextlib.contextmanager
 def vllm_colocated(settings: PeerSettings) -> Iterator[GroupHandle]:
     port = free_port()
-    proc = peer_process("vllm serve (colocated)", settings.serve_command(port), dict(settings.vllm_env),
-                        settings.log_dir / "vllm-colocated.log")
+    proc = peer_process(
+        "vllm serve (colocated)",
+        settings.serve_command(port),
+        dict(settings.vllm_env),
+        settings.log_dir / "vllm-colocated.log",
+    )
     started = time.perf_counter()
     with _managed([proc]):
         proc.start()
         url = f"http://127.0.0.1:{port}"
         wait_healthy(f"{url}/health", [proc], settings.start_timeout_s)
         ready = time.perf_counter() - started
-        info = PeerServerInfo("vllm serve", _vllm_version(), {
-            COLOCATED: {"backend": "vllm serve (raw images, encoder + prefill + decode in one engine)",
-                        "instance_group": [{"count": 1}]},
-        })
+        info = PeerServerInfo(
+            "vllm serve",
+            _vllm_version(),
+            {
+                COLOCATED: {
+                    "backend": "vllm serve (raw images, encoder + prefill + decode in one engine)",
+                    "instance_group": [{"count": 1}],
+                },
+            },
+        )
         yield GroupHandle(
-            COLOCATED, (COLOCATED,),
+            COLOCATED,
+            (COLOCATED,),
             lambda want_prompt_text: OpenAIChatTarget(url, COLOCATED, settings.served_model, info, want_prompt_text),
-            url, None, [p for p in (proc.pid,) if p], ready,
+            url,
+            None,
+            [p for p in (proc.pid,) if p],
+            ready,
             {"processes": {"colocated": {"command": proc.command, "env": proc.env, "log": str(proc.log_path)}}},
         )
 
@@ -205,24 +225,39 @@ def vllm_epd(settings: PeerSettings) -> Iterator[GroupHandle]:
     enc_port, dec_port, router_port = free_port(), free_port(), free_port()
     encoder = peer_process(
         "vllm serve (encoder-only, ec_producer)",
-        settings.serve_command(enc_port, {
-            # As vLLM's EPD example runs its encoder instance.
-            "mm_encoder_only": True,
-            "enable_prefix_caching": False,
-            "ec_transfer_config": ec_transfer_config("ec_producer", storage),
-        }),
-        {**settings.vllm_env, **settings.encoder_env}, settings.log_dir / "vllm-epd-encoder.log",
+        settings.serve_command(
+            enc_port,
+            {
+                # As vLLM's EPD example runs its encoder instance.
+                "mm_encoder_only": True,
+                "enable_prefix_caching": False,
+                "ec_transfer_config": ec_transfer_config("ec_producer", storage),
+            },
+        ),
+        {**settings.vllm_env, **settings.encoder_env},
+        settings.log_dir / "vllm-epd-encoder.log",
     )
     consumer = peer_process(
         "vllm serve (prefill + decode, ec_consumer)",
         settings.serve_command(dec_port, {"ec_transfer_config": ec_transfer_config("ec_consumer", storage)}),
-        {**settings.vllm_env, **settings.consumer_env}, settings.log_dir / "vllm-epd-consumer.log",
+        {**settings.vllm_env, **settings.consumer_env},
+        settings.log_dir / "vllm-epd-consumer.log",
     )
     router = peer_process(
         "epd router",
-        [sys.executable, "-m", "bench.epd_router", "--port", str(router_port),
-         "--encode-url", f"http://127.0.0.1:{enc_port}", "--decode-url", f"http://127.0.0.1:{dec_port}"],
-        {}, settings.log_dir / "vllm-epd-router.log",
+        [
+            sys.executable,
+            "-m",
+            "bench.epd_router",
+            "--port",
+            str(router_port),
+            "--encode-url",
+            f"http://127.0.0.1:{enc_port}",
+            "--decode-url",
+            f"http://127.0.0.1:{dec_port}",
+        ],
+        {},
+        settings.log_dir / "vllm-epd-router.log",
     )
     processes = [encoder, consumer, router]
     started = time.perf_counter()
@@ -237,24 +272,48 @@ def vllm_epd(settings: PeerSettings) -> Iterator[GroupHandle]:
             url = f"http://127.0.0.1:{router_port}"
             wait_healthy(f"{url}/health", processes, 60.0)
             ready = time.perf_counter() - started
-            info = PeerServerInfo("vllm serve x2 + router", _vllm_version(), {
-                VLLM_EPD: {"backend": "router (vLLM example EPD proxy logic)", "instance_group": [{"count": 0}],
-                           "parameters": {"encoder": {"string_value": f"{VLLM_EPD}/encoder"},
-                                          "consumer": {"string_value": f"{VLLM_EPD}/consumer"}}},
-                f"{VLLM_EPD}/encoder": {"backend": "vllm serve --mm-encoder-only (ec_producer)",
-                                        "instance_group": [{"count": 1}]},
-                f"{VLLM_EPD}/consumer": {"backend": "vllm serve (ec_consumer)", "instance_group": [{"count": 1}]},
-            })
+            info = PeerServerInfo(
+                "vllm serve x2 + router",
+                _vllm_version(),
+                {
+                    VLLM_EPD: {
+                        "backend": "router (vLLM example EPD proxy logic)",
+                        "instance_group": [{"count": 0}],
+                        "parameters": {
+                            "encoder": {"string_value": f"{VLLM_EPD}/encoder"},
+                            "consumer": {"string_value": f"{VLLM_EPD}/consumer"},
+                        },
+                    },
+                    f"{VLLM_EPD}/encoder": {
+                        "backend": "vllm serve --mm-encoder-only (ec_producer)",
+                        "instance_group": [{"count": 1}],
+                    },
+                    f"{VLLM_EPD}/consumer": {"backend": "vllm serve (ec_consumer)", "instance_group": [{"count": 1}]},
+                },
+            )
             yield GroupHandle(
-                VLLM_EPD, (VLLM_EPD,),
+                VLLM_EPD,
+                (VLLM_EPD,),
                 lambda want_prompt_text: OpenAIChatTarget(url, VLLM_EPD, settings.served_model, info, want_prompt_text),
-                url, None, [p.pid for p in processes if p.pid], ready,
-                {"processes": {name: {"command": p.command, "env": p.env, "log": str(p.log_path)}
-                               for name, p in zip(("encoder", "consumer", "router"), processes, strict=True)},
-                 "ec_storage": str(storage)},
+                url,
+                None,
+                [p.pid for p in processes if p.pid],
+                ready,
+                {
+                    "processes": {
+                        name: {"command": p.command, "env": p.env, "log": str(p.log_path)}
+                        for name, p in zip(("encoder", "consumer", "router"), processes, strict=True)
+                    },
+                    "ec_storage": str(storage),
+                },
                 ec_proof=lambda request, refs: ec_load_proof(
-                    f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{dec_port}", storage, settings.served_model,
-                    request, refs),
+                    f"http://127.0.0.1:{enc_port}",
+                    f"http://127.0.0.1:{dec_port}",
+                    storage,
+                    settings.served_model,
+                    request,
+                    refs,
+                ),
             )
     finally:
         entries = len(list(storage.iterdir())) if storage.is_dir() else 0
@@ -271,8 +330,12 @@ def triton_group(start_server: Callable[[], Any], models: Sequence[str]) -> Iter
     with start_server() as server:
         ready = time.perf_counter() - started
         yield GroupHandle(
-            "triton", tuple(models), lambda _want_prompt_text: TritonGrpcTarget(server["grpc_url"]),
-            server["grpc_url"], server["metrics_url"], [p for p in (server["pid"],) if p], ready,
+            "triton",
+            tuple(models),
+            lambda _want_prompt_text: TritonGrpcTarget(server["grpc_url"]),
+            server["grpc_url"],
+            server["metrics_url"],
+            [p for p in (server["pid"],) if p],
+            ready,
             {"origin": server["origin"]},
         )
-

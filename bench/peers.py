@@ -65,7 +65,6 @@ def busy_share(window_s: float = 5.0) -> float:
     """Share of all cores busy over ``window_s`` (every process: run it while no server of
     ours is up and it measures other people's work)."""
     import psutil
-
     from bench.server_stats import machine_busy_s
 
     before, started = machine_busy_s(), time.perf_counter()
@@ -78,8 +77,10 @@ def wait_for_quiet(max_wait_s: float, share: float) -> dict[str, float]:
     started = time.perf_counter()
     busy = busy_share()
     while busy >= share and time.perf_counter() - started < max_wait_s:
-        _log(f"[peers] other work keeps {busy:.0%} of the CPUs busy; waiting for < {share:.0%} "
-             f"({max_wait_s - (time.perf_counter() - started):.0f} s left)")
+        _log(
+            f"[peers] other work keeps {busy:.0%} of the CPUs busy; waiting for < {share:.0%} "
+            f"({max_wait_s - (time.perf_counter() - started):.0f} s left)"
+        )
         busy = busy_share()
     return {"waited_s": time.perf_counter() - started, "busy_share_at_start": busy}
 
@@ -138,7 +139,8 @@ class PeerRun:
                 _log(f"[peers] {name} ready in {handle.ready_s:.0f} s at {handle.url}")
                 meta.update(url=handle.url, ready_s=handle.ready_s, **handle.description)
                 sweep_config = dataclasses.replace(
-                    self.config.sweep, modes=group_modes, time_budget_s=self._group_budget(group_modes))
+                    self.config.sweep, modes=group_modes, time_budget_s=self._group_budget(group_modes)
+                )
                 sweep = Sweep(sweep_config, handle.url, handle.metrics_url, None)
                 sweep.meter.server_pids = list(handle.pids)
                 output = asyncio.run(_sweep(sweep, lambda: handle.make_target(False)))
@@ -150,12 +152,23 @@ class PeerRun:
                 ran_models = {e["model"] for e in output.summary["modes"] if e["status"] == "ran"}
                 served = [m for m in models if m in ran_models]
                 for model in served:
-                    self.equality_rows += asyncio.run(run_equality(
-                        lambda: handle.make_target(True), model, self.eq_requests, self.config.sweep.request_timeout_s))
+                    self.equality_rows += asyncio.run(
+                        run_equality(
+                            lambda: handle.make_target(True),
+                            model,
+                            self.eq_requests,
+                            self.config.sweep.request_timeout_s,
+                        )
+                    )
                     if handle.ec_proof is None:
-                        proof = asyncio.run(run_equality(
-                            lambda: handle.make_target(False), model, [("unique", self.proof_request)],
-                            self.config.sweep.request_timeout_s))
+                        proof = asyncio.run(
+                            run_equality(
+                                lambda: handle.make_target(False),
+                                model,
+                                [("unique", self.proof_request)],
+                                self.config.sweep.request_timeout_s,
+                            )
+                        )
                         self.proof_tokens[model] = proof[0]["output_token_ids"]
                 if handle.ec_proof is not None and served:
                     self.ec_proof = handle.ec_proof(self.proof_request, dict(self.proof_tokens))
@@ -167,9 +180,17 @@ class PeerRun:
             if not isinstance(exc, StartError):
                 traceback.print_exc()
             ran = {p["mode"] for out in self.outputs for p in out.summary["points"]}
-            self.skipped += [{"label": m.label, "model": m.model, "media": m.media, "status": "skipped",
-                              "reason": f"{name} {what}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-                             for m in group_modes if m.label not in ran]
+            self.skipped += [
+                {
+                    "label": m.label,
+                    "model": m.model,
+                    "media": m.media,
+                    "status": "skipped",
+                    "reason": f"{name} {what}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                }
+                for m in group_modes
+                if m.label not in ran
+            ]
             meta["error"] = f"{what}: {exc}"
             return
         meta["wall_s"] = time.perf_counter() - group_started
@@ -189,8 +210,11 @@ class PeerRun:
             f"{g['group']}: {g['server'].get('name')} {g['server'].get('version')}" for g in groups if "server" in g
         )
         summary = {
-            "server": {"url": "one server group at a time (see peers.groups)", "name": "triton + vLLM peers",
-                       "version": versions},
+            "server": {
+                "url": "one server group at a time (see peers.groups)",
+                "name": "triton + vLLM peers",
+                "version": versions,
+            },
             "config": config.describe(),
             "modes": mode_entries,
             "points": points,

@@ -65,8 +65,11 @@ def best_peer_ratios(
     for point in ran:
         if model_of(point["mode"]) in peer_models:
             continue
-        candidates = [p for p in peers
-                      if p["load_label"] == point["load_label"] and policy_of(p["mode"]) == policy_of(point["mode"])]
+        candidates = [
+            p
+            for p in peers
+            if p["load_label"] == point["load_label"] and policy_of(p["mode"]) == policy_of(point["mode"])
+        ]
         if not candidates:
             continue
         row: dict[str, Any] = {"mode": point["mode"], "load_label": point["load_label"], "best_peer": {}}
@@ -107,20 +110,34 @@ def goal_checks(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 a, b = ours["summary"]["ttft_ms"][stat], peer["summary"]["ttft_ms"][stat]
                 if a is None or b is None:
                     continue
-                checks.append({
-                    "goal": f"epd:repeated TTFT {stat} < vllm-epd:repeated", "load_label": label,
-                    "ours_ms": a, "peer_ms": b, "ratio": a / b, "met": a < b,
-                    "ours_stages": _top_stages(ours), "peer_stages": _top_stages(peer),
-                })
+                checks.append(
+                    {
+                        "goal": f"epd:repeated TTFT {stat} < vllm-epd:repeated",
+                        "load_label": label,
+                        "ours_ms": a,
+                        "peer_ms": b,
+                        "ratio": a / b,
+                        "met": a < b,
+                        "ours_stages": _top_stages(ours),
+                        "peer_stages": _top_stages(peer),
+                    }
+                )
         ours, peer = _point(points, "epd", label), _point(points, COLOCATED, label)
         if ours and peer:
             a, b = ours["summary"]["e2e_ms"]["p50"], peer["summary"]["e2e_ms"]["p50"]
             if a is not None and b is not None:
-                checks.append({
-                    "goal": f"epd e2e p50 <= {E2E_GOAL_FACTOR}x vllm-colocated", "load_label": label,
-                    "ours_ms": a, "peer_ms": b, "ratio": a / b, "met": a <= E2E_GOAL_FACTOR * b,
-                    "ours_stages": _top_stages(ours), "peer_stages": _top_stages(peer),
-                })
+                checks.append(
+                    {
+                        "goal": f"epd e2e p50 <= {E2E_GOAL_FACTOR}x vllm-colocated",
+                        "load_label": label,
+                        "ours_ms": a,
+                        "peer_ms": b,
+                        "ratio": a / b,
+                        "met": a <= E2E_GOAL_FACTOR * b,
+                        "ours_stages": _top_stages(ours),
+                        "peer_stages": _top_stages(peer),
+                    }
+                )
     return checks
 
 
@@ -134,8 +151,10 @@ def validity_warnings(points: Sequence[dict[str, Any]]) -> list[str]:
             continue
         s = p["summary"]
         if policy_of(p["mode"]) == "unique" and (s.get("cache_hits") or 0) > 0:
-            warnings.append(f"{p['mode']} {p['load_label']}: {s['cache_hits']:.0f} store hits with unique images "
-                            "(the images were not new to the store: use a fresh --media-salt)")
+            warnings.append(
+                f"{p['mode']} {p['load_label']}: {s['cache_hits']:.0f} store hits with unique images "
+                "(the images were not new to the store: use a fresh --media-salt)"
+            )
         if s.get("errors"):
             warnings.append(f"{p['mode']} {p['load_label']}: {s['errors']:.0f} failed requests")
     return warnings
@@ -180,11 +199,14 @@ def write_peer_outputs(out: Path, summary: dict[str, Any], raw: list[dict[str, A
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({
-                "mode": row["mode"], "load_label": row["load_label"],
-                **{k: row.get(k) for k, _ in RATIO_COLUMNS},
-                **{f"best_peer_{k}": row["best_peer"].get(k) for k, _ in RATIO_COLUMNS},
-            })
+            writer.writerow(
+                {
+                    "mode": row["mode"],
+                    "load_label": row["load_label"],
+                    **{k: row.get(k) for k, _ in RATIO_COLUMNS},
+                    **{f"best_peer_{k}": row["best_peer"].get(k) for k, _ in RATIO_COLUMNS},
+                }
+            )
     written.append(out / "peers.csv")
     if plots and summary["points"]:
         from bench.plots import write_peer_plots  # matplotlib is slow to import
@@ -210,8 +232,11 @@ def _peer_lines(summary: dict[str, Any]) -> list[str]:
     warnings = [f"- **{w}**" for w in peers.get("warnings", [])]
     return (
         (["", "## Warnings", "", *warnings] if warnings else [])
-        + _group_lines(peers) + _goal_lines(peers) + _best_peer_lines(peers)
-        + _equality_lines(peers) + _proof_lines(peers)
+        + _group_lines(peers)
+        + _goal_lines(peers)
+        + _best_peer_lines(peers)
+        + _equality_lines(peers)
+        + _proof_lines(peers)
     )
 
 
@@ -219,13 +244,20 @@ def _proof_lines(peers: dict[str, Any]) -> list[str]:
     proof = peers.get("ec_load_proof")
     if not proof:
         return []
-    lines = ["", "## Does vLLM-EPD's consumer use the stored encoder cache?", "",
-             "Equal tokens cannot tell (a consumer that encodes the image itself gives the same tokens). For a fresh "
-             "image the router's encoder step ran, the stored tensor "
-             f"{proof.get('stored_shape', '')} was replaced by zeros, then the request went to the consumer."]
+    lines = [
+        "",
+        "## Does vLLM-EPD's consumer use the stored encoder cache?",
+        "",
+        "Equal tokens cannot tell (a consumer that encodes the image itself gives the same tokens). For a fresh "
+        "image the router's encoder step ran, the stored tensor "
+        f"{proof.get('stored_shape', '')} was replaced by zeros, then the request went to the consumer.",
+    ]
     if "tokens_with_zeroed_cache" in proof:
-        lines += ["", f"- consumer with zeroed cache: `{proof['tokens_with_zeroed_cache'][:12]}`",
-                  *(f"- {model}: `{tokens[:12]}`" for model, tokens in proof["reference_tokens"].items())]
+        lines += [
+            "",
+            f"- consumer with zeroed cache: `{proof['tokens_with_zeroed_cache'][:12]}`",
+            *(f"- {model}: `{tokens[:12]}`" for model, tokens in proof["reference_tokens"].items()),
+        ]
     lines += ["", f"Result: {'**proved**' if proof['proved'] else '**not proved**'}: {proof['reason']}."]
     return lines
 
@@ -235,11 +267,14 @@ def _group_lines(peers: dict[str, Any]) -> list[str]:
     for group in peers["groups"]:
         quiet = group.get("quiet")
         if quiet:
-            lines.append(f"- before {group['group']}: waited {quiet['waited_s']:.0f} s for other work to leave the "
-                         f"CPUs (busy {quiet['busy_share_at_start']:.0%} when it started)")
+            lines.append(
+                f"- before {group['group']}: waited {quiet['waited_s']:.0f} s for other work to leave the "
+                f"CPUs (busy {quiet['busy_share_at_start']:.0%} when it started)"
+            )
         if "error" in group:
-            lines.append(f"- **{group['group']}** ({', '.join(group['modes'])}): did not start: "
-                         f"{group['error'].splitlines()[0]}")
+            lines.append(
+                f"- **{group['group']}** ({', '.join(group['modes'])}): did not start: {group['error'].splitlines()[0]}"
+            )
             continue
         processes = group.get("processes")
         what = ("processes: " + ", ".join(processes)) if processes else "one tritonserver"
@@ -316,7 +351,8 @@ def _equality_lines(peers: dict[str, Any]) -> list[str]:
         f"{', '.join(f'`{m}`' for m in modes)}; prompt lengths "
         + ("identical" if eq["all_same_input_tokens"] else "**not identical**")
         + f" across modes; the peers' rendered chat prompt equal to ours in {eq['prompt_text_checked']} checks: "
-        + ("yes" if eq["prompt_text_all_equal"] else "**no**") + ".",
+        + ("yes" if eq["prompt_text_all_equal"] else "**no**")
+        + ".",
         "",
         "Columns are the served models; a `repeated` row is that model's `:repeated` mode. `=`: the same token ids "
         f"as `{eq['reference']}`; `hits`: images served from our embedding store.",

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tritonclient.utils import serialize_byte_tensor
-
 from bench.workload import BenchRequest
+from tritonclient.utils import serialize_byte_tensor
 
 USER_FACING_MODELS = ("llm", "ensemble", "epd")
 IMAGE_ENCODINGS = ("binary", "b64")
@@ -67,9 +66,9 @@ def commands(model: str, input_file: Path, grpc_url: str = "localhost:8001") -> 
         f"--concurrency-range 1:8:2 --measurement-interval 10000 --profile-export-file {model}-profile.json"
     )
     # BYTES outputs have no fixed size: perf_analyzer needs a region size per output.
-    shared = base.replace("--streaming", "--streaming --shared-memory system --output-shared-memory-size 1048576").replace(
-        f"{model}-profile.json", f"{model}-profile-shm.json"
-    )
+    shared = base.replace(
+        "--streaming", "--streaming --shared-memory system --output-shared-memory-size 1048576"
+    ).replace(f"{model}-profile.json", f"{model}-profile-shm.json")
     return [base, shared]
 
 

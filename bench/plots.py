@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 PERCENTILE_STYLES = {"p50": "-", "p90": "--", "p99": ":"}
 LATENCY_PANELS = (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end"))
@@ -49,12 +49,19 @@ def latency_plot(summary: dict[str, Any], kind: str, path: Path) -> Path:
     series = _series(summary, kind)
     fig, axes = plt.subplots(1, len(LATENCY_PANELS), figsize=(15, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (metric, title) in zip(axes, LATENCY_PANELS):
+    for ax, (metric, title) in zip(axes, LATENCY_PANELS, strict=True):
         for i, (mode, points) in enumerate(series.items()):
             x = [p["load"] for p in points]
             for stat, style in PERCENTILE_STYLES.items():
-                ax.plot(x, _values(points, metric, stat), style, marker="o", ms=3, color=colors[i % len(colors)],
-                        label=f"{mode} {stat}")
+                ax.plot(
+                    x,
+                    _values(points, metric, stat),
+                    style,
+                    marker="o",
+                    ms=3,
+                    color=colors[i % len(colors)],
+                    label=f"{mode} {stat}",
+                )
         ax.set_title(f"{title} (ms)")
         _load_axis(ax, kind, series)
     axes[0].legend(fontsize=7, ncol=1)
@@ -69,12 +76,14 @@ def throughput_plot(summary: dict[str, Any], kind: str, path: Path) -> Path:
     series = _series(summary, kind)
     fig, axes = plt.subplots(1, len(THROUGHPUT_PANELS), figsize=(11, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (metric, title) in zip(axes, THROUGHPUT_PANELS):
+    for ax, (metric, title) in zip(axes, THROUGHPUT_PANELS, strict=True):
         for i, (mode, points) in enumerate(series.items()):
             color, x = colors[i % len(colors)], [p["load"] for p in points]
             ax.plot(x, _values(points, metric), marker="o", color=color, label=mode)
             if metric == "request_throughput" and any(p["summary"].get("goodput") is not None for p in points):
-                ax.plot(x, _values(points, "goodput"), "--", marker="x", color=color, label=f"{mode} goodput (SLOs met)")
+                ax.plot(
+                    x, _values(points, "goodput"), "--", marker="x", color=color, label=f"{mode} goodput (SLOs met)"
+                )
         ax.set_title(title)
         _load_axis(ax, kind, series)
         ax.set_ylim(bottom=0)
@@ -97,9 +106,17 @@ def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
 
 # --- bench peers ------------------------------------------------------------------------------
 
-PEER_LATENCY_PANELS = (("ttft_ms", "p50", "TTFT p50"), ("ttft_ms", "p90", "TTFT p90"), ("e2e_ms", "p50", "end-to-end p50"))
-PEER_RATIO_METRICS = (("ttft_ms_p50", "TTFT p50"), ("ttft_ms_p90", "TTFT p90"), ("e2e_ms_p50", "E2E p50"),
-                      ("request_throughput", "req/s"))
+PEER_LATENCY_PANELS = (
+    ("ttft_ms", "p50", "TTFT p50"),
+    ("ttft_ms", "p90", "TTFT p90"),
+    ("e2e_ms", "p50", "end-to-end p50"),
+)
+PEER_RATIO_METRICS = (
+    ("ttft_ms_p50", "TTFT p50"),
+    ("ttft_ms_p90", "TTFT p90"),
+    ("e2e_ms_p50", "E2E p50"),
+    ("request_throughput", "req/s"),
+)
 
 
 def _is_peer(mode: str) -> bool:
@@ -112,10 +129,17 @@ def peer_latency_plot(summary: dict[str, Any], path: Path) -> Path:
     series = _series(summary, "concurrency")
     fig, axes = plt.subplots(1, len(PEER_LATENCY_PANELS), figsize=(16, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (metric, stat, title) in zip(axes, PEER_LATENCY_PANELS):
+    for ax, (metric, stat, title) in zip(axes, PEER_LATENCY_PANELS, strict=True):
         for i, (mode, points) in enumerate(series.items()):
-            ax.plot([p["load"] for p in points], _values(points, metric, stat), "--" if _is_peer(mode) else "-",
-                    marker="s" if _is_peer(mode) else "o", ms=4, color=colors[i % len(colors)], label=mode)
+            ax.plot(
+                [p["load"] for p in points],
+                _values(points, metric, stat),
+                "--" if _is_peer(mode) else "-",
+                marker="s" if _is_peer(mode) else "o",
+                ms=4,
+                color=colors[i % len(colors)],
+                label=mode,
+            )
         ax.set_title(f"{title} (ms)")
         ax.set_ylim(bottom=0)
         _load_axis(ax, "concurrency", series)
@@ -134,14 +158,16 @@ def peer_ratio_plot(summary: dict[str, Any], path: Path) -> Path:
     loads = list(dict.fromkeys(r["load_label"] for r in rows))
     fig, axes = plt.subplots(1, max(len(modes), 1), figsize=(4.2 * max(len(modes), 1), 4.5), squeeze=False)
     width = 0.8 / max(len(loads), 1)
-    for ax, mode in zip(axes[0], modes):
+    for ax, mode in zip(axes[0], modes, strict=False):  # one empty panel when there is no mode
         for j, load in enumerate(loads):
             row = next((r for r in rows if r["mode"] == mode and r["load_label"] == load), None)
             values = [float("nan") if row is None or row.get(k) is None else row[k] for k, _ in PEER_RATIO_METRICS]
             ax.bar([i + j * width for i in range(len(PEER_RATIO_METRICS))], values, width, label=load)
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks([i + width * (len(loads) - 1) / 2 for i in range(len(PEER_RATIO_METRICS))],
-                      [t for _, t in PEER_RATIO_METRICS])
+        ax.set_xticks(
+            [i + width * (len(loads) - 1) / 2 for i in range(len(PEER_RATIO_METRICS))],
+            [t for _, t in PEER_RATIO_METRICS],
+        )
         ax.set_title(f"{mode} / best peer")
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from bench.machine import describe_machine, one_line
 from bench.server_stats import scrape
-from client.epd_client import GrpcClient, chat_prompt
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from client.epd_client import GrpcClient, chat_prompt
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "reference_bytes"
 SIZES = ((64, 64), (448, 336), (640, 480), (1280, 720), (1920, 1080), (3840, 2160))
@@ -36,7 +34,9 @@ REAL_MODELS = {"Qwen2-VL-2B": 1536, "Qwen2-VL-7B": 3584}  # merger output width
 def _counter(url: str, name: str) -> float:
     snapshot = scrape(url)
     assert snapshot is not None, f"no metrics at {url}"
-    return sum(v for (metric, labels), v in snapshot.counters.items() if metric == name and ("kind", "media") not in labels)
+    return sum(
+        v for (metric, labels), v in snapshot.counters.items() if metric == name and ("kind", "media") not in labels
+    )
 
 
 def _encode_bytes(url: str, image: bytes) -> tuple[int, int]:
@@ -92,11 +92,12 @@ def markdown(summary: dict[str, Any]) -> str:
         f"Command: `{summary['command']}`",
         "",
         "`epd`: what `prefill` received per image, from the server's counters "
-        "(`epd_prefill_input_bytes{kind=\"reference\"}` / `epd_prefill_references`; `kind=\"media\"` stays 0). "
+        '(`epd_prefill_input_bytes{kind="reference"}` / `epd_prefill_references`; `kind="media"` stays 0). '
         "By value: the `image_embeds` that `encode` returns and `ensemble` passes to `llm` (fp32, tiny model, "
         "hidden 128); the last two columns are the same token count at Qwen2-VL-2B/7B width in bf16.",
         "",
-        "| image | tokens | reference bytes | by-value bytes (tiny, fp32) | ratio | Qwen2-VL-2B bf16 | Qwen2-VL-7B bf16 |",
+        "| image | tokens | reference bytes | by-value bytes (tiny, fp32) | ratio | Qwen2-VL-2B bf16 | Qwen2-VL-7B "
+        "bf16 |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in summary["rows"]:

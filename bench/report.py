@@ -90,7 +90,8 @@ def markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> st
             f"- Machine: {one_line(machine)}; load average at start {machine['load_average_1_5_15']}"
             + (f", at end {meta['load_average_end']}" if "load_average_end" in meta else "")
             + (" (shared machine: other work ran beside this)" if meta.get("shared_machine") else ""),
-            f"- Packages: {', '.join(f'{k} {v}' for k, v in machine['packages'].items() if v)}; commit {machine.get('git_commit')}",
+            f"- Packages: {', '.join(f'{k} {v}' for k, v in machine['packages'].items() if v)}; commit "
+            f"{machine.get('git_commit')}",
         ]
     server = summary["server"]
     lines += [
@@ -116,7 +117,8 @@ def markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> st
         lines.append(
             f"| {point['mode']} | {point['load_label']} | {_num(s['requests'])} / {_num(s['errors'])} | "
             f"{_num(s['request_throughput'], 2)} | {_num(s['output_token_throughput'], 1)} | {_triple(s['ttft_ms'])} | "
-            f"{_triple(s['tpot_ms'], ('p50', 'p90'))} | {_triple(s['itl_ms'], ('p50', 'p99'))} | {_triple(s['e2e_ms'])} | "
+            f"{_triple(s['tpot_ms'], ('p50', 'p90'))} | {_triple(s['itl_ms'], ('p50', 'p99'))} | "
+            f"{_triple(s['e2e_ms'])} | "
             f"{_num(s['goodput'], 2)} | {_num(s['output_token_throughput_per_instance'], 1)} | "
             f"{_num(s['cache_hits'])} | {_num(s['encodes'])} |"
         )
@@ -130,22 +132,34 @@ def _noise_line(summary: dict[str, Any]) -> str | None:
     limit = summary["config"].get("max_noise")
     if limit is None:
         return None
-    redone = sum(int(rep.get("noisy_attempts_discarded") or 0) for p in ran_points(summary) for rep in p.get("reps", []))
+    redone = sum(
+        int(rep.get("noisy_attempts_discarded") or 0) for p in ran_points(summary) for rep in p.get("reps", [])
+    )
     return (
         f"- Noise guard: a repetition during which other processes took more than {limit:.0%} of the CPUs was measured "
-        f"again with fresh requests (at most {summary['config'].get('noise_retries')} times); {redone} re-measurement(s) "
+        f"again with fresh requests (at most {summary['config'].get('noise_retries')} times); {redone} "
+        "re-measurement(s) "
         "in this run; what was kept is in results.csv (`other_processes_cpu_share`)"
     )
 
 
 def _workload_text(w: dict[str, Any]) -> str:
-    media = f"images from {w['image_dir']}" if w["image_dir"] else f"synthetic {w['image_format']} {', '.join(w['image_sizes'])}"
+    media = (
+        f"images from {w['image_dir']}"
+        if w["image_dir"]
+        else f"synthetic {w['image_format']} {', '.join(w['image_sizes'])}"
+    )
     return (
         f"seed {w['seed']}; prompt {w['prompt_tokens']} tokens of text; output {w['output_tokens']} tokens "
-        f"(ignore_eos={w['ignore_eos']}, temperature {w['temperature']}); {w['images_per_request']} image(s) per request, "
+        f"(ignore_eos={w['ignore_eos']}, temperature {w['temperature']}); {w['images_per_request']} image(s) per "
+        "request, "
         f"{media}; reuse ratio {w['reuse_ratio']} (`:repeated` modes {w['repeated_reuse_ratio']}, pool of "
         f"{w['media_pool_size']})"
-        + (f"; media salt `{w['media_salt']}` (repeat with `--media-salt {w['media_salt']}`)" if w.get("media_salt") else "")
+        + (
+            f"; media salt `{w['media_salt']}` (repeat with `--media-salt {w['media_salt']}`)"
+            if w.get("media_salt")
+            else ""
+        )
     )
 
 
@@ -162,18 +176,37 @@ def _ratio_lines(summary: dict[str, Any]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in ratios:
-        cells = [r[k] for k in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "e2e_ms_p50", "e2e_ms_p90", "request_throughput", "output_token_throughput")]
+        cells = [
+            r[k]
+            for k in (
+                "ttft_ms_p50",
+                "ttft_ms_p90",
+                "tpot_ms_p50",
+                "e2e_ms_p50",
+                "e2e_ms_p90",
+                "request_throughput",
+                "output_token_throughput",
+            )
+        ]
         lines.append(f"| {r['mode']} | {r['load_label']} | " + " | ".join(_num(c, 2) for c in cells) + " |")
     agreement = summary.get("token_agreement_vs_baseline") or {}
     if agreement:
-        lines += ["", f"Greedy output tokens equal to `{base}` for the same request: "
-                  + ", ".join(f"{k}: {_num(v * 100 if v is not None else None)}%" for k, v in agreement.items())]
+        lines += [
+            "",
+            f"Greedy output tokens equal to `{base}` for the same request: "
+            + ", ".join(f"{k}: {_num(v * 100 if v is not None else None)}%" for k, v in agreement.items()),
+        ]
     return lines
 
 
 def _stage_lines(summary: dict[str, Any]) -> list[str]:
-    lines = ["", "## Stage breakdown (mean ms per request, share of request time)", "",
-             "| mode | load | source | stages |", "|---|---|---|---|"]
+    lines = [
+        "",
+        "## Stage breakdown (mean ms per request, share of request time)",
+        "",
+        "| mode | load | source | stages |",
+        "|---|---|---|---|",
+    ]
     for point in ran_points(summary):
         stages = point["stages"]
         cells = ", ".join(
@@ -192,8 +225,13 @@ def _skipped_lines(summary: dict[str, Any]) -> list[str]:
     not_run = [p for p in summary["points"] if p.get("status", "").startswith("not run")]
     if not skipped and not not_run:
         return []
-    return ["", "## Not measured", "", *(f"- mode `{m['label']}`: {m['reason']}" for m in skipped),
-            *(f"- `{p['mode']}` {p['load_label']}: {p['status']}" for p in not_run)]
+    return [
+        "",
+        "## Not measured",
+        "",
+        *(f"- mode `{m['label']}`: {m['reason']}" for m in skipped),
+        *(f"- `{p['mode']}` {p['load_label']}: {p['status']}" for p in not_run),
+    ]
 
 
 def _cost_lines(summary: dict[str, Any]) -> list[str]:

@@ -118,7 +118,10 @@ def per_model_server_ms(deltas: dict[str, float], models: Iterable[str]) -> dict
             continue
         result[model] = {
             "requests": count,
-            **{m.removeprefix("nv_inference_").removesuffix("_duration_us"): total(m) / count / 1000.0 for m in TRITON_TIME_COUNTERS},
+            **{
+                m.removeprefix("nv_inference_").removesuffix("_duration_us"): total(m) / count / 1000.0
+                for m in TRITON_TIME_COUNTERS
+            },
         }
     return result
 

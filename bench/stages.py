@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
 from bench.metrics import RequestRecord, e2e_s, ttft_s
 from bench.server_stats import ModeLayout
 
@@ -53,7 +52,9 @@ def stage_breakdown(
     media_models = {
         name: stats["compute_infer"]
         for name, stats in per_model_ms.items()
-        if layout is not None and name in layout.models and not layout.models[name].decoupled
+        if layout is not None
+        and name in layout.models
+        and not layout.models[name].decoupled
         and layout.models[name].kind != "ensemble"
     }
     media = sum(media_models.values())

@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-
 from bench.loadgen import LoadPoint, closed_loop, run_point
 from bench.metrics import RequestRecord, Slo, median_summary, summarize
 from bench.server_stats import (
@@ -37,6 +35,7 @@ from bench.server_stats import (
 from bench.stages import disaggregation_reading, stage_breakdown
 from bench.triton_target import TritonGrpcTarget
 from bench.workload import WorkloadBuilder, WorkloadSpec
+from tqdm import tqdm
 
 MEDIA_POLICIES = ("default", "unique", "repeated")
 # Request keys of a noise retry: repetition + stride x attempt, never a key measured before.
@@ -60,7 +59,7 @@ class ModeSpec:
     media: str = "default"
 
     @classmethod
-    def parse(cls, text: str) -> "ModeSpec":
+    def parse(cls, text: str) -> ModeSpec:
         model, _, media = text.partition(":")
         media = media or "default"
         if not model or media not in MEDIA_POLICIES:
@@ -165,8 +164,15 @@ class Sweep:
             for mode in self.config.modes:
                 if reasons[mode.label] is not None:
                     _log(f"[bench] skipping mode {mode.label}: {reasons[mode.label]}")
-                    modes.append({"label": mode.label, "model": mode.model, "media": mode.media,
-                                  "status": "skipped", "reason": reasons[mode.label]})
+                    modes.append(
+                        {
+                            "label": mode.label,
+                            "model": mode.model,
+                            "media": mode.media,
+                            "status": "skipped",
+                            "reason": reasons[mode.label],
+                        }
+                    )
                     continue
                 self._start_mode_clock(len(runnable) - runnable.index(mode))
                 mode_entry, mode_points = await self._run_mode(target, mode)
@@ -194,7 +200,13 @@ class Sweep:
         for index, point in enumerate(self.config.points):
             if self._over_budget():
                 _log(f"[bench] time budget spent: {mode.label} {point.label} not run")
-                points.append({"mode": mode.label, "load_label": point.label, "status": "not run: this mode's share of --time-budget was spent"})
+                points.append(
+                    {
+                        "mode": mode.label,
+                        "load_label": point.label,
+                        "status": "not run: this mode's share of --time-budget was spent",
+                    }
+                )
                 continue
             points.append(await self._run_point(target, mode, layout, index, point))
         ran = [p for p in points if p.get("status") == "ran"]
@@ -220,7 +232,10 @@ class Sweep:
         if config.warmup_requests:
             # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
             primers = self.builder.pool_primers() if reuse > 0 and config.prime_pool else []
-            warm = [target.prepare(r, mode.model) for r in primers + self.builder.build(config.warmup_requests, reuse, "warmup", index)]
+            warm = [
+                target.prepare(r, mode.model)
+                for r in primers + self.builder.build(config.warmup_requests, reuse, "warmup", index)
+            ]
             await closed_loop(send, warm, point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
 
         reps, records = [], []
@@ -233,14 +248,23 @@ class Sweep:
                 items = [target.prepare(r, mode.model) for r in built]
                 rep_summary, rep_records = await self._measure(send, items, point, index, rep, mode, layout)
                 other = rep_summary["cpu"].get("other_processes_cpu_share")
-                if config.max_noise is None or other is None or other <= config.max_noise or attempt == config.noise_retries:
+                if (
+                    config.max_noise is None
+                    or other is None
+                    or other <= config.max_noise
+                    or attempt == config.noise_retries
+                ):
                     break
-                _log(f"[bench] {mode.label} {point.label} rep {rep + 1}: other processes took {other:.0%} of the CPUs "
-                     f"(> {config.max_noise:.0%}); measuring this repetition again with fresh requests")
+                _log(
+                    f"[bench] {mode.label} {point.label} rep {rep + 1}: other processes took {other:.0%} of the CPUs "
+                    f"(> {config.max_noise:.0%}); measuring this repetition again with fresh requests"
+                )
             rep_summary["noisy_attempts_discarded"] = attempt
             reps.append(rep_summary)
             records.extend(rep_records)
-            self.raw.extend({"mode": mode.label, "load_label": point.label, "rep": rep, **r.to_json()} for r in rep_records)
+            self.raw.extend(
+                {"mode": mode.label, "load_label": point.label, "rep": rep, **r.to_json()} for r in rep_records
+            )
         self.records[(mode.label, point.label)] = records
         summary = median_summary(reps)
         return {

@@ -60,7 +60,12 @@ class TritonGrpcTarget:
     def prepare(self, request: BenchRequest, model: str) -> PreparedRequest:
         # The same tensors the client library sends (ensemble takes its image as UINT8).
         inputs = build_inputs(
-            self._grpc, request.prompt, request.images, True, request.sampling, True,
+            self._grpc,
+            request.prompt,
+            request.images,
+            True,
+            request.sampling,
+            True,
             one_image_uint8=model in ONE_IMAGE_MODELS,
         )
         return PreparedRequest(request, inputs)

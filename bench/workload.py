@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from PIL import Image
-
 from client.epd_client import chat_prompt
+from PIL import Image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Short common words; with a tokenizer the prompt is cut to an exact token count,
@@ -51,7 +50,7 @@ class LengthDist:
     minimum: int = 0
 
     @classmethod
-    def parse(cls, text: str, minimum: int = 0) -> "LengthDist":
+    def parse(cls, text: str, minimum: int = 0) -> LengthDist:
         kind, _, rest = text.partition(":")
         try:
             if not rest:
@@ -214,7 +213,11 @@ class FolderMedia:
 
 
 def media_source(spec: WorkloadSpec) -> MediaSource:
-    return FolderMedia(spec.image_dir, spec.seed) if spec.image_dir else SyntheticMedia(spec.seed, spec.image_format, spec.media_salt)
+    return (
+        FolderMedia(spec.image_dir, spec.seed)
+        if spec.image_dir
+        else SyntheticMedia(spec.seed, spec.image_format, spec.media_salt)
+    )
 
 
 class PromptMaker:
@@ -252,7 +255,9 @@ class WorkloadBuilder:
         self.media = media_source(self.spec)
         self.prompts = PromptMaker(self.spec.tokenizer)
 
-    def build(self, count: int, reuse_ratio: float, phase: str = "measure", point: int = 0, rep: int = 0) -> list[BenchRequest]:
+    def build(
+        self, count: int, reuse_ratio: float, phase: str = "measure", point: int = 0, rep: int = 0
+    ) -> list[BenchRequest]:
         # Lengths and image counts do not depend on the reuse ratio (a separate stream),
         # so `llm` and `llm:repeated` get the same shapes of work.
         shapes = np.random.default_rng([self.spec.seed, PHASES[phase], point, rep, 0])
@@ -270,8 +275,13 @@ class WorkloadBuilder:
         ]
 
     def _request(
-        self, key: str, shapes: np.random.Generator, reuse: np.random.Generator, reuse_ratio: float,
-        pool_index: int | None = None, num_images: int | None = None,
+        self,
+        key: str,
+        shapes: np.random.Generator,
+        reuse: np.random.Generator,
+        reuse_ratio: float,
+        pool_index: int | None = None,
+        num_images: int | None = None,
     ) -> BenchRequest:
         spec = self.spec
         prompt_tokens = spec.prompt_tokens.sample(shapes)
