@@ -1,10 +1,15 @@
 """The shared embedding cache on the real server: encoders share one node store, single-flight,
 warm-up by mm_hash, eviction (a stale reference is NOT_FOUND), pressure (a store smaller than
-the working set), and /metrics counting what the test did."""
+the working set), and /metrics counting what the test did.
+
+Every image here is new to the store (``fresh_image``: a per-session note in its metadata) and
+every counter is read as a delta around the test's own requests, so what a test expects
+depends on nothing an earlier test or server session left in the node's store."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import threading
 import time
 import urllib.request
@@ -12,18 +17,26 @@ import urllib.request
 import pytest
 
 from bench.server_stats import parse_metrics
+from builders.tritonserver import TritonServer
 from client.epd_client import ClientError, GrpcClient, chat_prompt
 from python_backends.store import EmbeddingStore
-from builders.tritonserver import TritonServer
-from tests.images import synthetic_image
+from tests.images import synthetic_image, with_note
 from tests.server.conftest import CACHE_POLICY, open_node_store
 from tests.server.test_epd import _prefill_error
 
 pytestmark = pytest.mark.server
 
-GREEDY = {"max_tokens": 4, "temperature": 0.0}
+GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}  # exactly 4 tokens
 POLICY = CACHE_POLICY
 ENTRY_224 = (224 // 28) ** 2 * 128 * 4  # bytes of one 224x224 image's embedding (64 tokens x 128 fp32)
+
+
+SESSION_NOTE = f"triton-epd test_cache {secrets.token_hex(8)}".encode()
+
+
+def fresh_image(width: int, height: int, seed: int) -> bytes:
+    """A picture no earlier session put in the store: new bytes (hence content key), same pixels."""
+    return with_note(synthetic_image(width, height, seed), SESSION_NOTE)
 
 
 def _counters(server: TritonServer) -> dict[tuple[str, str], float]:
@@ -44,7 +57,7 @@ def _delta(before: dict, after: dict, name: str, key: str) -> float:
 
 
 def test_an_image_encoded_by_one_encoder_is_a_hit_for_the_other_and_metrics_count_it(server, epd):
-    image, other = synthetic_image(256, 192, seed=5001), synthetic_image(160, 160, seed=5002)
+    image, other = fresh_image(256, 192, seed=5001), fresh_image(160, 160, seed=5002)
     prompt = chat_prompt("Where did this come from?", 1)
     before = _counters(server)
     first = epd.generate(prompt, [image], GREEDY, parameters={"encoder": "encoder_0"})
@@ -84,7 +97,7 @@ def test_an_image_encoded_by_one_encoder_is_a_hit_for_the_other_and_metrics_coun
 
 
 def test_thirty_two_concurrent_requests_with_one_new_image_encode_it_once(server, epd):
-    image = synthetic_image(300, 200, seed=5100)
+    image = fresh_image(300, 200, seed=5100)
     prompt = chat_prompt("All at once.", 1)
     before = _counters(server)
     clients = [GrpcClient(server.grpc_url, "epd") for _ in range(32)]
@@ -133,14 +146,14 @@ def _stage_error_with_pin(server: TritonServer) -> str:
 
 
 def test_an_evicted_reference_is_not_found_and_never_garbage(server, epd):
-    victim = synthetic_image(224, 224, seed=5200)
+    victim = fresh_image(224, 224, seed=5200)
     client = GrpcClient(server.grpc_url, "epd")
     try:
         response = _warm_up_references(server, [victim])
         [reference] = response
         [victim_hash] = client.warm_up([victim])
         with open_node_store(capacity_bytes=3 * ENTRY_224):  # shrink: three 224x224 entries fit
-            client.warm_up([synthetic_image(224, 224, seed=5201 + i) for i in range(4)])
+            client.warm_up([fresh_image(224, 224, seed=5201 + i) for i in range(4)])
         with open_node_store() as store:  # capacity back for the rest of the session
             assert store.metrics()["evictions"] >= 1
             assert not store.contains(victim_hash)
@@ -178,7 +191,7 @@ def _warm_up_references(server: TritonServer, images: list[bytes]) -> list[bytes
 
 
 def test_a_store_smaller_than_the_working_set_evicts_but_every_answer_stays_right(server, epd, llm):
-    images = [synthetic_image(224, 224, seed=5300 + i) for i in range(10)]
+    images = [fresh_image(224, 224, seed=5300 + i) for i in range(10)]
     prompt = chat_prompt("Under pressure.", 1)
     expected = [llm.generate(prompt, [image], GREEDY).token_ids for image in images]
     capacity = 5 * ENTRY_224  # half the working set; 4 requests in flight hold at most 4 entries
