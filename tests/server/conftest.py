@@ -34,14 +34,15 @@ from client.epd_client import GrpcClient, HttpClient
 from python_backends.store import EmbeddingStore, StoreConfig
 
 SLOTS = 16
+SHM = Path("/dev/shm")  # tmpfs, like the served defaults
 
 
 def _hold_slot() -> tuple[int, IO[str]]:
-    """The first slot no other live test session holds (flock: freed when its process dies)."""
-    lock_dir = REPO_ROOT / "build" / "test-slots"
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    """The first slot no other live test session of this machine holds (flock: freed when its
+    process dies). The locks live beside the slots' tmpfs folders, so that sessions of other
+    checkouts of the project (which share /dev/shm) take other slots too."""
     for slot in range(SLOTS):
-        handle = open(lock_dir / f"slot-{slot}.lock", "w")  # held for the whole session
+        handle = open(SHM / f"triton-epd-test-slot-{slot}.lock", "w")  # held for the whole session
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -55,7 +56,7 @@ SLOT, _SLOT_LOCK = _hold_slot()
 LOG_DIR = REPO_ROOT / "build" / "test-logs" / f"slot-{SLOT}"
 SERVER_REPOSITORY = REPO_ROOT / "build" / "test-slots" / f"repository-{SLOT}"
 LAUNCHER_REPOSITORY = REPO_ROOT / "build" / "test-slots" / f"launcher-repository-{SLOT}"  # what test_launcher serves
-NODE_DIR = Path("/dev/shm") / f"triton-epd-test-slot-{SLOT}"  # tmpfs, like the served defaults
+NODE_DIR = SHM / f"triton-epd-test-slot-{SLOT}"
 KV_STORE_PATH = NODE_DIR / "kv"
 # What the session server's repository is generated with: the cpu target's, in this slot.
 CACHE_POLICY = dataclasses.replace(TARGETS["cpu"].cache, path=str(NODE_DIR / "embeddings"))
