@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, Union
+from typing import Protocol, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from python_backends.preprocess import PreprocessedImages, validate_encoded_imag
 from python_backends.vit_onnx import encoder_inputs, patch_counts
 
 T = TypeVar("T")
-Result = Union[T, EpdError]
+Result: TypeAlias = T | EpdError
 
 
 def encoded_images(array: np.ndarray) -> list[bytes]:

@@ -79,7 +79,7 @@ class EncoderInputs:
     cu_seqlens: np.ndarray
 
     def as_feed(self) -> dict[str, np.ndarray]:
-        return dict(zip(INPUT_NAMES, (self.pixel_values, self.rotary_pos_ids, self.cu_seqlens)))
+        return dict(zip(INPUT_NAMES, (self.pixel_values, self.rotary_pos_ids, self.cu_seqlens), strict=True))
 
 
 def encoder_inputs(

@@ -345,7 +345,7 @@ class TransferIdConnector(KVConnectorBase_V1):
                 if op.error:
                     raise ValueError(op.error)
                 self._load(op, layers)
-            except Exception as exc:  # noqa: BLE001 - any failure fails this request only
+            except Exception as exc:
                 log.error("KV load of transfer %s (request %s) failed: %s", op.transfer_id, op.req_id, exc)
                 self._failed_blocks |= _blocks_of(op.block_ids, self._block_size, op.start, op.end)
 

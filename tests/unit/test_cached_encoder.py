@@ -85,10 +85,14 @@ def test_thirty_two_concurrent_requests_for_one_new_image_encode_once(store):
 
 def test_two_encoders_share_the_node_cache_but_not_per_instance_caches(store):
     encode = ScriptedEncode()
-    a, b = (CachedEncoder(store, KEYS, encode, namespace=cache_namespace("node", n)) for n in ("encoder_0", "encoder_1"))
+    a, b = (
+        CachedEncoder(store, KEYS, encode, namespace=cache_namespace("node", n)) for n in ("encoder_0", "encoder_1")
+    )
     assert asyncio.run(a.reference(b"img")).outcome is Outcome.MISS
     assert asyncio.run(b.reference(b"img")).outcome is Outcome.HIT
-    a, b = (CachedEncoder(store, KEYS, encode, namespace=cache_namespace("instance", n)) for n in ("encoder_0", "encoder_1"))
+    a, b = (
+        CachedEncoder(store, KEYS, encode, namespace=cache_namespace("instance", n)) for n in ("encoder_0", "encoder_1")
+    )
     assert asyncio.run(a.reference(b"img")).outcome is Outcome.MISS
     assert asyncio.run(b.reference(b"img")).outcome is Outcome.MISS
     assert asyncio.run(b.reference(b"img")).outcome is Outcome.HIT
@@ -139,11 +143,11 @@ def test_a_full_store_waits_for_leases_to_end_instead_of_failing():
         encoder = CachedEncoder(store, KEYS, ScriptedEncode(), full_store_wait_s=5.0)
         held = asyncio.run(encoder.reference(b"held", lease_owner=os.getpid()))
 
-        async def release_later():
+        async def release_later(store=store, held=held):
             await asyncio.sleep(0.2)
             store.release(held.reference)
 
-        async def run():
+        async def run(encoder=encoder):
             _, answer = await asyncio.gather(release_later(), encoder.reference(b"next", lease_owner=os.getpid()))
             return answer
 

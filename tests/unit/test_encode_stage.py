@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from python_backends.dali_pipeline import ImageTransformConfig
 from builders.default_model import build_default_model
+from python_backends.dali_pipeline import ImageTransformConfig
 from python_backends.encode_stage import (
     EncoderProvenance,
     EncoderStage,
@@ -71,7 +71,7 @@ def test_requests_of_different_sizes_share_one_run(counting: CountingPreprocesso
     a, b, c = png(64, 48, 1), png(200, 120, 2, "JPEG"), png(33, 90, 3)
     results = PreprocessStage(counting).run([[a], [b], [c]])
     assert counting.calls == [3]
-    for image, result in zip((a, b, c), results):
+    for image, result in zip((a, b, c), results, strict=True):
         assert isinstance(result, PixelBatch)
         alone = _alone(dali, [image])
         np.testing.assert_array_equal(result.pixel_values[0], alone.pixel_values)
@@ -163,7 +163,7 @@ def test_encoder_packs_all_requests_into_one_call_and_splits_back() -> None:
     requests = [_pixels(1, (1, 2, 2), 1), _pixels(2, (1, 4, 6), 2), _pixels(1, (1, 8, 2), 3)]
     results = EncoderStage(encoder).run(requests)
     assert encoder.calls == [4]
-    for (pixels, grid), result in zip(requests, results):
+    for (pixels, grid), result in zip(requests, results, strict=True):
         assert isinstance(result, np.ndarray)
         expected = np.stack(FakeEncoder().encode(pixels.reshape(-1, 6), grid))
         np.testing.assert_array_equal(result, expected)
@@ -174,7 +174,9 @@ def test_encoder_rejects_inconsistent_requests_alone() -> None:
     encoder = FakeEncoder()
     good = _pixels(1, (1, 2, 2), 1)
     pixels, _ = _pixels(1, (1, 2, 2), 2)
-    results = EncoderStage(encoder).run(
+    results = EncoderStage(
+        encoder
+    ).run(
         [
             good,
             (pixels, np.array([[1, 4, 4]])),  # grid needs 16 patches, 4 given
@@ -203,13 +205,22 @@ def test_encoder_with_only_bad_requests_never_runs() -> None:
 
 
 def test_provenance_from_parameters() -> None:
-    values = {"vision_shards": "1", "checkpoint_shards": "2", "vision_weight_bytes": "10", "checkpoint_weight_bytes": "30"}
+    values = {
+        "vision_shards": "1",
+        "checkpoint_shards": "2",
+        "vision_weight_bytes": "10",
+        "checkpoint_weight_bytes": "30",
+    }
     params = ModelParameters("vit_encoder", {**values, "patch_dim": "6", "hidden_size": "6", "merge_size": "2"})
     provenance = EncoderProvenance.from_parameters(params)
     provenance.check(FakeEncoder(), params)
     text = provenance.describe("model.onnx", 3.5, 0.25)
     assert "1 of 2 checkpoint shard files" in text and "10 of 30" in text
     with pytest.raises(ValueError, match="hidden_size=6, the config says 8"):
-        provenance.check(FakeEncoder(), ModelParameters("vit_encoder", {"patch_dim": "6", "hidden_size": "8", "merge_size": "2"}))
+        provenance.check(
+            FakeEncoder(), ModelParameters("vit_encoder", {"patch_dim": "6", "hidden_size": "8", "merge_size": "2"})
+        )
     with pytest.raises(ValueError, match=r"\['vision_shards'\] are missing"):
-        EncoderProvenance.from_parameters(ModelParameters("vit_encoder", {k: v for k, v in values.items() if k != "vision_shards"}))
+        EncoderProvenance.from_parameters(
+            ModelParameters("vit_encoder", {k: v for k, v in values.items() if k != "vision_shards"})
+        )

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.images import header_only_png
-from python_backends.errors import ErrorCode, EpdError
+from python_backends.errors import EpdError, ErrorCode
 from python_backends.generate_request import (
     IMAGE_PLACEHOLDER,
     CachedImage,
@@ -18,6 +17,7 @@ from python_backends.generate_request import (
 )
 from python_backends.media import ImageLimits, check_image_header, decode_images, image_bytes
 from python_backends.sampling import DEFAULT_MAX_TOKENS, parse_sampling_parameters
+from tests.images import header_only_png
 
 
 def png(width: int = 32, height: int = 24, mode: str = "RGB") -> bytes:
@@ -66,8 +66,11 @@ def test_base64_image_is_accepted():
 def test_streaming_defaults_to_deltas_and_rejects_prepending_input():
     req = parse_generate_request({"text_input": text("x"), "stream": np.array([True])}, LIMITS)
     assert req.stream and req.exclude_input_in_output
-    msg = invalid(lambda: parse_generate_request(
-        {"text_input": text("x"), "stream": np.array([True]), "exclude_input_in_output": np.array([False])}, LIMITS))
+    msg = invalid(
+        lambda: parse_generate_request(
+            {"text_input": text("x"), "stream": np.array([True]), "exclude_input_in_output": np.array([False])}, LIMITS
+        )
+    )
     assert "streaming" in msg
 
 

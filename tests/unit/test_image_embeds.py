@@ -64,7 +64,9 @@ def test_several_images_concatenated_or_stacked():
     same = grid((1, 4, 4), (1, 4, 4))  # two images of 4 tokens as [2, 4, hidden]
     assert parse_image_embeds({"image_embeds": embeds(8, leading=2), "image_grid_thw": same}, SPEC, 3).num_images == 2
     # One grid as a flat [3] is one image.
-    assert parse_image_embeds({"image_embeds": embeds(6), "image_grid_thw": np.array([1, 4, 6])}, SPEC, 3).num_images == 1
+    assert (
+        parse_image_embeds({"image_embeds": embeds(6), "image_grid_thw": np.array([1, 4, 6])}, SPEC, 3).num_images == 1
+    )
 
 
 def test_multi_modal_data_is_vllms_embeds_form():
@@ -77,21 +79,36 @@ def test_multi_modal_data_is_vllms_embeds_form():
 @pytest.mark.parametrize(
     "inputs, fragment",
     [
-        ({"image_embeds": embeds(6, hidden=16), "image_grid_thw": grid((1, 4, 6))}, "hidden size 16, the model expects 8"),
-        ({"image_embeds": embeds(5), "image_grid_thw": grid((1, 4, 6))}, "has 5 tokens but image_grid_thw [[1, 4, 6]] needs 6"),
+        (
+            {"image_embeds": embeds(6, hidden=16), "image_grid_thw": grid((1, 4, 6))},
+            "hidden size 16, the model expects 8",
+        ),
+        (
+            {"image_embeds": embeds(5), "image_grid_thw": grid((1, 4, 6))},
+            "has 5 tokens but image_grid_thw [[1, 4, 6]] needs 6",
+        ),
         ({"image_embeds": embeds(7), "image_grid_thw": grid((1, 4, 6))}, "needs 6"),
         ({"image_embeds": embeds(6), "image_grid_thw": grid((1, 3, 8))}, "multiples of the merge size 2"),
         ({"image_embeds": embeds(6), "image_grid_thw": grid((0, 4, 6))}, "must be positive"),
         ({"image_embeds": embeds(6), "image_grid_thw": grid((1, -4, -6))}, "must be positive"),
         ({"image_embeds": embeds(6)}, "needs 'image_grid_thw' too"),
         ({"image_grid_thw": grid((1, 4, 6))}, "needs 'image_embeds' too"),
-        ({"image_embeds": embeds(6), "image_grid_thw": grid((1, 4, 6)), "image": np.array([b"x"], dtype=np.object_)}, "not both"),
+        (
+            {"image_embeds": embeds(6), "image_grid_thw": grid((1, 4, 6)), "image": np.array([b"x"], dtype=np.object_)},
+            "not both",
+        ),
         ({"image_embeds": embeds(6).astype(np.float64), "image_grid_thw": grid((1, 4, 6))}, "must be FP32"),
         ({"image_embeds": embeds(6), "image_grid_thw": grid((1, 4, 6)).astype(np.int32)}, "must be INT64"),
-        ({"image_embeds": np.zeros((1, 1, 6, 8), np.float32), "image_grid_thw": grid((1, 4, 6))}, "[tokens, hidden] or [n, tokens, hidden]"),
+        (
+            {"image_embeds": np.zeros((1, 1, 6, 8), np.float32), "image_grid_thw": grid((1, 4, 6))},
+            "[tokens, hidden] or [n, tokens, hidden]",
+        ),
         ({"image_embeds": embeds(6), "image_grid_thw": np.zeros((1, 4), np.int64)}, "must be [images, 3]"),
         ({"image_embeds": np.zeros((1, 0, 8), np.float32), "image_grid_thw": np.zeros((0, 3), np.int64)}, "no rows"),
-        ({"image_embeds": embeds(4, leading=None), "image_grid_thw": grid(*[(1, 2, 2)] * 4)}, "above the limit of 3 (max_images)"),
+        (
+            {"image_embeds": embeds(4, leading=None), "image_grid_thw": grid(*[(1, 2, 2)] * 4)},
+            "above the limit of 3 (max_images)",
+        ),
     ],
 )
 def test_bad_embeddings_say_what_is_wrong(inputs, fragment):
@@ -106,7 +123,9 @@ def test_non_finite_values_are_refused():
 
 
 def test_a_model_without_the_spec_refuses_embeddings():
-    assert "does not take image_embeds" in invalid({"image_embeds": embeds(6), "image_grid_thw": grid((1, 4, 6))}, spec=None)
+    assert "does not take image_embeds" in invalid(
+        {"image_embeds": embeds(6), "image_grid_thw": grid((1, 4, 6))}, spec=None
+    )
 
 
 def test_generate_request_counts_embedded_images_for_placeholders():
@@ -123,7 +142,9 @@ def test_generate_request_counts_embedded_images_for_placeholders():
 
 
 def test_raw_image_requests_are_unchanged():
-    request = parse_generate_request({"text_input": text("hi"), "image": np.array([synthetic_image(32, 32, 1)], dtype=np.object_)}, LIMITS)
+    request = parse_generate_request(
+        {"text_input": text("hi"), "image": np.array([synthetic_image(32, 32, 1)], dtype=np.object_)}, LIMITS
+    )
     assert request.image_embeds is None and len(request.images) == 1
     assert request.prompt == IMAGE_PLACEHOLDER + "hi"
 

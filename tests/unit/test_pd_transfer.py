@@ -61,14 +61,35 @@ def test_params_round_trip_is_small_json() -> None:
     [
         ("not json", "not valid JSON"),
         ("[1, 2]", "JSON object"),
-        ({"version": 2, "transfer_id": TID, "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64}, "version"),
-        ({"version": 1, "transfer_id": "../etc", "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64}, "transfer_id"),
-        ({"version": 1, "transfer_id": TID.upper(), "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64}, "transfer_id"),
-        ({"version": 1, "transfer_id": TID, "num_prompt_tokens": 0, "first_token_id": 0, "digest": "a" * 64}, "num_prompt_tokens"),
-        ({"version": 1, "transfer_id": TID, "num_prompt_tokens": True, "first_token_id": 0, "digest": "a" * 64}, "num_prompt_tokens"),
-        ({"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": -1, "digest": "a" * 64}, "first_token_id"),
+        (
+            {"version": 2, "transfer_id": TID, "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64},
+            "version",
+        ),
+        (
+            {"version": 1, "transfer_id": "../etc", "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64},
+            "transfer_id",
+        ),
+        (
+            {"version": 1, "transfer_id": TID.upper(), "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64},
+            "transfer_id",
+        ),
+        (
+            {"version": 1, "transfer_id": TID, "num_prompt_tokens": 0, "first_token_id": 0, "digest": "a" * 64},
+            "num_prompt_tokens",
+        ),
+        (
+            {"version": 1, "transfer_id": TID, "num_prompt_tokens": True, "first_token_id": 0, "digest": "a" * 64},
+            "num_prompt_tokens",
+        ),
+        (
+            {"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": -1, "digest": "a" * 64},
+            "first_token_id",
+        ),
         ({"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": 1, "digest": "xyz"}, "digest"),
-        ({"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": 1, "digest": "a" * 64, "x": 1}, "unknown"),
+        (
+            {"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": 1, "digest": "a" * 64, "x": 1},
+            "unknown",
+        ),
         ("x" * 2000, "over"),
     ],
 )
