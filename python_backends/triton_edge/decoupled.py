@@ -41,6 +41,7 @@ from python_backends.event_loop import EventLoopThread
 from python_backends.generation import GenerationChunk
 from python_backends.llm_engine import apply_vllm_environment, load_engine_args
 from python_backends.model_params import ModelParameters
+from python_backends.triton_edge.bls import BlsCaller
 from python_backends.triton_edge.metrics import MetricHandle, ModelMetrics
 from python_backends.triton_edge.responses import (
     FINAL,
@@ -203,6 +204,10 @@ class DecoupledModel:
 
     def finalize(self) -> None:
         self._accepting = False
+        if isinstance(self.engine, BlsCaller):
+            # No new BLS calls: a cancelled request's cleanup (epd's abort_decode) would call models
+            # that are unloading too, and a call blocked there keeps this stub from exiting.
+            self.engine.shutdown()
         self.loop.stop()  # cancels what still runs (each ends as a cancel), then stops the loop
         if self.engine is not None:
             self.engine.shutdown()
