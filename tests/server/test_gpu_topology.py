@@ -12,6 +12,7 @@ decoding, the TensorRT engine, CUDA graphs (GPU-only tests, skipped here).
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,17 +25,16 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from builders.repository import TARGETS, EncoderFacts, repository_files
-from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from builders.tritonserver import Ports, ServerOptions, TritonServer
 from tests.images import synthetic_image
 from tests.server.conftest import LOG_DIR, serving
 from tests.server.test_encode import grpc_infer
 
 pytestmark = pytest.mark.server
 
-CPU_REPOSITORY = REPO_ROOT / "model_repository"
-
 # Stand-in for the tensorrt_plan: the engine's inputs as Triton hands them (after reshape).
 TRT_STAND_IN = '''
+import json
 from pathlib import Path
 
 import onnxruntime as ort
@@ -45,8 +45,10 @@ INPUTS = ("pixel_values", "rotary_pos_ids", "cu_seqlens")
 
 class TritonPythonModel:
     def initialize(self, args):
-        path = Path(args["model_repository"]) / args["model_version"] / "model.onnx"
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        folder = Path(args["model_repository"]) / args["model_version"]
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+        # The generated config's CUDA graph shapes: TensorRT captures a graph for exactly these.
+        self.graphs = json.loads((folder / "cuda_graphs.json").read_text())
 
     def execute(self, requests):
         responses = []
@@ -54,6 +56,12 @@ class TritonPythonModel:
             feed = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in INPUTS}
             if feed["pixel_values"].ndim != 2:  # the engine takes [patches, patch_dim]
                 error = pb_utils.TritonError(f"reshape not applied: {feed['pixel_values'].shape}")
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            fed = {name: list(array.shape) for name, array in feed.items()}
+            same_patches = [g for g in self.graphs if g["pixel_values"][0] == fed["pixel_values"][0]]
+            if any(graph != fed for graph in same_patches):
+                error = pb_utils.TritonError(f"CUDA graph shapes {same_patches} are not the engine's inputs {fed}")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
             (embeds,) = self.session.run(["image_embeds"], feed)
@@ -66,7 +74,9 @@ def _parse(text: str) -> model_config_pb2.ModelConfig:
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
 
-def _as_python_on_cpu(config: model_config_pb2.ModelConfig, parameters_from: model_config_pb2.ModelConfig | None = None) -> str:
+def _as_python_on_cpu(
+    config: model_config_pb2.ModelConfig, parameters_from: model_config_pb2.ModelConfig | None = None
+) -> str:
     config.backend = "python"
     config.platform = ""
     config.ClearField("optimization")  # CUDA graphs: TensorRT only
@@ -79,11 +89,16 @@ def _as_python_on_cpu(config: model_config_pb2.ModelConfig, parameters_from: mod
 
 
 @pytest.fixture(scope="module")
-def gpu_like_server(server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    # After the session server: it generated the cpu repository and its artefacts.
-    cpu_configs = {m: _parse((CPU_REPOSITORY / m / "config.pbtxt").read_text()) for m in ("preprocess", "vit_encoder")}
+def gpu_like_server(
+    server: TritonServer, server_repository: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    # The session server's cpu repository: its artefacts and the encoder facts it was built with.
+    cpu_repository = server_repository
+    cpu_configs = {m: _parse((cpu_repository / m / "config.pbtxt").read_text()) for m in ("preprocess", "vit_encoder")}
     encoder_parameters = cpu_configs["vit_encoder"].parameters
-    facts = EncoderFacts(**{name: int(encoder_parameters[name].string_value) for name in EncoderFacts.__dataclass_fields__})
+    facts = EncoderFacts(
+        **{name: int(encoder_parameters[name].string_value) for name in EncoderFacts.__dataclass_fields__}
+    )
     out = tmp_path_factory.mktemp("gpu_repository")
     for relative, content in repository_files(TARGETS["gpu"], model_dir, facts).items():
         if relative.split("/")[0] not in TARGETS["gpu"].encode.models:
@@ -97,12 +112,14 @@ def gpu_like_server(server: TritonServer, model_dir: Path, tmp_path_factory: pyt
     assert preprocess.backend == "dali"
     (out / "preprocess" / "config.pbtxt").write_text(_as_python_on_cpu(preprocess, cpu_configs["preprocess"]))
     for name in ("model.py", "model.dali"):  # the cpu pipeline: same outputs as the gpu one
-        shutil.copy(CPU_REPOSITORY / "preprocess" / "1" / name, out / "preprocess" / "1" / name)
+        shutil.copy(cpu_repository / "preprocess" / "1" / name, out / "preprocess" / "1" / name)
     encoder = _parse((out / "vit_encoder" / "config.pbtxt").read_text())
     assert encoder.platform == "tensorrt_plan"
+    graphs = [{k: list(v.dim) for k, v in spec.input.items()} for spec in encoder.optimization.cuda.graph_spec]
+    (out / "vit_encoder" / "1" / "cuda_graphs.json").write_text(json.dumps(graphs))
     (out / "vit_encoder" / "config.pbtxt").write_text(_as_python_on_cpu(encoder))
     (out / "vit_encoder" / "1" / "model.py").write_text(TRT_STAND_IN)
-    shutil.copy(CPU_REPOSITORY / "vit_encoder" / "1" / "model.onnx", out / "vit_encoder" / "1" / "model.onnx")
+    shutil.copy(cpu_repository / "vit_encoder" / "1" / "model.onnx", out / "vit_encoder" / "1" / "model.onnx")
 
     with serving(ServerOptions(out, Ports.free()), LOG_DIR / "gpu-topology-server.log", timeout_s=300) as running:
         yield running
@@ -117,6 +134,16 @@ def test_gpu_encode_wiring_gives_the_cpu_numbers(server: TritonServer, gpu_like_
         assert actual["image_embeds"].shape == expected["image_embeds"].shape
         np.testing.assert_array_equal(actual["image_grid_thw"], expected["image_grid_thw"])
         np.testing.assert_allclose(actual["image_embeds"], expected["image_embeds"], atol=1e-5, rtol=0)
+
+
+def test_cuda_graph_shapes_are_what_the_engine_is_fed(gpu_like_server: TritonServer) -> None:
+    """A one-image request of the profile's opt patch count reaches the engine (after Triton's
+    reshape) with exactly the shapes the config's CUDA graph was declared for; the stand-in
+    refuses the request otherwise (a graph in wire dims would never be used by TensorRT)."""
+    client = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
+    opt_patches = TARGETS["gpu"].encode.trt_profile.opt_patches
+    out = grpc_infer(client, "encode", synthetic_image(448, 448, 5))  # 32 x 32 patches of 14 px
+    assert int(np.prod(out["image_grid_thw"])) == opt_patches
 
 
 def test_gpu_encode_takes_one_image_per_request(gpu_like_server: TritonServer) -> None:
