@@ -1,0 +1,205 @@
+"""Chat messages -> (prompt text, images): the checkpoint's chat template rendered as ``vllm serve``
+renders it, and the encoded images in message order.
+
+vLLM (``vllm/renderers/chat_utils.py`` and ``hf.py``) decides per template whether message content
+goes in as a string or as OpenAI-style parts: a template that loops over ``message['content']``
+gets parts, ``{"type": "text", "text": ...}`` for text and ``{"type": "image"}`` for each image
+(a string content becomes one text part); any other template gets the texts joined with newlines.
+It then calls the tokenizer's ``apply_chat_template(..., add_generation_prompt=True,
+tokenize=False)``. This module does the same, so the same chat gives the same prompt here and
+there.
+
+Images come only from ``data:`` URIs or from ``file://`` URLs under a configured folder: the
+server never fetches from the network (a remote URL is a 400).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from client.openai_server.errors import bad_request
+from client.openai_server.schemas import ImageUrlPart, Message, TextPart
+
+_DATA_URI = re.compile(r"\Adata:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where images may come from. ``file_root``: the folder ``file://`` URLs may read (None: no
+    files); ``max_image_bytes``: refused before any decode (the models check their own limits too)."""
+
+    file_root: Path | None = None
+    max_image_bytes: int = 20 << 20
+
+
+def decode_data_uri(url: str, param: str, max_bytes: int) -> bytes:
+    match = _DATA_URI.match(url)
+    if match is None:
+        raise bad_request("a data URI must look like data:<mime type>;base64,<data>", param, "invalid_image_url")
+    payload = url[match.end() :]
+    if match["b64"] is None:
+        data = urllib.parse.unquote_to_bytes(payload)
+    else:
+        if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+            raise bad_request(f"the image is over the limit of {max_bytes} bytes", param, "image_too_large")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise bad_request(f"the data URI is not valid base64: {exc}", param, "invalid_image_url") from None
+    if not data:
+        raise bad_request("the data URI holds no data", param, "invalid_image_url")
+    if len(data) > max_bytes:
+        raise bad_request(f"the image has {len(data)} bytes, over the limit of {max_bytes}", param, "image_too_large")
+    return data
+
+
+def read_file_url(url: str, param: str, policy: MediaPolicy) -> bytes:
+    if policy.file_root is None:
+        raise bad_request("file:// image URLs are off (the server was started without a media folder)", param)
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise bad_request("a file:// URL must name a local file", param, "invalid_image_url")
+    root = policy.file_root.resolve()
+    path = Path(urllib.parse.unquote(parsed.path)).resolve()  # symlinks and '..' resolved first
+    if not path.is_relative_to(root):
+        raise bad_request(f"file:// URLs may only read files under {root}", param, "invalid_image_url")
+    try:
+        size = path.stat().st_size
+        if size > policy.max_image_bytes:
+            raise bad_request(f"the image has {size} bytes, over the limit of {policy.max_image_bytes}", param)
+        return path.read_bytes()
+    except OSError as exc:
+        raise bad_request(f"cannot read {path}: {exc.strerror}", param, "invalid_image_url") from None
+
+
+def load_image(url: str, param: str, policy: MediaPolicy) -> bytes:
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return decode_data_uri(url, param, policy.max_image_bytes)
+    if scheme == "file":
+        return read_file_url(url, param, policy)
+    if scheme in ("http", "https"):
+        message = "remote image URLs are not fetched; send the image as a data: URI"
+        raise bad_request(message, param, "invalid_image_url")
+    raise bad_request("an image URL must be a data: URI (or a file:// URL under the media folder)", param)
+
+
+def template_takes_parts(chat_template: str) -> bool:
+    """vLLM's content-format detection, in short: does the template loop over a message's content?"""
+    import jinja2
+    import jinja2.nodes as nodes
+
+    try:
+        tree = jinja2.Environment().parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return True  # vLLM's default for a template it cannot parse ("auto" -> openai) would apply
+    message_names = {
+        loop.target.name
+        for loop in tree.find_all(nodes.For)
+        if isinstance(loop.iter, nodes.Name) and loop.iter.name == "messages" and isinstance(loop.target, nodes.Name)
+    }
+    for loop in tree.find_all(nodes.For):
+        iterated = loop.iter
+        if isinstance(iterated, nodes.Getitem) and isinstance(iterated.arg, nodes.Const):
+            owner, key = iterated.node, iterated.arg.value
+        elif isinstance(iterated, nodes.Getattr):
+            owner, key = iterated.node, iterated.attr
+        else:
+            continue
+        if key == "content" and isinstance(owner, nodes.Name) and owner.name in message_names:
+            return True
+    return False
+
+
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's fallback for a template without a developer role: developer messages become system
+    messages, and when a system message is then not the first (or not the only) one, all system
+    texts are merged, blank-line separated, into one system message at the front."""
+    converted = [{**entry, "role": "system"} if entry["role"] == "developer" else entry for entry in conversation]
+    systems = [i for i, entry in enumerate(converted) if entry["role"] == "system"]
+    if not systems or systems == [0]:
+        return converted
+    texts = []
+    for i in systems:
+        content = converted[i].get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content if "text" in part)
+        if content:
+            texts.append(content)
+    rest = [entry for entry in converted if entry["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    prompt: str
+    images: list[bytes]
+
+
+class ChatRenderer:
+    """Renders chats with one tokenizer's chat template (``tokenizer.apply_chat_template``)."""
+
+    def __init__(self, tokenizer: Any, policy: MediaPolicy) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the checkpoint's tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.takes_parts = template_takes_parts(tokenizer.chat_template)
+        # vLLM's test for a template that knows the developer role; others get it as system.
+        self.takes_developer = any(quoted in tokenizer.chat_template for quoted in ('"developer"', "'developer'"))
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: Path, policy: MediaPolicy) -> ChatRenderer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)), policy)
+
+    def render(self, messages: Sequence[Message]) -> RenderedChat:
+        conversation: list[dict[str, Any]] = []
+        images: list[bytes] = []
+        for m_index, message in enumerate(messages):
+            content = message.content
+            parts: list[TextPart | ImageUrlPart] = (
+                []
+                if content is None
+                else list(content)
+                if isinstance(content, list)
+                else [TextPart(type="text", text=content)]
+            )
+            converted: list[dict[str, Any]] = []
+            for p_index, part in enumerate(parts):
+                if isinstance(part, TextPart):
+                    converted.append({"type": "text", "text": part.text})
+                    continue
+                param = f"messages[{m_index}].content[{p_index}].image_url"
+                if message.role != "user":
+                    raise bad_request("images are only taken in user messages", param)
+                images.append(load_image(part.image_url.url, param, self.policy))
+                converted.append({"type": "image"})
+            if self.takes_parts:
+                entry: dict[str, Any] = {"role": message.role, "content": converted}
+            elif any(part["type"] == "image" for part in converted):
+                raise bad_request("this checkpoint's chat template takes no image parts", f"messages[{m_index}]")
+            else:
+                entry = {"role": message.role, "content": "\n".join(part["text"] for part in converted)}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        if any(entry["role"] == "developer" for entry in conversation) and not self.takes_developer:
+            conversation = _developer_as_system(conversation)
+        try:
+            prompt = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template's own raise_exception (e.g. roles out of order)
+            raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None
+        try:
+            str(prompt).encode("utf-8")  # lone surrogates survive JSON but not the wire
+        except UnicodeEncodeError:
+            raise bad_request("the messages are not valid Unicode text", "messages") from None
+        return RenderedChat(str(prompt), images)

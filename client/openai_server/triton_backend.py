@@ -1,0 +1,145 @@
+"""The Triton side of the API: one chat = one request on its own gRPC stream to ``epd`` or ``llm``.
+
+Uses tritonclient's asyncio gRPC client. Closing the response generator (the HTTP client went
+away, the app is stopping) cancels the gRPC call, which Triton turns into a cancellation of the
+request, so the model aborts it in the engine and releases what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from client.openai_server.errors import OpenAIError, from_triton_message, not_ready
+
+# The user-facing models that take a chat prompt and images (``ensemble`` takes exactly one image).
+CHAT_MODELS = ("epd", "llm")
+
+
+@dataclass
+class Chunk:
+    """One Triton response: new text and, on the last one, the counts and the finish reason."""
+
+    text: str = ""
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+class ChatBackend(Protocol):
+    async def model_state(self, model: str) -> bool | None:
+        """True: ready; False: served but not ready; None: not one of the chat models."""
+        ...
+
+    async def ready_models(self) -> list[str]: ...
+
+    def generate(
+        self, model: str, prompt: str, images: Sequence[bytes], sampling: dict[str, Any], request_id: str
+    ) -> AsyncIterator[Chunk]: ...
+
+    async def close(self) -> None: ...
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _first(result: Any, name: str) -> Any:
+    array = result.as_numpy(name)
+    return None if array is None or array.size == 0 else array.reshape(-1)[0]
+
+
+def chunk_of(result: Any) -> tuple[Chunk, bool]:
+    """(the chunk, whether it is the request's last response)."""
+    response = result.get_response()
+    names = {output.name for output in response.outputs}
+    chunk = Chunk()
+    if "text_output" in names:
+        chunk.text = "".join(_text(x) for x in result.as_numpy("text_output").reshape(-1))
+    if "num_input_tokens" in names:
+        chunk.num_input_tokens = int(_first(result, "num_input_tokens"))
+    if "num_output_tokens" in names:
+        chunk.num_output_tokens = int(_first(result, "num_output_tokens"))
+    if "finish_reason" in names:
+        chunk.finish_reason = _text(_first(result, "finish_reason")) or None
+    final = response.parameters.get("triton_final_response")
+    return chunk, bool(final is not None and final.bool_param)
+
+
+class TritonChatBackend:
+    def __init__(self, grpc_url: str, models: Sequence[str] = CHAT_MODELS) -> None:
+        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc.aio as grpcaio
+
+        self.grpc_url = grpc_url
+        self.models = tuple(models)
+        self._grpc = grpcclient
+        self._client = grpcaio.InferenceServerClient(grpc_url)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def model_state(self, model: str) -> bool | None:
+        if model not in self.models:
+            return None
+        try:
+            return bool(await self._client.is_model_ready(model, client_timeout=10))
+        except Exception:
+            return False
+
+    async def ready_models(self) -> list[str]:
+        return [model for model in self.models if await self.model_state(model)]
+
+    def _inputs(self, prompt: str, images: Sequence[bytes], sampling: dict[str, Any]) -> list[Any]:
+        def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
+            item = self._grpc.InferInput(name, list(array.shape), dtype)
+            item.set_data_from_numpy(array)
+            return item
+
+        inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
+        if images:
+            inputs.append(tensor("image", np.array(list(images), dtype=np.object_), "BYTES"))
+        inputs.append(tensor("stream", np.array([True]), "BOOL"))
+        payload = json.dumps(sampling).encode("utf-8")
+        inputs.append(tensor("sampling_parameters", np.array([payload], dtype=np.object_), "BYTES"))
+        return inputs
+
+    async def generate(
+        self, model: str, prompt: str, images: Sequence[bytes], sampling: dict[str, Any], request_id: str
+    ) -> AsyncIterator[Chunk]:
+        inputs = self._inputs(prompt, images, sampling)
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+
+        try:
+            responses = self._client.stream_infer(one_request())
+        except Exception as exc:
+            raise not_ready(f"cannot reach Triton at {self.grpc_url}: {exc}") from None
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await responses.__anext__()
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                except OpenAIError:
+                    raise
+                except Exception as exc:  # the stream itself failed (Triton gone, stopping)
+                    raise not_ready(f"Triton stream to '{model}' failed: {exc}") from None
+                if error is not None:
+                    finished = True
+                    raise from_triton_message(error.message() if hasattr(error, "message") else str(error))
+                chunk, final = chunk_of(result)
+                yield chunk
+                if final:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                responses.cancel()  # the caller stopped early: Triton cancels the request
