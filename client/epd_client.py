@@ -269,7 +269,11 @@ class HttpClient:
             body["sampling_parameters"] = json.dumps(sampling)
         result = GenerateResult(started_at=time.perf_counter())
         try:
-            response = self._session.post(f"{self._base()}/generate", json=body, timeout=self.timeout_s)
+            # Connection: close -- Triton 2.51 keeps counting a keep-alive connection that got an error
+            # answer from /generate, even after the client closes it, and then waits its whole exit timeout.
+            response = self._session.post(
+                f"{self._base()}/generate", json=body, timeout=self.timeout_s, headers={"Connection": "close"}
+            )
         except requests.RequestException as exc:
             raise _server_down(self.url, "HTTP", exc) from None
         payload = response.json()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from builders.tritonserver import Ports, ServerOptions, TritonServer
+from client.epd_client import ClientError, HttpClient
 from tests.server.conftest import serving, unclean_stop
 
 pytestmark = pytest.mark.server
@@ -156,3 +157,16 @@ def test_metrics_alive_at_stub_teardown_crash_it_and_releasing_them_in_finalize_
     assert (unclean_stop(report) is not None) == crashes, report.describe()
     if crashes:
         assert "MetricFamily::~MetricFamily" in (tmp_path / "server.log").read_text()
+
+
+def test_an_http_error_answer_leaves_no_connection_that_holds_up_the_stop(tmp_path: Path) -> None:
+    """Triton 2.51 keeps counting a keep-alive connection that got an error from /generate, even
+    once the client closed it, and a stop then waits out the exit timeout; HttpClient says
+    ``Connection: close``."""
+    log = tmp_path / "http.log"
+    with serving(options(tiny_repository(tmp_path / "repo", "release_metrics"), 10), log, timeout_s=120) as server:
+        client = HttpClient(server.http_url, "tiny")
+        with pytest.raises(ClientError, match="missing required input"):
+            client.generate("no such input")  # tiny takes "x", not text_input
+        client.close()
+    assert server.stop_report is not None and server.stop_report.clean
