@@ -50,15 +50,15 @@ def internal(message: str) -> OpenAIError:
 
 
 _NOT_FOUND_MARKERS = ("Request for unknown model",)
-_UNAVAILABLE_MARKERS = ("is not ready", "is not available", "Server is stopping", "failed to connect")
+_UNAVAILABLE_MARKERS = ("not at ready state", "is not ready", "is not available", "Server is stopping")
 
 
 def from_triton_message(message: str) -> OpenAIError:
     """The OpenAI error for a Triton stream error (a message without a code)."""
     if message.startswith("internal error"):
         return internal(message)
-    if any(marker in message for marker in _NOT_FOUND_MARKERS):
-        return OpenAIError(404, message, "invalid_request_error", "model", "model_not_found")
     if any(marker in message for marker in _UNAVAILABLE_MARKERS):
         return not_ready(message)
+    if any(marker in message for marker in _NOT_FOUND_MARKERS):
+        return OpenAIError(404, message, "invalid_request_error", "model", "model_not_found")
     return bad_request(message, code="triton_invalid_arg")
