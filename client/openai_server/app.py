@@ -105,9 +105,9 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
         first = await _first_chunk(chunks)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse(chunks, first, request_id, body.model, include_usage)
+            events = _sse(chunks, first, request_id, body.model, include_usage, bool(body.return_token_ids))
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _whole(chunks, first, request_id, body.model)
+        return await _whole(chunks, first, request_id, body.model, bool(body.return_token_ids))
 
     return app
 
@@ -143,13 +143,16 @@ class _Totals:
         )
 
 
-async def _whole(chunks: AsyncIterator[Chunk], first: Chunk | None, request_id: str, model: str) -> ChatCompletion:
-    totals, text = _Totals(), []
+async def _whole(
+    chunks: AsyncIterator[Chunk], first: Chunk | None, request_id: str, model: str, with_token_ids: bool
+) -> ChatCompletion:
+    totals, text, token_ids = _Totals(), [], []
     try:
         chunk = first
         while chunk is not None:
             totals.add(chunk)
             text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
             chunk = await anext(chunks, None)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
@@ -158,7 +161,9 @@ async def _whole(chunks: AsyncIterator[Chunk], first: Chunk | None, request_id: 
         id=request_id,
         created=int(time.time()),
         model=model,
-        choices=[Choice(message=message, finish_reason=totals.finish_reason)],
+        choices=[
+            Choice(message=message, finish_reason=totals.finish_reason, token_ids=token_ids if with_token_ids else None)
+        ],
         usage=totals.usage(),
     )
 
@@ -168,7 +173,12 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 async def _sse(
-    chunks: AsyncIterator[Chunk], first: Chunk | None, request_id: str, model: str, include_usage: bool
+    chunks: AsyncIterator[Chunk],
+    first: Chunk | None,
+    request_id: str,
+    model: str,
+    include_usage: bool,
+    with_token_ids: bool = False,
 ) -> AsyncIterator[str]:
     """OpenAI's stream: a role delta, one delta per Triton response with text, the finish reason,
     then (``include_usage``) a usage chunk with no choices, then ``[DONE]``. Closed early (the
@@ -176,8 +186,11 @@ async def _sse(
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def choice(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        return _event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
+    def choice(delta: dict[str, Any], finish_reason: str | None = None, token_ids: list[int] | None = None) -> str:
+        entry: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if with_token_ids and token_ids is not None:
+            entry["token_ids"] = token_ids
+        return _event({**base, "choices": [entry]})
 
     totals = _Totals()
     try:
@@ -185,8 +198,8 @@ async def _sse(
         chunk = first
         while chunk is not None:
             totals.add(chunk)
-            if chunk.text:
-                yield choice({"content": chunk.text})
+            if chunk.text or chunk.token_ids:
+                yield choice({"content": chunk.text}, token_ids=chunk.token_ids)
             chunk = await anext(chunks, None)
         yield choice({}, totals.finish_reason)
         if include_usage:

@@ -70,6 +70,7 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    return_token_ids: bool | None = False  # the choice's ``token_ids``, as vLLM answers it
 
     def sampling_parameters(self) -> dict[str, Any]:
         """The ``sampling_parameters`` JSON for Triton (the models' names are vLLM's)."""
@@ -123,6 +124,7 @@ class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +25,7 @@ class Chunk:
     """One Triton response: new text and, on the last one, the counts and the finish reason."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     finish_reason: str | None = None
@@ -60,6 +61,8 @@ def chunk_of(result: Any) -> tuple[Chunk, bool]:
     chunk = Chunk()
     if "text_output" in names:
         chunk.text = "".join(_text(x) for x in result.as_numpy("text_output").reshape(-1))
+    if "output_token_ids" in names:
+        chunk.token_ids = [int(t) for t in result.as_numpy("output_token_ids").reshape(-1)]
     if "num_input_tokens" in names:
         chunk.num_input_tokens = int(_first(result, "num_input_tokens"))
     if "num_output_tokens" in names:

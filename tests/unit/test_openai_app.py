@@ -68,6 +68,7 @@ class FakeBackend:
                 last = index == len(self.pieces) - 1
                 yield Chunk(
                     text=piece,
+                    token_ids=[100 + index],
                     num_input_tokens=40 if last else None,
                     num_output_tokens=len(self.pieces) if last else None,
                     finish_reason="length" if last else None,
@@ -121,13 +122,14 @@ def test_a_chat_becomes_one_triton_request(client: openai.OpenAI, backend: FakeB
         top_p=0.5,
         seed=3,
         stop=["\n"],
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     (call,) = backend.calls
     assert (call.model, call.prompt, call.images) == ("epd", chat_prompt("What?", 1), [IMAGE])
     assert call.sampling == {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ["\n"],
                              "ignore_eos": True}  # fmt: skip
     assert answer.choices[0].message.content == "Hello!" and answer.choices[0].finish_reason == "length"
+    assert answer.choices[0].token_ids == [100, 101, 102]  # Triton's output_token_ids, on request
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (40, 3, 43)
     assert answer.model == "epd" and answer.id.startswith("chatcmpl-")
 
@@ -139,9 +141,15 @@ def test_max_tokens_is_taken_too(client: openai.OpenAI, backend: FakeBackend):
 
 def test_streaming_with_usage(client: openai.OpenAI):
     stream = client.chat.completions.create(
-        model="llm", messages=[USER_WITH_IMAGE], stream=True, stream_options={"include_usage": True}
+        model="llm",
+        messages=[USER_WITH_IMAGE],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
     )
     chunks = list(stream)
+    token_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert token_ids == [100, 101, 102]
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Hello!"
