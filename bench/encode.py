@@ -92,11 +92,12 @@ def interleaved_samples(
 def bench_preprocess(
     model_dir: Path, images: list[bytes], batch_sizes: Sequence[int], repeats: int, threads: int
 ) -> list[Timing]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
     from python_backends.dali_pipeline import ImageTransformConfig
     from python_backends.media import ImageLimits
     from python_backends.preprocess import DaliImagePreprocessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
     config = ImageTransformConfig.from_file(model_dir)
     limits = ImageLimits(max_images=max(batch_sizes), max_image_bytes=64 << 20)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from bench.metrics import RequestRecord
 
 Send = Callable[[Any], Awaitable[RequestRecord]]

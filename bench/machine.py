@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from builders.tritonserver import REPO_ROOT
 
 

@@ -128,9 +128,10 @@ def ec_load_proof(
     from what the other modes gave for this request prove the consumer read the storage."""
     import numpy as np
     import requests
+    from safetensors.numpy import load_file, save_file
+
     from bench.epd_router import encoder_requests
     from bench.openai_target import chat_body
-    from safetensors.numpy import load_file, save_file
 
     body = chat_body(request, served_model)
     body.update(stream=False)

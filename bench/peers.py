@@ -65,6 +65,7 @@ def busy_share(window_s: float = 5.0) -> float:
     """Share of all cores busy over ``window_s`` (every process: run it while no server of
     ours is up and it measures other people's work)."""
     import psutil
+
     from bench.server_stats import machine_busy_s
 
     before, started = machine_busy_s(), time.perf_counter()

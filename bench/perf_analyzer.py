@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench.workload import BenchRequest
 from tritonclient.utils import serialize_byte_tensor
+
+from bench.workload import BenchRequest
 
 USER_FACING_MODELS = ("llm", "ensemble", "epd")
 IMAGE_ENCODINGS = ("binary", "b64")

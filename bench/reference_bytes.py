@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from bench.machine import describe_machine, one_line
 from bench.server_stats import scrape
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from bench.metrics import RequestRecord, e2e_s, ttft_s
 from bench.server_stats import ModeLayout
 

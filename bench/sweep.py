@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+
 from bench.loadgen import LoadPoint, closed_loop, run_point
 from bench.metrics import RequestRecord, Slo, median_summary, summarize
 from bench.server_stats import (
@@ -35,7 +37,6 @@ from bench.server_stats import (
 from bench.stages import disaggregation_reading, stage_breakdown
 from bench.triton_target import TritonGrpcTarget
 from bench.workload import WorkloadBuilder, WorkloadSpec
-from tqdm import tqdm
 
 MEDIA_POLICIES = ("default", "unique", "repeated")
 # Request keys of a noise retry: repetition + stride x attempt, never a key measured before.

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from client.epd_client import chat_prompt
 from PIL import Image
+
+from client.epd_client import chat_prompt
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Short common words; with a tokenizer the prompt is cut to an exact token count,

@@ -131,14 +131,14 @@ class GrpcClient:
     """Streaming gRPC client: ``generate`` calls ``on_text`` with each new piece of text."""
 
     def __init__(self, url: str = "localhost:8001", model: str = DEFAULT_MODEL) -> None:
-        import tritonclient.grpc as grpcclient  # noqa: PLC0415 - keep CLI start fast
+        import tritonclient.grpc as grpcclient
 
         self._module = grpcclient
         self.url = url
         self.model = model
         self._client = grpcclient.InferenceServerClient(url)
 
-    def _start_stream(self) -> "queue.Queue[tuple[Any, Any]]":
+    def _start_stream(self) -> queue.Queue[tuple[Any, Any]]:
         """Open the client's (one) gRPC stream; its responses and errors land in the queue."""
         responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
         try:

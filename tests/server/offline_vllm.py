@@ -12,14 +12,14 @@ import os
 import sys
 from pathlib import Path
 
+from builders.tritonserver import REPO_ROOT
 from python_backends.generate_request import with_image_placeholders
 from python_backends.llm_engine import load_engine_args
 from python_backends.media import ImageLimits, decode_images
-from builders.tritonserver import REPO_ROOT
 
 
 def main(cases_path: Path, out_path: Path) -> None:
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm import LLM, SamplingParams
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     engine_args = load_engine_args(REPO_ROOT / "model_repository" / "llm" / "1" / "engine_args.json")

@@ -18,9 +18,13 @@ from bench.metrics import (
 )
 
 
-def record(key: str, sent_at: float, chunk_times: list[float], chunk_tokens: list[int] | None = None, **kw) -> RequestRecord:
+def record(
+    key: str, sent_at: float, chunk_times: list[float], chunk_tokens: list[int] | None = None, **kw
+) -> RequestRecord:
     tokens = chunk_tokens if chunk_tokens is not None else [1] * len(chunk_times)
-    return RequestRecord(key=key, sent_at=sent_at, chunk_times=chunk_times, chunk_tokens=tokens, num_output_tokens=sum(tokens), **kw)
+    return RequestRecord(
+        key=key, sent_at=sent_at, chunk_times=chunk_times, chunk_tokens=tokens, num_output_tokens=sum(tokens), **kw
+    )
 
 
 def test_percentiles_are_numpy_linear_interpolation():
@@ -30,7 +34,9 @@ def test_percentiles_are_numpy_linear_interpolation():
 
 
 def test_distribution_scales_skips_none_and_handles_empty():
-    assert distribution([0.1, None, 0.3], scale=1000.0) == pytest.approx({"mean": 200.0, "p50": 200.0, "p90": 280.0, "p99": 298.0})
+    assert distribution([0.1, None, 0.3], scale=1000.0) == pytest.approx(
+        {"mean": 200.0, "p50": 200.0, "p90": 280.0, "p99": 298.0}
+    )
     assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 

@@ -13,9 +13,9 @@ from bench.compare import diff, render
 from bench.metrics import RequestRecord
 from bench.perf_analyzer import commands, data_entry, write_inputs
 from bench.server_stats import (
+    CpuSample,
     counter_deltas,
     cpu_usage,
-    CpuSample,
     metric_exported,
     model_info,
     parse_metrics,
@@ -65,13 +65,20 @@ def test_counter_deltas_from_two_scrapes():
 def test_model_info_for_ensemble_and_bls():
     ensemble = model_info(
         "ensemble",
-        {"platform": "ensemble", "ensemble_scheduling": {"step": [{"model_name": "preprocess"}, {"model_name": "llm"}]}},
+        {
+            "platform": "ensemble",
+            "ensemble_scheduling": {"step": [{"model_name": "preprocess"}, {"model_name": "llm"}]},
+        },
         {"ensemble", "preprocess", "llm"},
     )
     assert ensemble.instances == 0 and ensemble.composing == ["preprocess", "llm"]
     gpu = model_info("vit", {"backend": "tensorrt", "instance_group": [{"count": 2, "gpus": [0, 1]}]}, set())
     assert gpu.instances == 4
-    bls = model_info("epd", {"backend": "python", "parameters": {"a": {"string_value": "encode"}, "b": {"string_value": "7"}}}, {"epd", "encode"})
+    bls = model_info(
+        "epd",
+        {"backend": "python", "parameters": {"a": {"string_value": "encode"}, "b": {"string_value": "7"}}},
+        {"epd", "encode"},
+    )
     assert bls.composing == ["encode"] and bls.instances == 1
 
 
@@ -83,8 +90,16 @@ def test_cpu_usage_per_request():
 
 
 def _summary(ttft_p50: float, throughput: float) -> dict:
-    return {"points": [{"mode": "llm", "load_label": "c=1", "status": "ran",
-                        "summary": {"request_throughput": throughput, "ttft_ms": {"p50": ttft_p50}}}]}
+    return {
+        "points": [
+            {
+                "mode": "llm",
+                "load_label": "c=1",
+                "status": "ran",
+                "summary": {"request_throughput": throughput, "ttft_ms": {"p50": ttft_p50}},
+            }
+        ]
+    }
 
 
 def test_compare_flags_regressions_in_the_bad_direction_only():
