@@ -296,3 +296,14 @@ def test_file_urls_under_the_media_folder(tmp_path: Path, backend: FakeBackend):
         body = chat(messages=[{"role": "user", "content": [part]}])
         assert http.post("/v1/chat/completions", json=body).status_code == 200
     assert backend.calls[0].images == [IMAGE]
+
+
+def test_an_unreachable_triton_is_503(renderer: ChatRenderer):
+    from builders.tritonserver import free_port
+    from client.openai_server.triton_backend import TritonChatBackend
+
+    backend = TritonChatBackend(f"127.0.0.1:{free_port()}")  # nothing listens there
+    with TestClient(create_app(backend, renderer)) as http:
+        for response in (http.get("/v1/models"), http.post("/v1/chat/completions", json=chat())):
+            assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+        assert http.post("/v1/chat/completions", json=chat(model="nope")).status_code == 404
