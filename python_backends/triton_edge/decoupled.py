@@ -14,7 +14,8 @@ The policy, the same for every model:
 - a parse error -> one coded error response, nothing started;
 - a cancel (the client's, seen by :class:`CancelWatch`; or ``cancel_running``, or ``finalize``)
   -> the iterator is closed (which releases what the request holds, e.g. ``epd``'s leases), the
-  engine request is aborted, and the stream ends with one empty FINAL and no error;
+  engine request is aborted, and the stream ends with one empty FINAL and no error (under
+  ``finalize`` nothing is sent: Triton ends the streams of a model it unloads);
 - any failure -> exactly one coded error (its message if an ``EpdError``, else
   ``internal error: <type>``), never a traceback; in the ``error`` output for a BLS caller;
 - ``finalize``: stop accepting, cancel running requests, stop the event loop, shut the engine
@@ -185,7 +186,8 @@ class DecoupledModel:
             pass  # finalize or cancel_running: handled like the client's cancel, below
         except Exception as exc:  # every failure reaches the caller as one coded error
             pb_utils.Logger.log_warn(f"{self.model_name} request {request_id} failed: {exc!r}")
-            sender.send(stage_error_response(exc, as_output), flags=FINAL)
+            if self._accepting:
+                sender.send(stage_error_response(exc, as_output), flags=FINAL)
             ended = True
         finally:
             await self._end(stream, request_id, sender, ended)
@@ -198,7 +200,9 @@ class DecoupledModel:
         except Exception as exc:
             pb_utils.Logger.log_warn(f"{self.model_name} request {request_id}: cleanup failed: {exc!r}")
         finally:
-            if not ended:
+            # Not while finalize runs: Triton tears the streams down itself then, and a send to a
+            # model that is unloading can block this stub for good.
+            if not ended and self._accepting:
                 sender.send(flags=FINAL)
             self.request_done()
 
