@@ -8,6 +8,7 @@ request, so the model aborts it in the engine and releases what it holds.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ from client.openai_server.errors import OpenAIError, from_triton_message, not_re
 
 # The user-facing models that take a chat prompt and images (``ensemble`` takes exactly one image).
 CHAT_MODELS = ("epd", "llm")
+log = logging.getLogger("openai_server")
 
 
 @dataclass
@@ -81,17 +83,29 @@ class TritonChatBackend:
         self.grpc_url = grpc_url
         self.models = tuple(models)
         self._grpc = grpcclient
-        self._client = grpcaio.InferenceServerClient(grpc_url)
+        self._grpcaio = grpcaio
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        # Made on first use, inside the serving event loop: a grpc.aio channel belongs to the loop
+        # it was made in, and the app's loop starts after the backend is built.
+        if self._client is None:
+            self._client = self._grpcaio.InferenceServerClient(self.grpc_url)
+        return self._client
 
     async def close(self) -> None:
-        await self._client.close()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     async def model_state(self, model: str) -> bool | None:
         if model not in self.models:
             return None
         try:
-            return bool(await self._client.is_model_ready(model, client_timeout=10))
-        except Exception:
+            return bool(await self.client.is_model_ready(model, client_timeout=10))
+        except Exception as exc:
+            log.warning("readiness of '%s' at %s unknown: %s", model, self.grpc_url, exc)
             return False
 
     async def ready_models(self) -> list[str]:
@@ -120,7 +134,7 @@ class TritonChatBackend:
             yield {"model_name": model, "inputs": inputs, "request_id": request_id}
 
         try:
-            responses = self._client.stream_infer(one_request())
+            responses = self.client.stream_infer(one_request())
         except Exception as exc:
             raise not_ready(f"cannot reach Triton at {self.grpc_url}: {exc}") from None
         finished = False

@@ -89,10 +89,20 @@ def _metric(server: TritonServer, name: str) -> float:
 
 @pytest.mark.parametrize("model", ["llm", "epd"])
 @pytest.mark.parametrize("count", sorted(IMAGE_SETS))
-def test_chat_gives_llms_greedy_tokens_and_tritons_counts(client, llm: GrpcClient, model: str, count: int):
+def test_chat_gives_llms_greedy_tokens_and_tritons_counts(
+    server: TritonServer, client, llm: GrpcClient, model: str, count: int
+):
     images, text = IMAGE_SETS[count], f"Describe {count} things."
     expected = llm.generate(chat_prompt(text, count), images, GREEDY)
     assert expected.num_output_tokens == len(expected.token_ids) > 0
+    if model != "llm":  # the same tokens as llm; the text as the model itself sends it (see below)
+        direct = GrpcClient(server.grpc_url, model)
+        try:
+            same_model = direct.generate(chat_prompt(text, count), images, GREEDY)
+        finally:
+            direct.close()
+        assert same_model.token_ids == expected.token_ids
+        expected.text = same_model.text
     extra = {"return_token_ids": True}
     whole = client.chat.completions.create(
         model=model, messages=user_turn(text, images), max_tokens=12, temperature=0, extra_body=extra
@@ -114,6 +124,16 @@ def test_chat_gives_llms_greedy_tokens_and_tritons_counts(client, llm: GrpcClien
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (expected.num_input_tokens, expected.num_output_tokens)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="epd's streamed text starts with the prompt's text (seen 2026-11-30; tokens "
+    "are right): a bug of epd, not of the API, which forwards the text as the model sends it",
+)
+def test_epd_text_is_llms_text(llm: GrpcClient, epd: GrpcClient):
+    prompt = chat_prompt("Describe 0 things.", 0)
+    assert epd.generate(prompt, [], GREEDY).text == llm.generate(prompt, [], GREEDY).text
 
 
 def test_models_are_the_triton_chat_models(client):
