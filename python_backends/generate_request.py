@@ -36,7 +36,7 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 @dataclass(frozen=True)
 class RequestLimits:
     images: ImageLimits = field(default_factory=ImageLimits)
-    max_tokens_limit: int = 4096
+    max_tokens_limit: int = int(contract.default_of(contract.MAX_TOKENS_LIMIT))
     max_prompt_chars: int = 200_000
     # Precomputed embeddings accepted (``image_embeds`` + ``image_grid_thw``) when set.
     image_embeds: EmbedsSpec | None = None
@@ -50,11 +50,11 @@ def request_limits(
     """The user-facing limits from a model's config.pbtxt parameters (llm, epd)."""
     return RequestLimits(
         images=ImageLimits(
-            max_images=params.integer("max_images", 4, minimum=0),
-            max_image_bytes=params.integer("max_image_bytes", 20 << 20, minimum=1),
-            max_image_pixels=params.integer("max_image_pixels", 4096 * 4096, minimum=1),
+            max_images=params.integer(contract.MAX_IMAGES),
+            max_image_bytes=params.integer(contract.MAX_IMAGE_BYTES),
+            max_image_pixels=params.integer(contract.MAX_IMAGE_PIXELS),
         ),
-        max_tokens_limit=params.integer("max_tokens_limit", 4096, minimum=1),
+        max_tokens_limit=params.integer(contract.MAX_TOKENS_LIMIT),
         image_embeds=image_embeds,
         accept_mm_hash=accept_mm_hash,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from python_backends import contract
 from python_backends.errors import invalid_arg
 
 # Leading bytes of the formats we accept (PIL decodes more; these are the ones we test).
@@ -34,9 +35,9 @@ SUPPORTED_FORMATS = "JPEG, PNG, WebP, BMP, GIF, TIFF"
 
 @dataclass(frozen=True)
 class ImageLimits:
-    max_images: int = 4
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
+    max_images: int = int(contract.default_of(contract.MAX_IMAGES))
+    max_image_bytes: int = int(contract.default_of(contract.MAX_IMAGE_BYTES))
+    max_image_pixels: int = int(contract.default_of(contract.MAX_IMAGE_PIXELS))
 
 
 def _looks_like_image(data: bytes) -> bool:
