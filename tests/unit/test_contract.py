@@ -23,20 +23,12 @@ from tritonclient.grpc import model_config_pb2
 
 from builders import repository
 from builders.default_model import build_default_model
-from builders.repository import TARGETS, EncoderFacts, write_repository
+from builders.repository import TARGETS, write_repository
 from python_backends import contract
 from python_backends.model_params import ModelParameters
+from tests.unit.test_repository import FACTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FACTS = EncoderFacts(
-    patch_dim=1176,
-    hidden_size=128,
-    merge_size=2,
-    vision_shards=1,
-    checkpoint_shards=2,
-    vision_weight_bytes=3_502_592,
-    checkpoint_weight_bytes=5_800_960,
-)
 DataType = model_config_pb2.DataType
 
 
