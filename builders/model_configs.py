@@ -53,6 +53,16 @@ def _preprocessor_config(model_dir: Path) -> str:
     return str((model_dir / "preprocessor_config.json").resolve())
 
 
+def checkpoint_positions(model_dir: Path) -> int | None:
+    """The checkpoint's ``max_position_embeddings`` (top level, or the text config's), if any."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
 def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     # Embeddings by value (``ensemble``, or a client that ran ``encode``) are checked against
     # the exported encoder's output: hidden size and merge size come from its facts.
@@ -65,10 +75,11 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
             "instance_kind": target.instance_kind,
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters({**target.limits, **target.vllm_env, **embeds}),
+            "parameters": render_parameters({**target.limits, **target.role_environment(contract.LLM_MODEL), **embeds}),
         },
     )
-    engine_args = {"model": str(model_dir.resolve()), **target.engine_args, "enable_mm_embeds": True}
+    role_args = target.engine_args_for(contract.LLM_MODEL, checkpoint_positions(model_dir))
+    engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
 
 
@@ -255,18 +266,18 @@ def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict
     # Light: the engine-args helper does not import vLLM.
     from python_backends.pd.engines import pd_engine_args
 
-    base = {"model": str(model_dir.resolve()), **target.engine_args}
+    positions = checkpoint_positions(model_dir)
     files: dict[str, str] = {}
     for interface in (contract.PREFILL, contract.DECODE):
         role = interface.name
         parameters = {
             contract.MAX_TOKENS_LIMIT: target.limits[contract.MAX_TOKENS_LIMIT],
-            **target.vllm_env,
-            **target.pd.role_env.get(role, {}),
+            **target.role_environment(role),
             **_store_parameters(target, facts),
         }
         files[f"{role}/config.pbtxt"] = _python_model_config(target, role, interface, parameters)
-        args = pd_engine_args(base, role, target.pd.kv_store_path)  # type: ignore[arg-type]
+        base = {"model": str(model_dir.resolve()), **target.engine_args_for(role, positions)}
+        args = pd_engine_args(base, role, target.pd.kv_store_path, target.pd.kv_connector)  # type: ignore[arg-type]
         files[f"{role}/1/engine_args.json"] = _json(args)
     return files
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from builders.tensorrt_config import TrtProfile
 from python_backends import contract
 from python_backends.contract import CachePolicy
+from python_backends.llm_engine import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
 
 Device = Literal["cpu", "gpu"]
 
@@ -65,6 +69,69 @@ class PdServing:
 
     kv_store_path: str = "/dev/shm/triton-epd-kv"  # TransferIdConnector's folder (tmpfs)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # vLLM KV connector between prefill and decode (python_backends/pd/engines.py, KV_CONNECTORS).
+    kv_connector: str = "TransferIdConnector"
+
+
+# vLLM roles that own an engine, and the encode side (preprocess, vit_encoder, the store).
+ENGINE_ROLES = (contract.LLM_MODEL, contract.PREFILL_MODEL, contract.DECODE_MODEL)
+ENCODE_ROLE = "encode"
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """Which GPU each role uses and how much of it the vLLM engines may take.
+
+    ``bound``: the most of one GPU's memory the engines on it may ask for together
+    (``gpu_memory_utilization`` summed). On the GPU of the encode side (TensorRT plan, DALI,
+    the store's CUDA block, every process's CUDA context) ``encode_reserve`` more is left out.
+    vLLM checks each engine's share against the memory free at its start, so several engines
+    on one GPU must ask for less than the whole together.
+    """
+
+    gpus: int = 1
+    bound: float = 0.90
+    encode_reserve: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.gpus not in GPU_LAYOUTS:
+            raise ValueError(f"GpuBudget.gpus must be one of {sorted(GPU_LAYOUTS)}, got {self.gpus}")
+        if not 0 < self.encode_reserve < self.bound <= 1:
+            raise ValueError(f"need 0 < encode_reserve < bound <= 1, got {self}")
+
+    @property
+    def device_of(self) -> dict[str, int]:
+        """Role (``llm``, ``prefill``, ``decode``, ``encode``) -> GPU index."""
+        return dict(GPU_LAYOUTS[self.gpus])
+
+    def engines_on(self, gpu: int) -> list[str]:
+        return [role for role in ENGINE_ROLES if self.device_of[role] == gpu]
+
+    def memory_utilization(self, role: str) -> float:
+        """The engine's ``gpu_memory_utilization``: its GPU's engine share split evenly."""
+        gpu = self.device_of[role]
+        room = self.bound - (self.encode_reserve if self.device_of[ENCODE_ROLE] == gpu else 0.0)
+        return math.floor(room / len(self.engines_on(gpu)) * 100 + 1e-9) / 100  # rounded down, never over
+
+    def planned_use(self) -> dict[int, float]:
+        """GPU -> fraction of its memory planned (engines + the encode reserve)."""
+        use = dict.fromkeys(range(self.gpus), 0.0)
+        for role in ENGINE_ROLES:
+            use[self.device_of[role]] += self.memory_utilization(role)
+        use[self.device_of[ENCODE_ROLE]] += self.encode_reserve
+        return use
+
+    def cuda_visible_devices(self, role: str) -> str:
+        return str(self.device_of[role])
+
+
+# 1 GPU: everything shares it. 2: the encode side and the colocated baseline on one, the
+# prefill/decode pair on the other. 4: one GPU per engine, the encode side on its own.
+GPU_LAYOUTS: dict[int, dict[str, int]] = {
+    1: {ENCODE_ROLE: 0, contract.LLM_MODEL: 0, contract.PREFILL_MODEL: 0, contract.DECODE_MODEL: 0},
+    2: {ENCODE_ROLE: 0, contract.LLM_MODEL: 0, contract.PREFILL_MODEL: 1, contract.DECODE_MODEL: 1},
+    4: {ENCODE_ROLE: 0, contract.LLM_MODEL: 1, contract.PREFILL_MODEL: 2, contract.DECODE_MODEL: 3},
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +147,44 @@ class Target:
     cache: CachePolicy = field(default_factory=CachePolicy)
     # Request limits of the user-facing models (image limits also bind ``preprocess``).
     limits: dict[str, int] = field(default_factory=contract.limit_defaults)
+    # gpu only: GPUs per role and each engine's memory share (None: the cpu target).
+    gpu_budget: GpuBudget | None = None
+
+    def engine_args_for(self, role: str, max_position_embeddings: int | None) -> dict[str, Any]:
+        """``engine_args`` for one engine role: ``max_model_len`` cut to the checkpoint's
+        positions (vLLM refuses a longer one) and, on gpu, the role's memory share."""
+        args = dict(self.engine_args)
+        if max_position_embeddings and args.get("max_model_len", 0) > max_position_embeddings:
+            args["max_model_len"] = max_position_embeddings
+        if self.gpu_budget is not None:
+            args["gpu_memory_utilization"] = self.gpu_budget.memory_utilization(role)
+        return args
+
+    def role_environment(self, role: str) -> dict[str, str]:
+        """Process environment of one engine role: the target's, then the role's own."""
+        env = {**self.vllm_env, **self.pd.role_env.get(role, {})}
+        if self.gpu_budget is not None:
+            env[GPU_DEVICE_ENV] = self.gpu_budget.cuda_visible_devices(role)
+        return env
+
+    def fitted_to_checkpoint(self, model_dir: Path) -> Target:
+        """gpu: the TensorRT profile derived from the checkpoint's pixel limits (the plan and its
+        config both read ``encode.trt_profile``); other targets unchanged."""
+        config_file = Path(model_dir) / "preprocessor_config.json"
+        if self.encode.device != "gpu" or not config_file.is_file():
+            return self
+        profile = TrtProfile.from_preprocessor_config(
+            json.loads(config_file.read_text()), self.encode.trt_profile.max_images
+        )
+        return dataclasses.replace(self, encode=dataclasses.replace(self.encode, trt_profile=profile))
+
+    def with_gpus(self, gpus: int) -> Target:
+        """This gpu target laid out over ``gpus`` GPUs (its store on the encode side's GPU)."""
+        if self.gpu_budget is None:
+            raise ValueError(f"target {self.name!r} has no GPU budget")
+        budget = dataclasses.replace(self.gpu_budget, gpus=gpus)
+        cache = dataclasses.replace(self.cache, device=f"cuda:{budget.device_of[ENCODE_ROLE]}")
+        return dataclasses.replace(self, gpu_budget=budget, cache=cache)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -133,17 +238,22 @@ TARGETS: dict[str, Target] = {
         instance_kind="KIND_MODEL",
         engine_args={
             "dtype": "bfloat16",
+            # Cut to the checkpoint's max_position_embeddings per model (Target.engine_args_for).
             "max_model_len": 8192,
             "max_num_seqs": 64,
             "limit_mm_per_prompt": {"image": 4},
-            "gpu_memory_utilization": 0.35,
             "seed": 0,
             "disable_log_stats": True,
         },
-        vllm_env={},
+        vllm_env={
+            # prefill/decode open the CUDA store before their engine starts; vLLM only picks
+            # spawn itself when torch reports CUDA initialised, so say it: never fork a CUDA process.
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        },
         encode=EncodeServing(device="gpu"),
         # The encoder's TensorRT output stays on the GPU: one device copy into the store.
         cache=CachePolicy(device="cuda:0"),
+        gpu_budget=GpuBudget(gpus=1),
     ),
 }
 

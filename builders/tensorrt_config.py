@@ -45,6 +45,39 @@ class TrtProfile:
         if self.max_images <= 0:
             raise ValueError(f"max_images must be positive, got {self.max_images}")
 
+    @classmethod
+    def from_pixel_limits(
+        cls, min_pixels: int, max_pixels: int, patch_size: int, merge_size: int = 2, max_images: int | None = None
+    ) -> TrtProfile:
+        """The profile a checkpoint's resize limits call for. The processor resizes every image to
+        sides that are multiples of ``patch_size * merge_size`` with ``min_pixels <= h*w <=
+        max_pixels``, so one image has between ceil(min/patch**2) and floor(max/patch**2) patches,
+        in whole merge blocks; ``opt`` is one image at the maximum, ``max`` ``max_images`` of them."""
+        block = merge_size * merge_size
+        pixels_per_patch = patch_size * patch_size
+        images = max_images or contract.default_of(contract.PROFILE_MAX_IMAGES)
+        smallest = -(-min_pixels // pixels_per_patch)
+        smallest = max(block, -(-smallest // block) * block)
+        largest = max_pixels // pixels_per_patch // block * block
+        if largest < smallest:
+            raise ValueError(f"max_pixels {max_pixels} is below min_pixels {min_pixels} at patch size {patch_size}")
+        return cls(min_patches=smallest, opt_patches=largest, max_patches=largest * images, max_images=images)
+
+    @classmethod
+    def from_preprocessor_config(cls, config: dict[str, Any], max_images: int | None = None) -> TrtProfile:
+        """:meth:`from_pixel_limits` with a checkpoint's ``preprocessor_config.json`` (its
+        ``min_pixels``/``max_pixels``, or ``size.shortest_edge``/``longest_edge`` as transformers 5
+        writes them)."""
+        size = config.get("size") or {}
+        min_pixels = config.get("min_pixels") or size.get("shortest_edge")
+        max_pixels = config.get("max_pixels") or size.get("longest_edge")
+        if not min_pixels or not max_pixels:
+            raise ValueError("preprocessor_config.json gives no min_pixels/max_pixels (or size.shortest/longest_edge)")
+        return cls.from_pixel_limits(
+            int(min_pixels), int(max_pixels), int(config.get("patch_size", 14)), int(config.get("merge_size", 2)),
+            max_images,
+        )
+
     def input_shapes(self, patch_dim: int) -> dict[str, tuple[SizedShape, SizedShape, SizedShape]]:
         """(min, opt, max) engine shape of each input; one frame per image at ``opt``."""
         return {

@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 CONNECTOR_NAME = "TransferIdConnector"
 CONNECTOR_MODULE = "python_backends.pd.connector"
+NIXL_CONNECTOR = "NixlConnector"
+# The connectors a target may choose (builders/targets.py, PdServing.kv_connector) -> the module
+# that holds it (None: vLLM's own). TransferIdConnector is the cpu default: files in a tmpfs
+# folder, keyed by our transfer id. NixlConnector (vLLM 0.32, ``nixl`` package) moves KV
+# GPU-to-GPU on one node (UCX/NVLink) without a host copy.
+KV_CONNECTORS: dict[str, str | None] = {CONNECTOR_NAME: CONNECTOR_MODULE, NIXL_CONNECTOR: None}
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -91,52 +97,57 @@ def multi_modal_uuids(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
     return {"image": [img.uuid for img in images]}
 
 
-def pd_engine_args(base: Mapping[str, Any], role: Role, store_path: str | Path) -> dict[str, Any]:
+def pd_engine_args(
+    base: Mapping[str, Any], role: Role, store_path: str | Path, connector: str = CONNECTOR_NAME
+) -> dict[str, Any]:
     """Engine args for one role from the colocated ones (``llm``'s JSON).
 
-    Adds the connector config and ``enable_mm_embeds``; the decode role also turns prefix
-    caching off (its cached-token count is the proof that KV came from the connector).
+    Adds the connector config (``connector``: a key of :data:`KV_CONNECTORS`) and
+    ``enable_mm_embeds``; the decode role also turns prefix caching off (its cached-token count
+    is the proof that KV came from the connector).
     """
     if role not in _KV_ROLE:
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if connector not in KV_CONNECTORS:
+        raise ValueError(f"kv connector must be one of {sorted(KV_CONNECTORS)}, got {connector!r}")
     args = copy.deepcopy(dict(base))
     args["enable_mm_embeds"] = True
-    args["kv_transfer_config"] = {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": _KV_ROLE[role],
-        "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"store_path": str(store_path)},
-    }
+    ktc: dict[str, Any] = {"kv_connector": connector, "kv_role": _KV_ROLE[role], "kv_load_failure_policy": "fail"}
+    if connector == CONNECTOR_NAME:
+        ktc["kv_connector_module_path"] = CONNECTOR_MODULE
+        ktc["kv_connector_extra_config"] = {"store_path": str(store_path)}
+    else:
+        ktc["kv_buffer_device"] = "cuda"  # GPU to GPU, no host copy
+    args["kv_transfer_config"] = ktc
     if role == "decode":
         args["enable_prefix_caching"] = False
     check_engine_args(args, role)
     return args
 
 
-def check_engine_args(args: Mapping[str, Any], role: Role) -> Path:
-    """Refuse engine args that would let decode recompute silently; returns the store path."""
+def check_engine_args(args: Mapping[str, Any], role: Role) -> Path | None:
+    """Refuse engine args that would let decode recompute silently; returns the store path
+    (TransferIdConnector's folder; None for a vLLM connector, which keeps no folder)."""
     where = f"{role} engine args"
     ktc = args.get("kv_transfer_config")
     if not isinstance(ktc, Mapping):
         raise ValueError(f"{where}: kv_transfer_config is missing (build them with pd_engine_args)")
-    if ktc.get("kv_connector") != CONNECTOR_NAME or ktc.get("kv_connector_module_path") != CONNECTOR_MODULE:
-        raise ValueError(
-            f"{where}: kv_connector must be {CONNECTOR_NAME!r} from {CONNECTOR_MODULE!r} "
-            "(see python_backends/pd/__init__.py for why)"
-        )
+    connector = ktc.get("kv_connector")
+    if connector not in KV_CONNECTORS or ktc.get("kv_connector_module_path") != KV_CONNECTORS[connector]:
+        choices = ", ".join(f"{name!r} from {module or 'vLLM'!r}" for name, module in KV_CONNECTORS.items())
+        raise ValueError(f"{where}: kv_connector must be one of {choices} (see python_backends/pd/__init__.py for why)")
     if ktc.get("kv_role") != _KV_ROLE[role]:
         raise ValueError(f"{where}: kv_role must be {_KV_ROLE[role]!r}, got {ktc.get('kv_role')!r}")
     if ktc.get("kv_load_failure_policy", "fail") != "fail":
         raise ValueError(f"{where}: kv_load_failure_policy must be 'fail' (a failed load must not recompute)")
     store = (ktc.get("kv_connector_extra_config") or {}).get("store_path")
-    if not store:
+    if connector == CONNECTOR_NAME and not store:
         raise ValueError(f"{where}: kv_connector_extra_config.store_path is missing")
     if not args.get("enable_mm_embeds"):
         raise ValueError(f"{where}: enable_mm_embeds must be true (images arrive as embeddings)")
     if role == "decode" and args.get("enable_prefix_caching", True) is not False:
         raise ValueError(f"{where}: enable_prefix_caching must be false on decode")
-    return Path(store)
+    return Path(store) if store else None
 
 
 async def _start_async_llm(engine_args: Mapping[str, Any]) -> Any:
@@ -201,6 +212,12 @@ class KvEngine:
     @classmethod
     async def start(cls, engine_args: Mapping[str, Any]) -> Self:
         store = check_engine_args(engine_args, cls.ROLE)
+        if store is None:
+            # The epd transfer parameters (transfer id, prompt digest, first token) are kept in
+            # TransferIdConnector's folder; carrying vLLM's own connector parameters through the
+            # same contract is not built yet, so refuse rather than serve a silent recompute.
+            connector = engine_args["kv_transfer_config"]["kv_connector"]
+            raise ValueError(f"{cls.ROLE}: the engines serve TransferIdConnector only so far, not {connector!r}")
         return cls(await _start_async_llm(engine_args), store)
 
     def unfinished_requests(self) -> int:
