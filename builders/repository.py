@@ -112,7 +112,7 @@ def write_repository(
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
     ``kv_store_path`` its prefill -> decode KV transfer folder (e.g. one per test server)."""
-    target = target_named(target_name, cache)
+    target = target_named(target_name, cache).fitted_to_checkpoint(model_dir)
     if kv_store_path is not None:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, kv_store_path=str(kv_store_path)))
     model_dir = Path(model_dir).resolve()

@@ -57,10 +57,17 @@ def load_engine_args(path: Path) -> dict[str, Any]:
     return args
 
 
+# The engine's GPU (builders/targets.py, GpuBudget): a VLLM_ parameter so that it travels with the
+# others; it becomes CUDA_VISIBLE_DEVICES, which the engine processes vLLM spawns start with.
+ENGINE_GPUS_ENV = "VLLM_EPD_CUDA_VISIBLE_DEVICES"
+
+
 def apply_vllm_environment(vllm_env: dict[str, str]) -> None:
     """Set the engine's ``VLLM_*`` variables (a model's parameters) in this process's environment:
     vLLM reads them when its engine starts, in this process and the ones it spawns."""
     os.environ.update(vllm_env)
+    if ENGINE_GPUS_ENV in vllm_env:
+        os.environ["CUDA_VISIBLE_DEVICES"] = vllm_env[ENGINE_GPUS_ENV]
 
 
 def unfinished_requests(async_llm: Any) -> int:
