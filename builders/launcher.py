@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from builders.processes import ProcessGroup, http_ok, wait_until_ready
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--exit-timeout-s", type=int, help="on stop, wait this long for in-flight requests and "
                         "model unloads before tritonserver gives up (default: Triton's, 30 s)")
     parser.add_argument("--demo", action="store_true", help="answer the bundled sample request, then stop")
+    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
     from builders.repository import add_cache_arguments  # light, no torch
 
     add_cache_arguments(parser)
@@ -66,6 +68,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
     parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
     return parser.parse_args(argv)
+
+
+def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) -> ProcessGroup | None:
+    """The OpenAI-compatible API (``client/openai_server``) in front of ``server``, not started;
+    None without ``--openai-port``. Its log goes beside Triton's when there is one."""
+    if args.openai_port is None:
+        return None
+    command = [sys.executable, "-m", "client.openai_server", "--triton-grpc-url", server.grpc_url,
+               "--model-dir", str(model_dir), "--host", "0.0.0.0", "--port", str(args.openai_port)]  # fmt: skip
+    log_path = args.log_file.with_name("openai-server.log") if args.log_file else None
+    return ProcessGroup("openai-server", command, log_path=log_path)
 
 
 def run_demo(server: TritonServer) -> int:
@@ -128,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     options = ServerOptions(args.model_repository, ports, exit_timeout_s=args.exit_timeout_s)
     server = TritonServer(options, args.log_file)
     print(f"model: {model_dir}\nstarting: {' '.join(server.command())}", flush=True)
-    code = serve(server, args.demo, started)
+    openai = openai_app(args, model_dir, server)
+    code = serve(server, args.demo, started, openai)
+    if openai is not None and openai.stop(timeout_s=10) is not None:
+        print("stopped: the OpenAI API", flush=True)
     report = server.stop()
     if report is None:
         return code
@@ -137,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     return code if not report.killed and report.exit_code == 0 else (code or 1)
 
 
-def serve(server: TritonServer, demo: bool, started: float) -> int:
+def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup | None = None) -> int:
     """Start, wait until ready, then the demo or serve until interrupted; the caller stops."""
     try:
         server.start()
@@ -148,6 +164,11 @@ def serve(server: TritonServer, demo: bool, started: float) -> int:
             f"  metrics {server.metrics_url}",
             flush=True,
         )
+        if openai is not None:
+            openai.start()
+            port = openai.command[-1]
+            wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [openai], 120, "the OpenAI API")
+            print(f"  OpenAI  http://127.0.0.1:{port}/v1", flush=True)
         if demo:
             return run_demo(server)
         print("serving; Ctrl-C to stop", flush=True)
@@ -158,6 +179,8 @@ def serve(server: TritonServer, demo: bool, started: float) -> int:
         print("\nstopping", flush=True)
         return 0
     except BaseException:
+        if openai is not None:
+            openai.stop(timeout_s=10)
         server.stop()  # never leave tritonserver behind, whatever failed
         raise
 

@@ -198,7 +198,7 @@ async def _sse(
         chunk = first
         while chunk is not None:
             totals.add(chunk)
-            if chunk.text or chunk.token_ids:
+            if chunk.text or (with_token_ids and chunk.token_ids):  # a token may end inside a character
                 yield choice({"content": chunk.text}, token_ids=chunk.token_ids)
             chunk = await anext(chunks, None)
         yield choice({}, totals.finish_reason)

@@ -128,8 +128,8 @@ def test_chat_gives_llms_greedy_tokens_and_tritons_counts(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="epd's streamed text starts with the prompt's text (seen 2026-11-30; tokens "
-    "are right): a bug of epd, not of the API, which forwards the text as the model sends it",
+    reason="without images, epd's text starts with the prompt's text (decode's first delta, seen 2026-11-30; "
+    "tokens are right): a bug of epd, not of the API, which forwards the text as the model sends it",
 )
 def test_epd_text_is_llms_text(llm: GrpcClient, epd: GrpcClient):
     prompt = chat_prompt("Describe 0 things.", 0)
