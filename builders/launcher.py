@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--exit-timeout-s", type=int, help="on stop, wait this long for in-flight requests and "
                         "model unloads before tritonserver gives up (default: Triton's, 30 s)")
     parser.add_argument("--demo", action="store_true", help="answer the bundled sample request, then stop")
+    parser.add_argument("--check", action="store_true", help="gpu target: run the preflight checks (each failed "
+                        "one with its fix) and exit; every gpu start runs them before tritonserver")
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
     from builders.repository import add_cache_arguments  # light, no torch
 
@@ -132,11 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     install_stop_handlers()
     started = time.monotonic()
     kv_store_path = str(args.kv_store_path) if args.kv_store_path else None
+    if args.check:
+        from builders.preflight import check_for_launch, print_report
+
+        report = check_for_launch(args.target, args.model, args.model_repository, cache_policy(args))
+        return 0 if print_report(report) else 1
     try:
         model_dir = prepare(args.target, args.model, args.model_repository, cache_policy(args), kv_store_path)
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)
         return 130
+    if args.target == "gpu":  # Triton would stop at the first model it cannot load, far from the cause
+        from builders.preflight import check_for_launch, print_report
+
+        if not print_report(check_for_launch(args.target, model_dir, args.model_repository, cache_policy(args))):
+            print("not starting tritonserver: fix the failed checks above", flush=True)
+            return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     options = ServerOptions(args.model_repository, ports, exit_timeout_s=args.exit_timeout_s)
     server = TritonServer(options, args.log_file)
