@@ -338,7 +338,8 @@ def check_for_launch(
     from builders.default_model import DEFAULT_MODEL_DIR
 
     if target_name != "gpu":
-        raise ValueError(f"the preflight checks the gpu target, not {target_name!r}")
+        return Report([Check("target", "fail", f"the preflight checks the gpu target, not {target_name!r}",
+                             "triton-epd-serve --target gpu --check")])
     model_dir = Path(model) if model else DEFAULT_MODEL_DIR
     target = target_named(target_name, cache).fitted_to_checkpoint(model_dir)
     return preflight(target, model_dir, repository)

