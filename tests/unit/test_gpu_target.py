@@ -199,3 +199,70 @@ def test_preflight_pins_are_the_images() -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert f"ARG TENSORRT_VERSION={PINNED_PACKAGES['tensorrt']}" in dockerfile
     assert "requirements/gpu.txt" in dockerfile and "--no-deps -e ." in dockerfile
+
+
+# ---------------------------------------------------------------------------------------------
+# Every module the gpu target's models and launcher import, in an environment built only from
+# the declared dependencies (requirements/gpu.txt, with Python 3.11 instead of the image's 3.12).
+
+IMPORT_VENV = ROOT / "build" / "gpu-import-venv"
+FIRST_PARTY = ("python_backends", "builders", "client", "bench", "tests")
+# Not in requirements/gpu.txt on purpose, with where they come from in the image.
+NOT_DECLARED = {
+    "tensorrt": "docker/Dockerfile installs tensorrt-cu13 (PyPI has only a placeholder)",
+    "triton_python_backend_utils": "Triton's python backend provides it; stubbed here",
+}
+IMPORT_SCRIPT = r'''
+import importlib, json, sys, types
+class _Stub(types.ModuleType):
+    def __getattr__(self, name):
+        return type(name, (Exception,), {})
+sys.modules["triton_python_backend_utils"] = _Stub("triton_python_backend_utils")
+failed = {}
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(failed))
+'''
+
+
+def gpu_target_modules() -> list[str]:
+    """Modules of the project (python_backends, builders, client) and every absolute import in
+    them and in the gpu target's model.py files, lazy imports inside functions included."""
+    import ast
+
+    sources = [*ROOT.glob("python_backends/**/*.py"), *ROOT.glob("builders/**/*.py"), *ROOT.glob("client/**/*.py")]
+    sources += [*ROOT.glob("model_repository/*/1/model.py")]
+    names: set[str] = set()
+    for source in sources:
+        relative = source.relative_to(ROOT).with_suffix("")
+        if relative.parts[0] in FIRST_PARTY and "templates" not in relative.parts:  # model.py templates: Triton's
+            names.add(".".join(part for part in relative.parts if part != "__init__"))
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+    return sorted(n for n in names if n.split(".")[0] not in NOT_DECLARED and not n.startswith("tests"))
+
+
+@pytest.mark.skipif(
+    not (IMPORT_VENV / ".done").exists(),
+    reason="needs build/gpu-import-venv (python3 -m venv build/gpu-import-venv && build/gpu-import-venv/bin/pip "
+    "install -r requirements/gpu.txt && touch build/gpu-import-venv/.done): gigabytes of wheels, too slow for CI",
+)
+def test_every_gpu_module_imports_from_the_declared_dependencies_alone() -> None:
+    import subprocess
+
+    modules = gpu_target_modules()
+    assert "vllm.v1.engine.async_llm" in modules and "nvidia.dali" in modules and "lmdb" in modules
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(ROOT / "build")}
+    result = subprocess.run(
+        [str(IMPORT_VENV / "bin" / "python"), "-c", IMPORT_SCRIPT, json.dumps(modules)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    failed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert failed == {}, failed
