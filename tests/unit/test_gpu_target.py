@@ -216,6 +216,8 @@ IMPORT_SCRIPT = r'''
 import importlib, json, sys, types
 class _Stub(types.ModuleType):
     def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
         return type(name, (Exception,), {})
 sys.modules["triton_python_backend_utils"] = _Stub("triton_python_backend_utils")
 failed = {}
