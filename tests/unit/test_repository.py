@@ -411,3 +411,17 @@ def test_cache_policy_overrides_and_checks(model_dir: Path) -> None:
 def test_unknown_target_is_refused(tmp_path: Path, model_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown target 'tpu'"):
         write_repository("tpu", model_dir, tmp_path)
+
+
+def test_gpu_plan_config_follows_the_checkpoints_pixel_limits(model_dir: Path) -> None:
+    """What write_repository serves: the target fitted to the checkpoint; the plan's profile and
+    its CUDA graphs come from the checkpoint's min/max pixels, graphs in the engine's input dims."""
+    target = TARGETS["gpu"].fitted_to_checkpoint(model_dir)
+    profile = target.encode.trt_profile
+    assert (profile.min_patches, profile.opt_patches) == (16, 1024)  # 56*56 and 448*448 pixels / 14**2
+    config = text_format.Parse(repository_files(target, model_dir, FACTS)["vit_encoder/config.pbtxt"], Config())
+    specs = config.optimization.cuda.graph_spec
+    graphs = [{name: list(shape.dim) for name, shape in spec.input.items()} for spec in specs]
+    assert graphs == [engine_input_shapes(p) for p in (profile.opt_patches, profile.max_patches)]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["profile_min_patches"] == "16" and params["profile_max_patches"] == str(profile.max_patches)
