@@ -36,7 +36,7 @@ from typing import Any
 
 from builders.artifacts import EncoderFacts
 from builders.pbtxt import TEMPLATES, EnsembleStep, render_parameters, render_steps, render_template, render_tensors
-from builders.targets import Target
+from builders.targets import ENCODE_ROLE, Target
 from builders.tensorrt_config import tensorrt_config
 from python_backends import contract
 from python_backends.contract import ModelInterface
@@ -61,6 +61,11 @@ def checkpoint_positions(model_dir: Path) -> int | None:
     config = json.loads(config_file.read_text())
     value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
     return int(value) if value else None
+
+
+def _encode_gpu(target: Target) -> int:
+    """The GPU of the encode side (DALI, TensorRT, the store) in the target's budget."""
+    return target.gpu_budget.device_of[ENCODE_ROLE] if target.gpu_budget is not None else 0
 
 
 def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
@@ -95,6 +100,7 @@ def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> di
         "instances": str(serving.preprocess_instances),
     }
     if serving.device == "gpu":
+        values["gpu"] = str(_encode_gpu(target))
         return {"preprocess/config.pbtxt": render_template("preprocess_dali.pbtxt", values)}
     parameters = {
         contract.PIPELINE_FILE: contract.DALI_FILE,
@@ -111,7 +117,8 @@ def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
     serving = target.encode
     if serving.device == "gpu":
         config = tensorrt_config(
-            target.name, facts.parameters(), serving.trt_profile, serving.trt_precision, serving.encoder_instances
+            target.name, facts.parameters(), serving.trt_profile, serving.trt_precision, serving.encoder_instances,
+            _encode_gpu(target),
         )
         return {"vit_encoder/config.pbtxt": config}
     interface = contract.VIT_ENCODER.sized(facts.parameters())

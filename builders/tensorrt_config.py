@@ -128,6 +128,7 @@ def tensorrt_config(
     profile: TrtProfile,
     precision: str,
     instances: int,
+    gpu: int = 0,
 ) -> str:
     """``vit_encoder/config.pbtxt`` for the plan. ``facts``: the exported encoder's
     (``EncoderFacts``), written as parameters too (checked at load, shown as metrics)."""
@@ -141,7 +142,8 @@ def tensorrt_config(
             "max_batch_size": "0",  # the leading dimension is patches, not requests
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "instance_group": f"  {{ count: {instances} kind: KIND_GPU }}",
+            # Only on the encode side's GPU: without ``gpus`` Triton puts ``count`` instances on every GPU.
+            "instance_group": f"  {{ count: {instances} kind: KIND_GPU gpus: [ {gpu} ] }}",
             "cuda_graphs": "true",
             "graph_spec": ",\n".join(_graph_spec(s) for s in cuda_graph_shapes(profile, facts[contract.PATCH_DIM])),
             "parameters": render_parameters({**profile.parameters(), contract.PRECISION: precision, **facts}),

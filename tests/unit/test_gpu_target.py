@@ -79,6 +79,20 @@ def test_each_engine_gets_its_gpu_and_share_in_the_generated_repository(gpus: in
     assert target.cache.device == f"cuda:{target.gpu_budget.device_of['encode']}"
 
 
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_encode_side_instances_stay_on_its_gpu(gpus: int, tiny_model: Path) -> None:
+    """Without ``gpus`` in instance_group Triton would put DALI and TensorRT instances on every GPU,
+    into the memory the budget gave the engines there."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    target = GPU.with_gpus(gpus)
+    files = repository_files(target, tiny_model, FACTS)
+    for model in ("preprocess", "vit_encoder"):
+        config = text_format.Parse(files[f"{model}/config.pbtxt"], model_config_pb2.ModelConfig())
+        assert [list(group.gpus) for group in config.instance_group] == [[0]], model
+
+
 def test_the_old_budget_that_asked_105_percent_is_gone() -> None:
     assert "gpu_memory_utilization" not in GPU.engine_args  # per role, from the budget
     assert sum(GPU.gpu_budget.memory_utilization(r) for r in ENGINE_ROLES) < 1.0  # type: ignore[union-attr]
