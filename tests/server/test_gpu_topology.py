@@ -82,6 +82,7 @@ def _as_python_on_cpu(
     config.ClearField("optimization")  # CUDA graphs: TensorRT only
     for group in config.instance_group:
         group.kind = model_config_pb2.ModelInstanceGroup.KIND_CPU
+        group.ClearField("gpus")  # the gpu target pins the encode side to its GPU
     if parameters_from is not None:
         for key, value in parameters_from.parameters.items():
             config.parameters[key].CopyFrom(value)
