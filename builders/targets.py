@@ -70,6 +70,9 @@ class PdServing:
     kv_store_path: str = "/dev/shm/triton-epd-kv"  # TransferIdConnector's folder (tmpfs)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # vLLM KV connector between prefill and decode (python_backends/pd/engines.py, KV_CONNECTORS).
+    # "NixlConnector" (GPU to GPU) gets engine args that pass check_engine_args, but the engines
+    # still keep the epd transfer (prompt ids, digest, first token) in TransferIdConnector's
+    # folder and refuse it at start; until that is carried for NIXL, gpu keeps this default.
     kv_connector: str = "TransferIdConnector"
 
 
