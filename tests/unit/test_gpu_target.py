@@ -93,6 +93,18 @@ def test_encode_side_instances_stay_on_its_gpu(gpus: int, tiny_model: Path) -> N
         assert [list(group.gpus) for group in config.instance_group] == [[0]], model
 
 
+def test_an_engines_gpu_parameter_becomes_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from python_backends.llm_engine import apply_vllm_environment
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.delenv(GPU_DEVICE_ENV, raising=False)
+    apply_vllm_environment(GPU.with_gpus(4).role_environment("decode"))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
 def test_the_old_budget_that_asked_105_percent_is_gone() -> None:
     assert "gpu_memory_utilization" not in GPU.engine_args  # per role, from the budget
     assert sum(GPU.gpu_budget.memory_utilization(r) for r in ENGINE_ROLES) < 1.0  # type: ignore[union-attr]
