@@ -7,14 +7,12 @@ request, so the model aborts it in the engine and releases what it holds.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
+from client.epd_client import build_inputs
 from client.openai_server.errors import OpenAIError, from_triton_message, not_ready
 
 # The user-facing models that take a chat prompt and images (``ensemble`` takes exactly one image).
@@ -111,24 +109,10 @@ class TritonChatBackend:
     async def ready_models(self) -> list[str]:
         return [model for model in self.models if await self.model_state(model)]
 
-    def _inputs(self, prompt: str, images: Sequence[bytes], sampling: dict[str, Any]) -> list[Any]:
-        def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
-            item = self._grpc.InferInput(name, list(array.shape), dtype)
-            item.set_data_from_numpy(array)
-            return item
-
-        inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
-        if images:
-            inputs.append(tensor("image", np.array(list(images), dtype=np.object_), "BYTES"))
-        inputs.append(tensor("stream", np.array([True]), "BOOL"))
-        payload = json.dumps(sampling).encode("utf-8")
-        inputs.append(tensor("sampling_parameters", np.array([payload], dtype=np.object_), "BYTES"))
-        return inputs
-
     async def generate(
         self, model: str, prompt: str, images: Sequence[bytes], sampling: dict[str, Any], request_id: str
     ) -> AsyncIterator[Chunk]:
-        inputs = self._inputs(prompt, images, sampling)
+        inputs = build_inputs(self._grpc, prompt, images, True, sampling, None)
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": model, "inputs": inputs, "request_id": request_id}
