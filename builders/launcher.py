@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from builders.processes import ProcessGroup, http_ok, wait_until_ready
+from builders.roles import ROLES, Role, load_model_args
+from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
@@ -25,16 +27,22 @@ SAMPLE_PROMPT = "What is in this picture?"
 
 
 def prepare(
-    target: str, model: Path | None, repository: Path, cache: Any = None, kv_store_path: str | None = None
+    target: str,
+    model: Path | None,
+    repository: Path,
+    cache: Any = None,
+    kv_store_path: str | None = None,
+    role: Role = "all",
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
-    the prefill/decode KV transfer folder replacing the target's."""
+    the prefill/decode KV transfer folder replacing the target's; ``role``: write only that
+    server role's models (``builders/roles.py``)."""
     from builders.default_model import build_default_model, resolve_model
     from builders.repository import write_repository
 
     model_dir = resolve_model(model) if model else build_default_model()
-    write_repository(target, model_dir, repository, cache=cache, kv_store_path=kv_store_path)
+    write_repository(target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role)
     return model_dir
 
 
@@ -45,6 +53,8 @@ def cache_policy(args: argparse.Namespace) -> Any:
     policy = cache_policy_from(args, args.target)
     if args.cache_path is not None:
         policy = dataclasses.replace(policy or TARGETS[args.target].cache, path=str(args.cache_path))
+    if args.node_id is not None:
+        policy = dataclasses.replace(policy or TARGETS[args.target].cache, node_id=args.node_id)
     return policy
 
 
@@ -53,6 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", default="cpu", choices=("cpu", "gpu"))
     parser.add_argument("--model", type=Path, help="a Qwen2-VL checkpoint dir (default: the tiny built-in one)")
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--role", choices=ROLES, default="all", help="serve this role's models (scale-out): "
+                        "encoder = preprocess, vit_encoder, encode, encoder_<i> and the node store; "
+                        "pd = epd, prefill, decode, llm; all (default) = every model, one server")
+    parser.add_argument("--node-id", help="this server's node (default: 'local'); servers with the same node id "
+                        "and store path share embeddings by reference")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -140,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         report = check_for_launch(args.target, args.model, args.model_repository, cache_policy(args))
         return 0 if print_report(report) else 1
     try:
-        model_dir = prepare(args.target, args.model, args.model_repository, cache_policy(args), kv_store_path)
+        model_dir = prepare(
+            args.target, args.model, args.model_repository, cache_policy(args), kv_store_path, args.role
+        )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)
         return 130
@@ -151,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             print("not starting tritonserver: fix the failed checks above", flush=True)
             return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-    options = ServerOptions(args.model_repository, ports, exit_timeout_s=args.exit_timeout_s)
+    role_args = load_model_args(target_named(args.target, cache_policy(args)), args.role)
+    options = ServerOptions(args.model_repository, ports, extra_args=role_args, exit_timeout_s=args.exit_timeout_s)
     server = TritonServer(options, args.log_file)
-    print(f"model: {model_dir}\nstarting: {' '.join(server.command())}", flush=True)
+    print(f"model: {model_dir}\nrole: {args.role} (node {args.node_id or 'local'})", flush=True)
+    print(f"starting: {' '.join(server.command())}", flush=True)
     openai = openai_app(args, model_dir, server)
     code = serve(server, args.demo, started, openai)
     if openai is not None and openai.stop(timeout_s=10) is not None:

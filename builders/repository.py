@@ -38,6 +38,7 @@ from builders.artifacts import (
 )
 from builders.model_configs import repository_files
 from builders.pbtxt import TEMPLATES, render_template
+from builders.roles import ROLES, Role, role_models
 from builders.targets import (
     TARGETS,
     EncodeServing,
@@ -60,7 +61,9 @@ __all__ = [
     "EncodeServing",
     "EncoderFacts",
     "PdServing",
+    "ROLES",
     "RepositoryBuildError",
+    "Role",
     "Target",
     "add_cache_arguments",
     "build_dali_artifact",
@@ -101,6 +104,10 @@ def _prune_other_targets(target: Target, out: Path) -> list[Path]:
     return removed
 
 
+def _model_of(relative: str) -> str:
+    return relative.split("/", 1)[0]
+
+
 def write_repository(
     target_name: str,
     model_dir: Path,
@@ -108,10 +115,13 @@ def write_repository(
     stamp_dir: Path = DEFAULT_STAMPS,
     cache: CachePolicy | None = None,
     kv_store_path: str | Path | None = None,
+    role: Role = "all",
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
-    ``kv_store_path`` its prefill -> decode KV transfer folder (e.g. one per test server)."""
+    ``kv_store_path`` its prefill -> decode KV transfer folder (e.g. one per test server).
+    ``role`` (``builders/roles.py``): write only that role's models and remove the generated
+    files of the others; the encoder artefacts stay, as ``epd`` keys images by their digest."""
     target = target_named(target_name, cache).fitted_to_checkpoint(model_dir)
     if kv_store_path is not None:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, kv_store_path=str(kv_store_path)))
@@ -130,9 +140,16 @@ def write_repository(
         build_plan_artifact(target, facts, out / "vit_encoder" / "1", onnx_report, stamp_dir)
 
     written = [out / "preprocess" / "1" / DALI_FILE, out / "vit_encoder" / "1" / ONNX_FILE]
-    for model in target.models:  # an ensemble needs its (empty) version folder too
+    served = role_models(target, role)
+    for model in served:  # an ensemble needs its (empty) version folder too
         (out / model / "1").mkdir(parents=True, exist_ok=True)
-    for relative, content in repository_files(target, model_dir, facts).items():
+    files = repository_files(target, model_dir, facts)
+    for relative in files:  # generated files only: kept model code and artefacts stay
+        if _model_of(relative) not in served and (out / relative).is_file():
+            (out / relative).unlink()
+    for relative, content in files.items():
+        if _model_of(relative) not in served:
+            continue
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != content:
@@ -146,11 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", choices=sorted(TARGETS), default="cpu")
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     parser.add_argument("--out", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--role", choices=ROLES, default="all", help="write only this server role's models")
     add_cache_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per folded constant
-    for path in write_repository(args.target, args.model, args.out, cache=cache_policy_from(args, args.target)):
+    policy = cache_policy_from(args, args.target)
+    for path in write_repository(args.target, args.model, args.out, cache=policy, role=args.role):
         print(f"wrote {path}")
 
 

@@ -100,7 +100,10 @@ STORE_EVICTION = "store_eviction"
 STORE_TTL_S = "store_ttl_s"
 STORE_DEVICE = "store_device"
 CACHE_SCOPE = "cache_scope"
-STORE_KEYS = (STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE)
+# Which node the store lives on (``triton-epd-serve --node-id``): servers with the same node id and
+# store path share one store and pass embeddings by reference; others must copy them over.
+NODE_ID = "node_id"
+STORE_KEYS = (STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE, NODE_ID)
 # preprocess (cpu): the serialized DALI pipeline.
 PIPELINE_FILE = "pipeline_file"
 DALI_NUM_THREADS = "dali_num_threads"

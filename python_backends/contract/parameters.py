@@ -35,6 +35,7 @@ from python_backends.contract.names import (
     MAX_PATCHES_PER_RUN,
     MAX_TOKENS_LIMIT,
     MERGE_SIZE,
+    NODE_ID,
     ONNX_FILE,
     ONNX_FILE_KEY,
     PATCH_DIM,
@@ -108,6 +109,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(STORE_TTL_S, 0.0, minimum=0.0),  # 0: entries live until evicted
         Parameter(STORE_DEVICE, "cpu"),  # "cpu" (shared memory) or "cuda:N" (CUDA IPC)
         Parameter(CACHE_SCOPE, "node"),
+        Parameter(NODE_ID, "local"),
         Parameter(PIPELINE_FILE, DALI_FILE),
         Parameter(DALI_NUM_THREADS, 2, minimum=1),
         Parameter(ONNX_FILE_KEY, ONNX_FILE),
@@ -206,6 +208,7 @@ class CachePolicy:
     scope: CacheScope = default_of(CACHE_SCOPE)
     encoders: int = 2  # encoder models encoder_0 .. encoder_<n-1>
     device: str = default_of(STORE_DEVICE)  # where the bytes live: "cpu" or "cuda:N"
+    node_id: str = default_of(NODE_ID)  # the node the store lives on (scale-out roles)
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -225,6 +228,7 @@ class CachePolicy:
             STORE_TTL_S: self.ttl_s,
             STORE_DEVICE: self.device,
             CACHE_SCOPE: self.scope,
+            NODE_ID: self.node_id,
         }
 
     @classmethod
@@ -245,4 +249,5 @@ class CachePolicy:
             ttl_s=read(STORE_TTL_S, parse_number),
             scope=read(CACHE_SCOPE),
             device=read(STORE_DEVICE),
+            node_id=read(NODE_ID),
         )
