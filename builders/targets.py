@@ -277,6 +277,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cache-capacity-bytes", type=int, help="embedding bytes the store may hold")
     group.add_argument("--cache-ttl-s", type=float, help="expire unleased entries older than this (0: never)")
     group.add_argument("--encoders", type=int, help="number of encoder models (encoder_0..)")
+    group.add_argument(
+        "--tenant-policy",
+        choices=("isolated", "shared"),
+        help="isolated: a request's 'tenant' parameter scopes its cache entries and mm_hash references; "
+        "shared: tenants share entries",
+    )
 
 
 def cache_policy_from(args: argparse.Namespace, target_name: str) -> CachePolicy | None:
@@ -287,6 +293,7 @@ def cache_policy_from(args: argparse.Namespace, target_name: str) -> CachePolicy
             ("capacity_bytes", args.cache_capacity_bytes),
             ("ttl_s", args.cache_ttl_s),
             ("encoders", args.encoders),
+            ("tenants", getattr(args, "tenant_policy", None)),
         )
         if value is not None
     }

@@ -17,7 +17,10 @@ request ends, and the store reaps them if that process dies) or not at all (warm
 Cache scope (one setting, ``CachePolicy.scope`` in ``builders/repository.py``): ``node``
 keys are shared by every encoder of the node (an image encoded by one is a hit for all);
 ``instance`` keys carry the encoder's name, so each encoder has its own cache (the
-baseline the shared store is measured against).
+baseline the shared store is measured against). A request's tenant (request parameter
+``tenant``) takes its keys into that tenant's space under the ``isolated`` tenant policy
+(``python_backends/tenants.py``); the ``mm_hash`` answered is the unscoped key, which the
+same tenant sends back to ``epd`` as ``mm_hash:<hex>``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from python_backends import contract
 from python_backends.errors import invalid_arg
 from python_backends.media import image_bytes
 from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
+from python_backends.tenants import key_space
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,11 @@ class Outcome(str, Enum):
 class EncoderAnswer:
     reference: Reference
     outcome: Outcome
+    mm_hash: str = ""  # what the client sends back as ``mm_hash:``; "" -> the reference's
+
+    @property
+    def client_mm_hash(self) -> str:
+        return self.mm_hash or self.reference.mm_hash
 
     @property
     def cache_hit(self) -> bool:
@@ -109,24 +118,30 @@ class CachedEncoder:
         encode: EncodeFn,
         *,
         namespace: str = "",
+        tenant_policy: str = "isolated",
         full_store_wait_s: float = 30.0,
         run_blocking: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self.store = store
         self.keys = keys
         self.namespace = namespace
+        key_space(None, tenant_policy)  # an unknown policy fails at load
+        self.tenant_policy = tenant_policy
         self._encode = encode
         self._full_store_wait_s = full_store_wait_s
         # Waiting for another process's encode polls LMDB: off the event loop.
         self._run_blocking = run_blocking or (lambda fn, *args, **kwargs: asyncio.to_thread(fn, *args, **kwargs))
 
-    def key(self, image: bytes) -> str:
-        return self.keys.key(image, self.namespace)
+    def key(self, image: bytes, tenant: str | None = None) -> str:
+        """The store key of ``image`` for a request of ``tenant``."""
+        return self.keys.scoped(image, key_space(tenant, self.tenant_policy), self.namespace)[1]
 
-    async def references(self, images: list[bytes], lease_owner: int | None = None) -> list[EncoderAnswer]:
+    async def references(
+        self, images: list[bytes], lease_owner: int | None = None, tenant: str | None = None
+    ) -> list[EncoderAnswer]:
         """Every image at once. All or nothing: if one fails, the leases taken for the others
         are released (their owner never sees them) and the first error is raised."""
-        answers = (self.reference(image, lease_owner) for image in images)
+        answers = (self.reference(image, lease_owner, tenant) for image in images)
         results = await asyncio.gather(*answers, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if not failures:
@@ -136,19 +151,22 @@ class CachedEncoder:
                 self.store.release(result.reference)
         raise failures[0]
 
-    async def reference(self, image: bytes, lease_owner: int | None = None) -> EncoderAnswer:
-        """The stored embedding of ``image``, encoding it only if no one has or is doing so."""
-        key = self.key(image)
+    async def reference(
+        self, image: bytes, lease_owner: int | None = None, tenant: str | None = None
+    ) -> EncoderAnswer:
+        """The stored embedding of ``image``, encoding it only if no one has or is doing so
+        (within ``tenant``'s key space under the ``isolated`` policy)."""
+        public, key = self.keys.scoped(image, key_space(tenant, self.tenant_policy), self.namespace)
         lease = lease_owner is not None
         while True:
             claim = self.store.claim(key, lease=lease, owner_pid=lease_owner)
             if claim.kind is ClaimKind.HIT:
                 assert claim.reference is not None  # a HIT always carries one
-                return EncoderAnswer(claim.reference, Outcome.HIT)
+                return EncoderAnswer(claim.reference, Outcome.HIT, public)
             if claim.kind is ClaimKind.JOIN:
                 found = await self._run_blocking(self.store.wait_for, claim, lease=lease, owner_pid=lease_owner)
                 if found is not None:
-                    return EncoderAnswer(found, Outcome.JOIN)
+                    return EncoderAnswer(found, Outcome.JOIN, public)
                 continue  # the producer vanished or its entry went at once: claim again
             try:
                 encoded = await self._encode(image)
@@ -157,7 +175,7 @@ class CachedEncoder:
             except BaseException as exc:  # the mark must go whatever happened, or waiters hang
                 self.store.abandon(claim, exc)
                 raise
-            return EncoderAnswer(reference, Outcome.MISS)
+            return EncoderAnswer(reference, Outcome.MISS, public)
 
     async def _fulfil(self, claim: Any, encoded: EncodedImage, meta: EntryMeta, lease_owner: int | None) -> Reference:
         """Store the embedding; when leases of running requests fill the store, wait (bounded)

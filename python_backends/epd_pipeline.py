@@ -11,7 +11,9 @@ The fixed sequence of steps, per request:
 
 1. **hash**: the content key of each image (media bytes + preprocessing config + encoder
    version). An image sent as ``mm_hash:<key>`` (pre-encoded, see ``cached_encoder.py``) is
-   its key already.
+   its key already. With a tenant (Triton request parameter ``tenant``) under the ``isolated``
+   policy, both are taken into that tenant's key space (``store.keys.tenant_key``), so no
+   hit, join or ``mm_hash`` crosses tenants (``python_backends/tenants.py``).
 2. **lookup** (node-wide cache only): a stored key is a hit at once, leased for this request,
    with no call to any encoder. A ``mm_hash`` that is not stored is NOT_FOUND, with a hint.
 3. **encode**: every other image goes to one encoder model (``encoder_<i>``), all at once;
@@ -49,7 +51,8 @@ from typing import Any, Protocol
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.generate_request import CachedImage, GenerateRequest
 from python_backends.generation import GenerationChunk
-from python_backends.store import EmbeddingStore, KeyConfig, Reference
+from python_backends.store import EmbeddingStore, KeyConfig, Reference, tenant_key
+from python_backends.tenants import key_space
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,12 @@ class StageClient(Protocol):
     answers one chunk: the first token and the KV ``transfer_params`` ("" when nothing is left to
     decode); ``decode`` streams tokens 2..N (``num_output_tokens`` counts the first one too)."""
 
-    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+    async def encode_reference(
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+    ) -> tuple[bytes, bool]:
         """One image through encoder model ``encoder``: its reference (leased for the process
-        ``lease_owner``) and whether the store already had it (or another request made it)."""
+        ``lease_owner``) and whether the store already had it (or another request made it).
+        ``tenant``: the request's tenant, passed on as the encoder's request parameter."""
         ...
 
     async def prefill(
@@ -130,6 +136,7 @@ class EpdPipeline:
         encoders: Sequence[str],
         *,
         node_cache: bool = True,
+        tenant_policy: str = "isolated",
     ) -> None:
         if not encoders:
             raise ValueError("epd needs at least one encoder model")
@@ -140,6 +147,8 @@ class EpdPipeline:
         # Per-instance caches (``node_cache=False``) hold keys only their encoder can compute:
         # every image then goes to its encoder, which is what that setting is for.
         self.node_cache = node_cache
+        key_space(None, tenant_policy)  # an unknown policy fails here, at load
+        self.tenant_policy = tenant_policy
 
     def encoder_for(self, key: str, pinned: str | None = None) -> str:
         """The encoder model an image goes to: the pinned one, else the key's home."""
@@ -150,11 +159,13 @@ class EpdPipeline:
         raise EpdError(f"unknown encoder {pinned!r}; this epd serves {', '.join(self.encoders)}", ErrorCode.INVALID_ARG)
 
     async def run(
-        self, request: GenerateRequest, request_id: str, encoder: str | None = None
+        self, request: GenerateRequest, request_id: str, encoder: str | None = None, tenant: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
-        """Serve one request (``encoder``: pin its images' encodes to that encoder model). The
-        last chunk carries the timings and cache counts. Closing the iterator early (client
-        cancelled) aborts decode and releases every lease, like finishing does."""
+        """Serve one request (``encoder``: pin its images' encodes to that encoder model;
+        ``tenant``: the checked tenant whose key space its images and ``mm_hash`` references use,
+        under the ``isolated`` policy). The last chunk carries the timings and cache counts.
+        Closing the iterator early (client cancelled) aborts decode and releases every lease,
+        like finishing does."""
         timings: dict[str, float] = {}
         leased = _LeasedReferences()
         decode_started = False
@@ -163,9 +174,13 @@ class EpdPipeline:
             if encoder is not None:
                 self.encoder_for("0" * 16, encoder)  # an unknown name fails before any work
             start = time.perf_counter()
-            keys = [im.mm_hash if isinstance(im, CachedImage) else self.keys.key(im) for im in request.images]
+            space = key_space(tenant, self.tenant_policy)
+            keys = [
+                tenant_key(im.mm_hash if isinstance(im, CachedImage) else self.keys.key(im), space)
+                for im in request.images
+            ]
             timings["hash"] = _ms(start)
-            await self._references(request.images, keys, encoder, leased, timings)
+            await self._references(request.images, keys, encoder, leased, timings, tenant)
 
             start = time.perf_counter()
             sampling = dict(request.sampling)
@@ -226,17 +241,18 @@ class EpdPipeline:
         pinned: str | None,
         leased: _LeasedReferences,
         timings: dict[str, float],
+        tenant: str | None = None,
     ) -> None:
         """Steps 2 and 3: a leased reference per image, encoding only what no one has."""
         start = time.perf_counter()
         found: dict[str, Reference] = {}
         to_encode: dict[str, bytes] = {}
         try:
-            for key, image in zip(keys, images, strict=True):
+            for index, (key, image) in enumerate(zip(keys, images, strict=True)):
                 if key in found or key in to_encode:
                     continue
                 if isinstance(image, CachedImage):
-                    found[key] = self._cached(image)
+                    found[key] = self._cached(key, index)
                 elif self.node_cache and (ref := self.store.lookup(key, count_miss=False)) is not None:
                     found[key] = ref
                 else:
@@ -252,15 +268,18 @@ class EpdPipeline:
         if to_encode:
             start = time.perf_counter()
             indices = {key: keys.index(key) for key in to_encode}
-            await self._encode(to_encode, indices, pinned, found, leased)
+            await self._encode(to_encode, indices, pinned, found, leased, tenant)
             timings["encode"] = _ms(start)
         leased.references = [found[key] for key in keys]
 
-    def _cached(self, image: CachedImage) -> Reference:
-        ref = self.store.lookup(image.mm_hash)
+    def _cached(self, key: str, index: int) -> Reference:
+        """The entry an ``mm_hash:`` item names (``key``: already in the request's key space).
+        The message names the item by index, never by hash or tenant, so that every miss reads
+        the same: another tenant's image is indistinguishable from one no one sent."""
+        ref = self.store.lookup(key)
         if ref is None:
             raise EpdError(
-                f"image mm_hash:{image.mm_hash[:16]}... is not in the embedding cache (never encoded, evicted or "
+                f"image[{index}] names an mm_hash that is not in the embedding cache (never encoded, evicted or "
                 "encoded by another encoder version); send the image bytes instead",
                 ErrorCode.NOT_FOUND,
             )
@@ -273,6 +292,7 @@ class EpdPipeline:
         pinned: str | None,
         found: dict[str, Reference],
         leased: _LeasedReferences,
+        tenant: str | None = None,
     ) -> None:
         """All misses at once, each through its encoder; leases are recorded as soon as each
         answer arrives, so a failure or cancellation releases every one that was taken."""
@@ -280,7 +300,8 @@ class EpdPipeline:
 
         async def one(key: str, image: bytes) -> None:
             try:
-                wire, cache_hit = await self.stages.encode_reference(self.encoder_for(key, pinned), image, owner)
+                encoder = self.encoder_for(key, pinned)
+                wire, cache_hit = await self.stages.encode_reference(encoder, image, owner, tenant)
             except EpdError as exc:  # the encoder saw one image: name it as the client did
                 raise EpdError(exc.message.replace("image[0]", f"image[{indices[key]}]", 1), exc.code) from None
             ref = self.store.parse_reference(wire)

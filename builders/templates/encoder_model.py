@@ -15,6 +15,7 @@ from pathlib import Path
 from python_backends import contract
 from python_backends.cached_encoder import CachedEncoder, cache_namespace, parse_encoder_inputs
 from python_backends.store import EmbeddingStore, KeyConfig
+from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsEncode
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import CacheMetrics
@@ -34,12 +35,14 @@ class TritonPythonModel(DecoupledModel):
         keys = KeyConfig.from_files(
             Path(params.string(contract.PREPROCESSOR_CONFIG)), repository / params.string(contract.ENCODER_FILE)
         )
-        namespace = cache_namespace(params.cache_policy().scope, self.model_name)
-        self.encoder = CachedEncoder(self.store, keys, self.engine, namespace=namespace)
+        policy = params.cache_policy()
+        namespace = cache_namespace(policy.scope, self.model_name)
+        self.encoder = CachedEncoder(self.store, keys, self.engine, namespace=namespace, tenant_policy=policy.tenants)
         self.cache_metrics = CacheMetrics(self.metrics, self.store)
 
     def parse(self, inputs, request):
-        return parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
+        images, lease_owner = parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
+        return images, lease_owner, request_tenant(request_parameters(request.parameters()))
 
     async def serve(self, parsed, request_id):
         answers = await self.encoder.references(*parsed)
@@ -50,6 +53,6 @@ class TritonPythonModel(DecoupledModel):
     def respond(self, answers):
         return response([
             bytes_tensor(contract.REFERENCES, [a.reference.to_bytes() for a in answers]),
-            bytes_tensor(contract.MM_HASH, [a.reference.mm_hash for a in answers]),
+            bytes_tensor(contract.MM_HASH, [a.client_mm_hash for a in answers]),
             tensor(contract.CACHE_HIT, [a.cache_hit for a in answers], bool),
         ]), True

@@ -103,7 +103,12 @@ CACHE_SCOPE = "cache_scope"
 # Which node the store lives on (``triton-epd-serve --node-id``): servers with the same node id and
 # store path share one store and pass embeddings by reference; others must copy them over.
 NODE_ID = "node_id"
-STORE_KEYS = (STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE, NODE_ID)
+TENANT_POLICY = "tenant_policy"  # isolated | shared: whether cache entries cross tenants
+STORE_KEYS = (
+    STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE, NODE_ID, TENANT_POLICY
+)
+# Triton request parameters (not tensors): the tenant that scopes cache keys and mm_hash references.
+TENANT = "tenant"
 # preprocess (cpu): the serialized DALI pipeline.
 PIPELINE_FILE = "pipeline_file"
 DALI_NUM_THREADS = "dali_num_threads"

@@ -54,6 +54,7 @@ from python_backends.contract.names import (
     STORE_EVICTION,
     STORE_PATH,
     STORE_TTL_S,
+    TENANT_POLICY,
     VISION_SHARDS,
     VISION_WEIGHT_BYTES,
     ContractError,
@@ -65,6 +66,7 @@ __all__ = [
     "PARAMETERS",
     "CachePolicy",
     "CacheScope",
+    "TenantPolicy",
     "Parameter",
     "ParameterValue",
     "default_of",
@@ -110,6 +112,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(STORE_DEVICE, "cpu"),  # "cpu" (shared memory) or "cuda:N" (CUDA IPC)
         Parameter(CACHE_SCOPE, "node"),
         Parameter(NODE_ID, "local"),
+        Parameter(TENANT_POLICY, "isolated"),  # requests that name a tenant never share entries
         Parameter(PIPELINE_FILE, DALI_FILE),
         Parameter(DALI_NUM_THREADS, 2, minimum=1),
         Parameter(ONNX_FILE_KEY, ONNX_FILE),
@@ -186,6 +189,9 @@ def parse_boolean(key: str, text: str) -> bool:
 
 
 CacheScope = Literal["node", "instance"]
+# ``isolated``: a request that names a tenant (Triton request parameter ``tenant``) meets only
+# that tenant's entries and ``mm_hash`` references; ``shared``: tenants share one key space.
+TenantPolicy = Literal["isolated", "shared"]
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,9 @@ class CachePolicy:
     served encoder file's digest), so a rebuilt encoder or a changed resize setting never
     meets old embeddings. ``scope``: ``node`` -- one key space for every encoder of the node
     (an image encoded by one is a hit for all); ``instance`` -- each encoder model its own
-    (the per-instance baseline the shared store is measured against).
+    (the per-instance baseline the shared store is measured against). ``tenants``: ``isolated``
+    -- a request's tenant scopes its keys and ``mm_hash`` references (no hit, join or reference
+    crosses tenants); ``shared`` -- the tenant is checked but every tenant meets every entry.
     """
 
     path: str = DEFAULT_STORE_PATH  # the node's store (LMDB on tmpfs)
@@ -209,12 +217,15 @@ class CachePolicy:
     encoders: int = 2  # encoder models encoder_0 .. encoder_<n-1>
     device: str = default_of(STORE_DEVICE)  # where the bytes live: "cpu" or "cuda:N"
     node_id: str = default_of(NODE_ID)  # the node the store lives on (scale-out roles)
+    tenants: TenantPolicy = default_of(TENANT_POLICY)
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
             raise ContractError("CachePolicy.encoders must be at least 1")
         if self.scope not in ("node", "instance"):
             raise ContractError(f"CachePolicy.scope must be 'node' or 'instance', got {self.scope!r}")
+        if self.tenants not in ("isolated", "shared"):
+            raise ContractError(f"CachePolicy.tenants must be 'isolated' or 'shared', got {self.tenants!r}")
 
     @property
     def encoder_models(self) -> tuple[str, ...]:
@@ -229,6 +240,7 @@ class CachePolicy:
             STORE_DEVICE: self.device,
             CACHE_SCOPE: self.scope,
             NODE_ID: self.node_id,
+            TENANT_POLICY: self.tenants,
         }
 
     @classmethod
@@ -250,4 +262,5 @@ class CachePolicy:
             scope=read(CACHE_SCOPE),
             device=read(STORE_DEVICE),
             node_id=read(NODE_ID),
+            tenants=read(TENANT_POLICY),
         )

@@ -10,7 +10,7 @@ Plain Python: nothing here imports Triton.
 from python_backends.store.config import DEFAULT_CAPACITY_BYTES, DEFAULT_STORE_PATH, StoreConfig
 from python_backends.store.embedding_store import EmbeddingStore
 from python_backends.store.entries import StoreFullError
-from python_backends.store.keys import KeyConfig, content_key
+from python_backends.store.keys import KeyConfig, content_key, tenant_key
 from python_backends.store.leases import ReapReport
 from python_backends.store.payload import EntryMeta
 from python_backends.store.reference import (
@@ -35,4 +35,5 @@ __all__ = [
     "StoreFullError",
     "content_key",
     "parse_reference",
+    "tenant_key",
 ]

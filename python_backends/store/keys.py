@@ -20,6 +20,7 @@ from python_backends.errors import invalid_arg
 
 # Bumped if the framing below ever changes, so old and new keys never collide.
 _KEY_DOMAIN = b"triton-epd/content-key/v1"
+_TENANT_DOMAIN = b"triton-epd/tenant-key/v1"
 
 
 def content_key(
@@ -41,6 +42,25 @@ def content_key(
     if namespace:  # absent for the node-wide space, so its keys stay what they were
         parts.append(namespace.encode("utf-8"))
     for part in parts:
+        hasher.update(len(part).to_bytes(8, "little"))
+        hasher.update(part)
+    return hasher.hexdigest()
+
+
+def tenant_key(key: str, tenant: str | None) -> str:
+    """The store key of ``key`` (a content key, or the ``mm_hash`` a client sent) in ``tenant``'s
+    key space; ``key`` itself when there is no tenant (or tenants share entries).
+
+    A client only ever sees unscoped keys (``mm_hash``); the store only ever sees scoped ones.
+    So ``mm_hash:<hex>`` is read in the sender's space: another tenant's image, or a hash
+    learnt from another tenant, is the same miss as a hash no one ever sent.
+    """
+    if tenant is None:
+        return key
+    if not isinstance(key, str) or not key:
+        raise invalid_arg("tenant_key needs a non-empty key")
+    hasher = blake3.blake3(_TENANT_DOMAIN)
+    for part in (tenant.encode("utf-8"), key.encode("ascii")):
         hasher.update(len(part).to_bytes(8, "little"))
         hasher.update(part)
     return hasher.hexdigest()
@@ -76,3 +96,8 @@ class KeyConfig:
 
     def key(self, media: bytes, namespace: str = "") -> str:
         return content_key(media, self.preprocess_config, self.encoder_version, namespace)
+
+    def scoped(self, media: bytes, tenant: str | None, namespace: str = "") -> tuple[str, str]:
+        """(the client's ``mm_hash``, the store key in ``tenant``'s space) of ``media``."""
+        public = self.key(media, namespace)
+        return public, tenant_key(public, tenant)

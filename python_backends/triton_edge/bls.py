@@ -72,10 +72,16 @@ class BlsCaller:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _stream(self, model: str, inputs: list[pb_utils.Tensor]) -> AsyncIterator[dict[str, Any]]:
-        """A decoupled stage's non-empty responses (the empty final one is not yielded)."""
+    async def _stream(
+        self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A decoupled stage's non-empty responses (the empty final one is not yielded).
+        ``parameters``: Triton request parameters for the stage (e.g. the tenant)."""
         flag = tensor(contract.ERRORS_AS_OUTPUTS, [True], bool)
-        request = pb_utils.InferenceRequest(model_name=model, inputs=[*inputs, flag], requested_output_names=[])
+        extra = {"parameters": dict(parameters)} if parameters else {}
+        request = pb_utils.InferenceRequest(
+            model_name=model, inputs=[*inputs, flag], requested_output_names=[], **extra
+        )
         iterator = await self._call(lambda: iter(request.exec(decoupled=True)))
         while True:
             response = await self._call(next, iterator, None)
@@ -85,10 +91,12 @@ class BlsCaller:
             if out:
                 yield out
 
-    async def _last(self, model: str, inputs: list[pb_utils.Tensor]) -> dict[str, Any]:
+    async def _last(
+        self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
         """A stage that answers once: its one non-empty response."""
         last: dict[str, Any] | None = None
-        async for out in self._stream(model, inputs):
+        async for out in self._stream(model, inputs, parameters):
             last = out
         if last is None:
             raise EpdError(f"{model} returned no response", ErrorCode.INTERNAL)
@@ -123,9 +131,11 @@ class BlsStages(BlsCaller):
         self.prefill_model = prefill_model
         self.decode_model = decode_model
 
-    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+    async def encode_reference(
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+    ) -> tuple[bytes, bool]:
         inputs = [bytes_tensor(contract.IMAGE, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
-        out = await self._last(encoder, inputs)
+        out = await self._last(encoder, inputs, None if tenant is None else {contract.TENANT: tenant})
         return bytes(out[contract.REFERENCES].reshape(-1)[0]), bool(out[contract.CACHE_HIT].reshape(-1)[0])
 
     async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> GenerationChunk:

@@ -50,9 +50,11 @@ class FakeStages:
             namespace = cache_namespace(self.scope, name)
             self.encoders[name] = CachedEncoder(self.store, KEYS, self.encode, namespace=namespace)
 
-    async def encode_reference(self, encoder: str, image: bytes, lease_owner: int) -> tuple[bytes, bool]:
+    async def encode_reference(
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+    ) -> tuple[bytes, bool]:
         self.routed.append(encoder)
-        answer = await self.encoders[encoder].reference(image, lease_owner)
+        answer = await self.encoders[encoder].reference(image, lease_owner, tenant)
         return answer.reference.to_bytes(), answer.cache_hit
 
     async def encode(self, image: bytes) -> EncodedImage:

@@ -13,6 +13,7 @@ from python_backends import contract
 from python_backends.epd_pipeline import EpdPipeline, pinned_encoder
 from python_backends.generate_request import check_image_headers, parse_generate_request, request_limits
 from python_backends.store import EmbeddingStore, KeyConfig
+from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsStages
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import CacheMetrics
@@ -31,8 +32,10 @@ class TritonPythonModel(DecoupledModel):
             Path(params.string(contract.PREPROCESSOR_CONFIG)), repository / params.string(contract.ENCODER_FILE)
         )
         encoders = params.string(contract.ENCODER_MODELS_KEY).split(",")
-        node_cache = params.cache_policy().scope == "node"
-        self.pipeline = EpdPipeline(self.store, self.engine, keys, encoders, node_cache=node_cache)
+        policy = params.cache_policy()
+        self.pipeline = EpdPipeline(
+            self.store, self.engine, keys, encoders, node_cache=policy.scope == "node", tenant_policy=policy.tenants
+        )
         hits = "Images served from the embedding store without encoding"
         self.cache_hits = self.metrics.counter("epd_cache_hits", hits)
         self.cache_metrics = CacheMetrics(self.metrics, self.store, node_gauges=True)
@@ -41,11 +44,12 @@ class TritonPythonModel(DecoupledModel):
     def parse(self, inputs, request):
         parsed = parse_generate_request(inputs, self.limits)
         check_image_headers(parsed, self.limits)
-        return parsed, pinned_encoder(request.parameters())
+        raw = request.parameters()
+        return parsed, pinned_encoder(raw), request_tenant(request_parameters(raw))
 
     async def serve(self, parsed, request_id):
-        request, encoder = parsed
-        async with aclosing(self.pipeline.run(request, request_id, encoder)) as chunks:
+        request, encoder, tenant = parsed
+        async with aclosing(self.pipeline.run(request, request_id, encoder, tenant)) as chunks:
             async for chunk in chunks:
                 if chunk.timings_ms:  # the last chunk
                     self.cache_hits.increment(chunk.cache_hits)
