@@ -33,16 +33,19 @@ def prepare(
     cache: Any = None,
     kv_store_path: str | None = None,
     role: Role = "all",
+    gpus: int | None = None,
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
     the prefill/decode KV transfer folder replacing the target's; ``role``: write only that
-    server role's models (``builders/roles.py``)."""
+    server role's models (``builders/roles.py``); ``gpus``: the gpu target's number of GPUs."""
     from builders.default_model import build_default_model, resolve_model
     from builders.repository import write_repository
 
     model_dir = resolve_model(model) if model else build_default_model()
-    write_repository(target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role)
+    write_repository(
+        target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus
+    )
     return model_dir
 
 
@@ -78,13 +81,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="gpu target: run the preflight checks (each failed "
                         "one with its fix) and exit; every gpu start runs them before tritonserver")
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
-    from builders.repository import add_cache_arguments  # light, no torch
+    from builders.repository import add_cache_arguments, add_gpus_argument  # light, no torch
 
     add_cache_arguments(parser)
+    add_gpus_argument(parser)
     # Two servers on one node share a store and KV folder unless given their own (tests do).
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
     parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gpus is not None and args.target != "gpu":
+        parser.error("--gpus is for --target gpu")
+    return args
 
 
 def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) -> ProcessGroup | None:
@@ -152,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         from builders.preflight import check_for_launch, print_report
 
-        report = check_for_launch(args.target, args.model, args.model_repository, cache_policy(args))
+        report = check_for_launch(args.target, args.model, args.model_repository, cache_policy(args), args.gpus)
         return 0 if print_report(report) else 1
     try:
         model_dir = prepare(
-            args.target, args.model, args.model_repository, cache_policy(args), kv_store_path, args.role
+            args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
+            role=args.role, gpus=args.gpus,
         )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)
@@ -164,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "gpu":  # Triton would stop at the first model it cannot load, far from the cause
         from builders.preflight import check_for_launch, print_report
 
-        if not print_report(check_for_launch(args.target, model_dir, args.model_repository, cache_policy(args))):
+        report = check_for_launch(args.target, model_dir, args.model_repository, cache_policy(args), args.gpus)
+        if not print_report(report):
             print("not starting tritonserver: fix the failed checks above", flush=True)
             return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)

@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -24,16 +25,22 @@ from pathlib import Path
 from typing import Literal
 
 from builders.model_configs import checkpoint_positions
-from builders.targets import ENCODE_ROLE, ENGINE_ROLES, Target, target_named
+from builders.targets import ENCODE_ROLE, ENGINE_ROLES, Target, resolved_target
 from python_backends import contract
 from python_backends.contract import CachePolicy
 
 # Triton backends the gpu repository loads: python (llm, prefill, decode, epd, encoders),
 # dali (preprocess), tensorrt (vit_encoder's plan), onnxruntime (the ONNX fallback, the GPU check).
 REQUIRED_BACKENDS = ("python", "dali", "tensorrt", "onnxruntime")
+# The DALI that the NGC 25.10 image's dali backend runs: triton-inference-server/dali_backend's
+# DALI_VERSION file held 1.51.2 from 2025-08-28 (its PR 277) until the bump to 1.53.0 (PR 282),
+# and the 25.10 release was cut in between. A pipeline serialized by another DALI may not load in
+# the backend, so the image's DALI wheel is pinned to it and `check_dali` compares the two.
+DALI_BACKEND_VERSION = "1.51.2"
+DALI_PACKAGE = "nvidia-dali-cuda130"
 # Package -> pinned version: vllm and DALI as requirements/gpu.txt pins them, tensorrt as
 # docker/Dockerfile's TENSORRT_VERSION (unit tests keep them equal).
-PINNED_PACKAGES = {"vllm": "0.32.0", "nvidia-dali-cuda130": "2.4.0", "tensorrt": "10.13.3.9"}
+PINNED_PACKAGES = {"vllm": "0.32.0", DALI_PACKAGE: DALI_BACKEND_VERSION, "tensorrt": "10.13.3.9"}
 # Triton's python backend, the TransferIdConnector's KV folder and LMDB's metadata share
 # /dev/shm with the store: room asked for on top of the store's capacity.
 SHM_HEADROOM_BYTES = 1 << 30
@@ -76,6 +83,10 @@ class Machine:
     gpu_probe_note: str = ""
     # The TensorRT the tensorrt backend links (from its libnvinfer file name), if found.
     backend_tensorrt: str | None = None
+    # The DALI the dali backend runs, and the one ``import nvidia.dali`` finds (it serializes the
+    # pipeline; the NGC image also puts the backend's own DALI on PYTHONPATH), if found.
+    backend_dali: str | None = None
+    importable_dali: str | None = None
 
 
 @dataclass
@@ -127,6 +138,22 @@ def check_packages(machine: Machine) -> Check:
             f"pip install -r requirements/gpu.txt and tensorrt-cu13 (docker/Dockerfile), or {DOCKER_FIX}",
         )
     return Check("packages", "pass", ", ".join(f"{p}=={v}" for p, v in PINNED_PACKAGES.items()))
+
+
+def check_dali(machine: Machine) -> Check:
+    """The DALI that serializes the pipeline must be the one the dali backend runs."""
+    backend, importable = machine.backend_dali, machine.importable_dali
+    fix = f"pip install {DALI_PACKAGE}==<the backend's version> (requirements/gpu.txt pins {DALI_BACKEND_VERSION}, " \
+          "the NGC 25.10 dali backend's); rebuild the repository (triton-epd-build-repo --target gpu)"
+    if backend is None:
+        return Check("dali", "fail", f"no DALI version found in {machine.backend_dir / 'dali'}",
+                     f"{DOCKER_FIX}: its dali backend bundles DALI {DALI_BACKEND_VERSION}")
+    if importable is None:
+        return Check("dali", "fail", f"nvidia.dali is not importable (the dali backend runs DALI {backend})", fix)
+    if importable != backend:
+        return Check("dali", "fail", f"nvidia.dali {importable} serializes the pipeline but the dali backend runs "
+                     f"DALI {backend}: a pipeline from another DALI may not load", fix)
+    return Check("dali", "pass", f"nvidia.dali {importable} = the dali backend's DALI")
 
 
 def check_gpus(machine: Machine, target: Target) -> Check:
@@ -245,6 +272,7 @@ def run_checks(machine: Machine, target: Target, model_dir: Path, repository: Pa
         checks=[
             check_backends(machine),
             check_packages(machine),
+            check_dali(machine),
             check_gpus(machine, target),
             check_memory(machine, target),
             check_plan(machine, repository),
@@ -279,6 +307,36 @@ def backend_tensorrt_version(backend_dir: Path) -> str | None:
         if found:
             return found[-1].name.removeprefix("libnvinfer.so.")
     return None
+
+
+_DALI_VERSION_LINE = re.compile(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", re.M)
+
+
+def dali_version_in(package_init: Path) -> str | None:
+    """``__version__`` of a ``nvidia/dali/__init__.py``, read as text: importing DALI here could
+    pick another copy and would load its CUDA libraries."""
+    try:
+        match = _DALI_VERSION_LINE.search(package_init.read_text(errors="replace"))
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def backend_dali_version(backend_dir: Path) -> str | None:
+    """The DALI bundled with the dali backend (its ``nvidia/dali`` package, e.g. under ``wheel/``)."""
+    folder = backend_dir / "dali"
+    if not folder.is_dir():
+        return None
+    for init in sorted(folder.glob("**/nvidia/dali/__init__.py")):
+        version = dali_version_in(init)
+        if version:
+            return version
+    return None
+
+
+def importable_dali_version() -> str | None:
+    spec = importlib.util.find_spec("nvidia.dali") if importlib.util.find_spec("nvidia") else None
+    return dali_version_in(Path(spec.origin)) if spec is not None and spec.origin else None
 
 
 def query_gpus() -> tuple[list[Gpu] | None, str]:
@@ -321,6 +379,8 @@ def probe_machine(backend_dir: Path) -> Machine:
         plan_error=tensorrt_plan_error if has_tensorrt else None,
         gpu_probe_note=note,
         backend_tensorrt=backend_tensorrt_version(backend_dir),
+        backend_dali=backend_dali_version(backend_dir),
+        importable_dali=importable_dali_version(),
     )
 
 
@@ -337,17 +397,17 @@ def preflight(target: Target, model_dir: Path, repository: Path, backend_dir: Pa
 
 
 def check_for_launch(
-    target_name: str, model: Path | None, repository: Path, cache: CachePolicy | None = None
+    target_name: str, model: Path | None, repository: Path, cache: CachePolicy | None = None, gpus: int | None = None
 ) -> Report:
-    """The launcher's preflight: the target as ``write_repository`` fits it to the checkpoint
-    (``model`` None: the tiny default model's folder, built or not)."""
+    """The launcher's preflight: the target as ``write_repository`` resolves it (``gpus``: its
+    GPU layout; ``model`` None: the tiny default model's folder, built or not)."""
     from builders.default_model import DEFAULT_MODEL_DIR
 
     if target_name != "gpu":
         return Report([Check("target", "fail", f"the preflight checks the gpu target, not {target_name!r}",
                              "triton-epd-serve --target gpu --check")])
     model_dir = Path(model) if model else DEFAULT_MODEL_DIR
-    target = target_named(target_name, cache).fitted_to_checkpoint(model_dir)
+    target = resolved_target(target_name, model_dir, cache, gpus=gpus)
     return preflight(target, model_dir, repository)
 
 

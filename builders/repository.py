@@ -20,7 +20,6 @@ is the command line: ``python -m builders.repository --target cpu --model DIR``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import re
 import shutil
@@ -46,8 +45,9 @@ from builders.targets import (
     RepositoryBuildError,
     Target,
     add_cache_arguments,
+    add_gpus_argument,
     cache_policy_from,
-    target_named,
+    resolved_target,
 )
 from python_backends.contract import DALI_FILE, ONNX_FILE, CachePolicy
 
@@ -116,15 +116,15 @@ def write_repository(
     cache: CachePolicy | None = None,
     kv_store_path: str | Path | None = None,
     role: Role = "all",
+    gpus: int | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
     ``kv_store_path`` its prefill -> decode KV transfer folder (e.g. one per test server).
     ``role`` (``builders/roles.py``): write only that role's models and remove the generated
-    files of the others; the encoder artefacts stay, as ``epd`` keys images by their digest."""
-    target = target_named(target_name, cache).fitted_to_checkpoint(model_dir)
-    if kv_store_path is not None:
-        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, kv_store_path=str(kv_store_path)))
+    files of the others; the encoder artefacts stay, as ``epd`` keys images by their digest.
+    ``gpus``: the gpu target's number of GPUs (``Target.with_gpus``)."""
+    target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)
@@ -165,11 +165,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--role", choices=ROLES, default="all", help="write only this server role's models")
     add_cache_arguments(parser)
+    add_gpus_argument(parser)
     args = parser.parse_args(argv)
+    if args.gpus is not None and args.target != "gpu":
+        parser.error("--gpus is for --target gpu")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per folded constant
     policy = cache_policy_from(args, args.target)
-    for path in write_repository(args.target, args.model, args.out, cache=policy, role=args.role):
+    for path in write_repository(args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus):
         print(f"wrote {path}")
 
 

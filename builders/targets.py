@@ -270,6 +270,31 @@ def target_named(name: str, cache: CachePolicy | None = None) -> Target:
     return target if cache is None else dataclasses.replace(target, cache=cache)
 
 
+def resolved_target(
+    name: str,
+    model_dir: Path,
+    cache: CachePolicy | None = None,
+    kv_store_path: str | Path | None = None,
+    gpus: int | None = None,
+) -> Target:
+    """The target a repository is written for (and the preflight checks): ``target_named`` with
+    the command line's overrides, laid out over ``gpus`` GPUs (gpu only; None: the target's
+    layout), fitted to the checkpoint in ``model_dir``."""
+    target = target_named(name, cache)
+    if gpus is not None:
+        target = target.with_gpus(gpus)
+    if kv_store_path is not None:
+        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, kv_store_path=str(kv_store_path)))
+    return target.fitted_to_checkpoint(model_dir)
+
+
+def add_gpus_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpus", type=int, choices=sorted(GPU_LAYOUTS),
+        help="gpu target: lay the roles out over this many GPUs (builders/targets.py, GPU_LAYOUTS; default 1)",
+    )
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Command-line overrides of the target's :class:`CachePolicy` (builders and launcher)."""
     group = parser.add_argument_group("embedding cache (default: the target's CachePolicy)")

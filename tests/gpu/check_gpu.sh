@@ -6,7 +6,8 @@
 # 2. tests/gpu: the CUDA embedding store across processes, and vit_encoder's TensorRT plan in
 #    FP32 and FP16 against ONNX Runtime (each skipped with its reason where TensorRT/torch-CUDA
 #    are missing).
-# Output: OUT_DIR (default results/<date>/gpu-check) gets machine.txt, preflight.txt, pytest.txt.
+# Output: OUT_DIR (default results/<date>/gpu-check) gets machine.txt, imports.txt (numpy 2 with
+# vLLM, DALI and torch in one interpreter), preflight.txt, pytest.txt.
 # The exit status is pytest's; a failed preflight is reported, not fatal (a bare machine lacks
 # the image's backends but can still run the store and plan tests).
 set -uo pipefail
@@ -32,6 +33,25 @@ except Exception as exc:
 PYEOF
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+
+# numpy 2 is a known risk of the image (README, Containers): numpy, vLLM, DALI and torch must
+# import together in one interpreter, at their pinned versions (a python backend stub cannot be
+# run without Triton; the server tests in the image show whether tensors cross it right).
+"$PY" - > "$OUT/imports.txt" 2>&1 <<'PYEOF'
+import importlib.metadata as md
+import numpy, torch, vllm, nvidia.dali as dali
+from builders.preflight import DALI_BACKEND_VERSION, PINNED_PACKAGES
+print("numpy", numpy.__version__, "torch", torch.__version__, "vllm", vllm.__version__, "dali", dali.__version__)
+assert numpy.__version__.startswith("2."), "the image's numpy is expected to be 2.x (vLLM needs opencv>=4.13)"
+assert vllm.__version__ == PINNED_PACKAGES["vllm"], vllm.__version__
+assert dali.__version__ == DALI_BACKEND_VERSION, f"nvidia.dali {dali.__version__} from {dali.__file__}"
+# One tensor from numpy 2 into torch (the path the stage models take for embeddings).
+array = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)
+assert torch.from_numpy(array).sum().item() == 66.0
+print("imports together: ok")
+PYEOF
+echo "imports exit status $?" >> "$OUT/imports.txt"
+cat "$OUT/imports.txt"
 
 "$PY" -m builders.launcher --target gpu --check > "$OUT/preflight.txt" 2>&1
 echo "preflight exit status $?" >> "$OUT/preflight.txt"

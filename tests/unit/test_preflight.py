@@ -11,12 +11,14 @@ import pytest
 
 from builders import launcher
 from builders.preflight import (
+    DALI_BACKEND_VERSION,
     PINNED_PACKAGES,
     REQUIRED_BACKENDS,
     SHM_HEADROOM_BYTES,
     Gpu,
     Machine,
     Report,
+    backend_dali_version,
     backend_tensorrt_version,
     run_checks,
 )
@@ -63,6 +65,8 @@ def good_machine(tmp_path: Path) -> Machine:
         shm_total_bytes=16 * GIB,
         plan_error=lambda plan: None,
         backend_tensorrt=PINNED_PACKAGES["tensorrt"].rsplit(".", 1)[0],
+        backend_dali=DALI_BACKEND_VERSION,
+        importable_dali=DALI_BACKEND_VERSION,
     )
 
 
@@ -102,6 +106,31 @@ def test_tensorrt_that_builds_the_plan_differs_from_the_backends(
     machine = dataclasses.replace(good_machine, backend_tensorrt="10.11.0")
     detail, _ = failed(run_checks(machine, TARGETS["gpu"], checkpoint, repository), "packages")
     assert "backend links TensorRT 10.11.0" in detail
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"importable_dali": "2.4.0"}, "nvidia.dali 2.4.0 serializes the pipeline but the dali backend runs DALI 1.51"),
+        ({"importable_dali": None}, "nvidia.dali is not importable"),
+        ({"backend_dali": None}, "no DALI version found in"),
+    ],
+)
+def test_dali_that_serializes_must_be_the_backends(
+    good_machine: Machine, checkpoint: Path, repository: Path, change: dict, needle: str
+) -> None:
+    machine = dataclasses.replace(good_machine, **change)
+    detail, fix = failed(run_checks(machine, TARGETS["gpu"], checkpoint, repository), "dali")
+    assert needle in detail
+    assert ("nvidia-dali-cuda130==" in fix and "requirements/gpu.txt" in fix) or "docker/Dockerfile" in fix
+
+
+def test_backend_dali_version_from_its_bundled_package(tmp_path: Path) -> None:
+    assert backend_dali_version(tmp_path) is None  # no dali backend at all
+    package = tmp_path / "dali" / "wheel" / "dali" / "nvidia" / "dali"  # where the NGC image keeps it
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("import os\n__version__ = '1.51.2'\n__cuda_version__ = 13000\n")
+    assert backend_dali_version(tmp_path) == "1.51.2"
 
 
 def test_backend_tensorrt_version_from_the_library_name(tmp_path: Path) -> None:
