@@ -34,6 +34,7 @@ def prepare(
     kv_store_path: str | None = None,
     role: Role = "all",
     gpus: int | None = None,
+    remote_encoders: str = "",
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
@@ -44,7 +45,8 @@ def prepare(
 
     model_dir = resolve_model(model) if model else build_default_model()
     write_repository(
-        target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus
+        target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus,
+        remote_encoders=remote_encoders,
     )
     return model_dir
 
@@ -71,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "pd = epd, prefill, decode, llm; all (default) = every model, one server")
     parser.add_argument("--node-id", help="this server's node (default: 'local'); servers with the same node id "
                         "and store path share embeddings by reference")
+    parser.add_argument("--remote-encoders", metavar="SPEC", help="pd role: epd's encoder servers, as "
+                        "HOST:PORT,... or dns:NAME:PORT (re-resolved every few seconds) or file:PATH (re-read)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = prepare(
             args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
-            role=args.role, gpus=args.gpus,
+            role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "",
         )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)

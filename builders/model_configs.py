@@ -298,6 +298,7 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
         contract.ENCODER_MODELS_KEY: ",".join(target.cache.encoder_models),
         contract.PREFILL_MODEL_KEY: contract.PREFILL_MODEL,
         contract.DECODE_MODEL_KEY: contract.DECODE_MODEL,
+        contract.REMOTE_ENCODERS_KEY: target.pd.remote_encoders,
     }
     return {"epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, contract.EPD, parameters)}
 

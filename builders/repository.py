@@ -20,6 +20,7 @@ is the command line: ``python -m builders.repository --target cpu --model DIR``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import shutil
@@ -117,14 +118,18 @@ def write_repository(
     kv_store_path: str | Path | None = None,
     role: Role = "all",
     gpus: int | None = None,
+    remote_encoders: str = "",
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
     ``kv_store_path`` its prefill -> decode KV transfer folder (e.g. one per test server).
     ``role`` (``builders/roles.py``): write only that role's models and remove the generated
     files of the others; the encoder artefacts stay, as ``epd`` keys images by their digest.
-    ``gpus``: the gpu target's number of GPUs (``Target.with_gpus``)."""
+    ``gpus``: the gpu target's number of GPUs (``Target.with_gpus``).
+    ``remote_encoders``: epd's remote encoder servers (``python_backends/scaleout/endpoints.py``)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
+    if remote_encoders:
+        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, remote_encoders=remote_encoders))
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)

@@ -74,6 +74,8 @@ class PdServing:
     # still keep the epd transfer (prompt ids, digest, first token) in TransferIdConnector's
     # folder and refuse it at start; until that is carried for NIXL, gpu keeps this default.
     kv_connector: str = "TransferIdConnector"
+    # Scale-out (``--role pd``): epd's remote encoders; "local": the server's own encoder models.
+    remote_encoders: str = contract.LOCAL_ENCODERS
 
 
 # vLLM roles that own an engine, and the encode side (preprocess, vit_encoder, the store).

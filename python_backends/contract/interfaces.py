@@ -158,7 +158,8 @@ EPD = ModelInterface(
         *(_tensor(n.timing_output(stage), "TYPE_FP32", 1) for stage in n.TIMING_STAGES),
         _tensor(n.CACHE_HITS, "TYPE_UINT32", 1),
     ),
-    (*n.LIMITS, *_STORE_USER, *_CONTENT_KEYS, n.ENCODER_MODELS_KEY, n.PREFILL_MODEL_KEY, n.DECODE_MODEL_KEY),
+    (*n.LIMITS, *_STORE_USER, *_CONTENT_KEYS, n.ENCODER_MODELS_KEY, n.PREFILL_MODEL_KEY, n.DECODE_MODEL_KEY,
+     n.REMOTE_ENCODERS_KEY, n.REMOTE_ENCODE_DEADLINE_S),
 )
 # ``preprocess``: the file's bytes, one image per batch row; rows of different requests differ in
 # length, hence ragged (the DALI backend's input convention). Output order is the pipeline's.

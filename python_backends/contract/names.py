@@ -103,6 +103,11 @@ CACHE_SCOPE = "cache_scope"
 # Which node the store lives on (``triton-epd-serve --node-id``): servers with the same node id and
 # store path share one store and pass embeddings by reference; others must copy them over.
 NODE_ID = "node_id"
+# epd on a ``pd`` server: its remote encoders (``HOST:PORT,...``, ``dns:NAME:PORT`` or ``file:PATH``;
+# ``local``: none, the server's own encoder models) and each remote encode call's deadline.
+REMOTE_ENCODERS_KEY = "remote_encoders"
+LOCAL_ENCODERS = "local"
+REMOTE_ENCODE_DEADLINE_S = "remote_encode_deadline_s"
 TENANT_POLICY = "tenant_policy"  # isolated | shared: whether cache entries cross tenants
 STORE_KEYS = (
     STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE, NODE_ID, TENANT_POLICY
