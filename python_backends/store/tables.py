@@ -8,6 +8,7 @@ in ``records.py``. Nothing here knows where an entry's bytes live.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 import uuid
@@ -33,6 +34,9 @@ from python_backends.store.records import (
     encode_counter,
     encode_tick,
 )
+from python_backends.store.recreate import open_or_recreate
+
+log = logging.getLogger(__name__)
 
 
 class Tables:
@@ -92,27 +96,37 @@ class Tables:
 
     def open_identity(self, capacity_bytes: int) -> tuple[str, bytes]:
         """The store id and HMAC secret, made by the first process to open the store; records
-        ``capacity_bytes`` (the last process to open the store sets it for all)."""
+        ``capacity_bytes`` (the last process to open the store sets it for all). A store of another
+        schema version, or one without an identity, is emptied and given a new identity (it is a
+        cache): its old references then answer NOT_FOUND, never match new entries."""
         with self.write() as txn:
             config = self.db["config"]
             schema = txn.get(CONFIG_SCHEMA, db=config)
-            if schema is None:
-                txn.put(CONFIG_SCHEMA, SCHEMA_VERSION, db=config)
-                txn.put(CONFIG_STORE_ID, uuid.uuid4().hex.encode(), db=config)
-                txn.put(CONFIG_SECRET, secrets.token_bytes(32), db=config)
-            elif bytes(schema) != SCHEMA_VERSION:
-                raise EpdError(
-                    f"embedding store at {self._path} has schema {bytes(schema)!r}, this code reads "
-                    f"{SCHEMA_VERSION!r}: remove the directory (it is a cache) or use another path",
-                    ErrorCode.UNAVAILABLE,
-                )
+            has_identity = txn.get(CONFIG_STORE_ID, db=config) is not None and txn.get(CONFIG_SECRET, db=config)
+            if schema is not None and bytes(schema) != SCHEMA_VERSION:
+                self._recreate(txn, f"it has schema {bytes(schema)!r} and this code reads {SCHEMA_VERSION!r}")
+            elif schema is not None and not has_identity:
+                self._recreate(txn, "it has no identity (store id and secret)")
+            elif schema is None:
+                self._new_identity(txn)
             txn.put(CONFIG_CAPACITY, encode_counter(capacity_bytes), db=config)
             store_id, secret = txn.get(CONFIG_STORE_ID, db=config), txn.get(CONFIG_SECRET, db=config)
-            if store_id is None or secret is None:
-                raise EpdError(
-                    f"embedding store at {self._path} has no identity; remove the directory", ErrorCode.INTERNAL
-                )
+            if store_id is None or secret is None:  # just written above, in this transaction
+                raise EpdError(f"embedding store at {self._path} lost its identity", ErrorCode.INTERNAL)
             return bytes(store_id).decode(), bytes(secret)
+
+    def _new_identity(self, txn: lmdb.Transaction) -> None:
+        config = self.db["config"]
+        txn.put(CONFIG_SCHEMA, SCHEMA_VERSION, db=config)
+        txn.put(CONFIG_STORE_ID, uuid.uuid4().hex.encode(), db=config)
+        txn.put(CONFIG_SECRET, secrets.token_bytes(32), db=config)
+
+    def _recreate(self, txn: lmdb.Transaction, reason: str) -> None:
+        """Empty every table and make a new identity, in the caller's transaction (one writer)."""
+        for db in self.db.values():
+            txn.drop(db, delete=False)
+        self._new_identity(txn)
+        log.warning("embedding store at %s: %s; recreated it empty (it is a cache)", self._path, reason)
 
     def capacity(self, txn: lmdb.Transaction) -> int:
         return decode_counter(txn.get(CONFIG_CAPACITY, db=self.db["config"]))
@@ -190,19 +204,10 @@ class Tables:
 
 
 def open_environment(config: StoreConfig) -> lmdb.Environment:
+    """The store's LMDB environment; unreadable files are set aside and recreated (``recreate.py``)."""
     os.makedirs(config.path, mode=0o700, exist_ok=True)
     try:
-        return lmdb.open(
-            config.path,
-            map_size=config.effective_map_size(),
-            max_dbs=len(DATABASE_NAMES),
-            max_readers=config.max_readers,
-            # A cache in shared memory: a process crash loses nothing (the pages live in the
-            # kernel), a machine crash loses /dev/shm anyway, so no fsync.
-            sync=False,
-            metasync=False,
-            readahead=False,
-        )
+        return open_or_recreate(config.path, lambda: _open_lmdb(config))
     except lmdb.Error as exc:
         if "already open" in str(exc):
             raise EpdError(
@@ -210,3 +215,17 @@ def open_environment(config: StoreConfig) -> lmdb.Environment:
                 ErrorCode.INTERNAL,
             ) from None
         raise EpdError(f"cannot open the embedding store at {config.path}: {exc}", ErrorCode.UNAVAILABLE) from None
+
+
+def _open_lmdb(config: StoreConfig) -> lmdb.Environment:
+    return lmdb.open(
+        config.path,
+        map_size=config.effective_map_size(),
+        max_dbs=len(DATABASE_NAMES),
+        max_readers=config.max_readers,
+        # A cache in shared memory: a process crash loses nothing (the pages live in the
+        # kernel), a machine crash loses /dev/shm anyway, so no fsync.
+        sync=False,
+        metasync=False,
+        readahead=False,
+    )

@@ -12,6 +12,7 @@ family.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -111,8 +112,27 @@ class CacheMetrics:
         for name, gauge in self._gauges.items():
             gauge.set(snapshot[name])
 
-    async def refresh_every(self, period_s: float) -> None:
-        """Keep the gauges current between requests (other processes change the store too)."""
+    async def refresh_every(self, period_s: float, reap_every_s: float = 5.0) -> None:
+        """Keep the gauges current between requests (other processes change the store too), and
+        (the node's one custodian) return what crashed processes left in the store every
+        ``reap_every_s``: their leases, single-flight claims and reader slots. Without it a
+        killed encoder's or stage's leases would pin their entries until the store filled up."""
+        reaped_at = float("-inf")
         while True:
+            if self._gauges and time.monotonic() - reaped_at >= reap_every_s:
+                reaped_at = time.monotonic()
+                self.reap()
             self.refresh()
             await asyncio.sleep(period_s)
+
+    def reap(self) -> None:
+        try:
+            report = self._store.reap_dead_processes()
+        except Exception as exc:  # the store's own errors are coded; a failed round is retried later
+            pb_utils.Logger.log_warn(f"embedding store: reaping dead processes failed: {exc!r}")
+            return
+        if report.leases or report.claims or report.readers:
+            pb_utils.Logger.log_warn(
+                f"embedding store: released {report.leases} leases, {report.claims} claims and "
+                f"{report.readers} reader slots of processes that died"
+            )
