@@ -12,6 +12,7 @@ from pathlib import Path
 from python_backends import contract
 from python_backends.epd_pipeline import EpdPipeline, pinned_encoder
 from python_backends.generate_request import check_image_headers, parse_generate_request, request_limits
+from python_backends.scaleout.remote import with_remote_encoders
 from python_backends.store import EmbeddingStore, KeyConfig
 from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsStages
@@ -33,13 +34,17 @@ class TritonPythonModel(DecoupledModel):
         )
         encoders = params.string(contract.ENCODER_MODELS_KEY).split(",")
         policy = params.cache_policy()
+        # --role pd --remote-encoders: encodes go to encoder servers over gRPC.
+        stages, self.remote = with_remote_encoders(params, self.store, keys, self.engine)
         self.pipeline = EpdPipeline(
-            self.store, self.engine, keys, encoders, node_cache=policy.scope == "node", tenant_policy=policy.tenants
+            self.store, stages, keys, encoders, node_cache=policy.scope == "node", tenant_policy=policy.tenants
         )
         hits = "Images served from the embedding store without encoding"
         self.cache_hits = self.metrics.counter("epd_cache_hits", hits)
         self.cache_metrics = CacheMetrics(self.metrics, self.store, node_gauges=True)
         self.loop.submit(self.cache_metrics.refresh_every(1.0))
+        if self.remote is not None:
+            self.loop.submit(self.remote.run(self.metrics))
 
     def parse(self, inputs, request):
         parsed = parse_generate_request(inputs, self.limits)

@@ -1,0 +1,123 @@
+"""Where a ``pd`` server's encoders are: ``HOST:PORT,...``, ``dns:NAME:PORT`` or ``file:PATH``.
+
+Who calls what: ``RemoteEncoders`` (``scaleout/remote.py``) asks :meth:`EndpointSource.current`
+every few seconds and gives the answer to the router. A DNS name is resolved each time (a
+Kubernetes headless Service answers one A record per ready pod), a file is read each time (one
+address per line or comma-separated, ``#`` comments), so encoders join and leave without a
+restart. A lookup that fails answers no encoders (logged), never an exception: the server keeps
+serving, and requests get one clear UNAVAILABLE error until encoders are back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class EndpointSpecError(ValueError):
+    """The endpoint list cannot be read as written; the message says the accepted forms."""
+
+
+def parse_address(text: str) -> str:
+    """``HOST:PORT`` checked (port 1-65535) and normalised."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EndpointSpecError(f"encoder address {text.strip()!r} is not HOST:PORT with a port 1-65535")
+    return f"{host}:{int(port)}"
+
+
+def parse_addresses(text: str) -> list[str]:
+    """Addresses separated by commas or lines, ``#`` comments and blanks ignored, in order, once."""
+    items = [item for line in text.splitlines() for item in line.split("#", 1)[0].split(",")]
+    return list(dict.fromkeys(parse_address(item) for item in items if item.strip()))
+
+
+class EndpointSource(Protocol):
+    @property
+    def description(self) -> str: ...
+
+    async def current(self) -> list[str]:
+        """The encoder addresses now (``HOST:PORT``)."""
+        ...
+
+
+@dataclass
+class StaticEndpoints:
+    addresses: list[str]
+
+    @property
+    def description(self) -> str:
+        return ",".join(self.addresses)
+
+    async def current(self) -> list[str]:
+        return list(self.addresses)
+
+
+Resolver = Callable[..., Awaitable[list[tuple[Any, ...]]]]
+
+
+@dataclass
+class DnsEndpoints:
+    name: str
+    port: int
+    resolve: Resolver | None = None  # default: the event loop's getaddrinfo
+
+    @property
+    def description(self) -> str:
+        return f"dns:{self.name}:{self.port}"
+
+    async def current(self) -> list[str]:
+        resolve = self.resolve or asyncio.get_running_loop().getaddrinfo
+        try:
+            answers = await resolve(self.name, self.port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
+            log.warning("encoders: %s resolves to nothing (%s)", self.description, exc)
+            return []
+        hosts = sorted({str(sockaddr[0]) for *_, sockaddr in answers})
+        return [f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}" for host in hosts]
+
+
+@dataclass
+class FileEndpoints:
+    path: Path
+
+    @property
+    def description(self) -> str:
+        return f"file:{self.path}"
+
+    async def current(self) -> list[str]:
+        try:
+            text = self.path.read_text()
+        except OSError as exc:
+            log.warning("encoders: cannot read %s (%s)", self.path, exc)
+            return []
+        try:
+            return parse_addresses(text)
+        except EndpointSpecError as exc:
+            log.warning("encoders: %s: %s", self.path, exc)
+            return []
+
+
+def endpoint_source(spec: str) -> EndpointSource:
+    """The source a ``--remote-encoders`` value names; a malformed one fails at load."""
+    spec = spec.strip()
+    if spec.startswith("dns:"):
+        name, sep, port = spec[4:].rpartition(":")
+        if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise EndpointSpecError(f"{spec!r}: write dns:NAME:PORT (e.g. dns:triton-epd-encoder:8001)")
+        return DnsEndpoints(name, int(port))
+    if spec.startswith("file:"):
+        if not spec[5:]:
+            raise EndpointSpecError(f"{spec!r}: write file:PATH (one HOST:PORT per line)")
+        return FileEndpoints(Path(spec[5:]))
+    addresses = parse_addresses(spec)
+    if not addresses:
+        raise EndpointSpecError("no encoder addresses: write HOST:PORT,..., dns:NAME:PORT or file:PATH")
+    return StaticEndpoints(addresses)

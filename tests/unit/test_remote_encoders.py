@@ -1,0 +1,340 @@
+"""Remote encoders for a ``pd`` server (issue 13, items 2, 3, 5): endpoint sources, admission
+(probe key check), the cross-node fetch into the local store (once per image), the shared-store
+path by reference, failover and the breaker, and bad topology input -- against scripted gRPC
+clients and a real embedding store; unreachable addresses and DNS names with the real ones.
+The same paths against real servers: tests/server/test_scaleout.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from python_backends import contract
+from python_backends.cached_encoder import CachedEncoder, EncodedImage
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.scaleout.endpoints import (
+    DnsEndpoints,
+    EndpointSpecError,
+    FileEndpoints,
+    StaticEndpoints,
+    endpoint_source,
+)
+from python_backends.scaleout.remote import PROBE_IMAGE, RemoteEncoders, checked_embedding
+from python_backends.scaleout.routing import BreakerState
+from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig
+
+KEYS = KeyConfig({"merge_size": 2, "min_pixels": 3136}, "encoder-v1")
+OTHER_KEYS = KeyConfig({"merge_size": 2, "min_pixels": 1000}, "encoder-v1")
+HIDDEN = 8
+
+
+class RpcError(Exception):
+    def __init__(self, status: str) -> None:
+        super().__init__(f"[{status}] scripted")
+        self._status = status
+
+    def status(self) -> str:
+        return f"StatusCode.{self._status}"
+
+
+class Result:
+    def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+        self.outputs = outputs
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.outputs.get(name)
+
+    def get_response(self) -> Any:
+        return type("Response", (), {"outputs": list(self.outputs)})()
+
+
+def embedding_of(image: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """What an encoder answers for ``image``: a 4x4 patch grid (4 tokens), values from its bytes."""
+    seed = sum(image) % 1000
+    return np.full((1, 4, HIDDEN), seed, np.float32), np.array([[1, 4, 4]], np.int64)
+
+
+class FakeEncoderServer:
+    """One encoder server as the tritonclient asyncio client sees it."""
+
+    def __init__(
+        self, keys: KeyConfig = KEYS, params: dict[str, str] | None = None, shared: EmbeddingStore | None = None
+    ) -> None:
+        self.keys, self.params, self.shared = keys, params or {}, shared
+        self.ready, self.fail_with, self.model_missing = True, "", False
+        self.encode_calls: list[bytes] = []
+        self.answer = embedding_of
+
+    def client(self, address: str) -> FakeClient:
+        return FakeClient(self)
+
+
+class FakeClient:
+    def __init__(self, server: FakeEncoderServer) -> None:
+        self.server = server
+
+    async def is_server_ready(self, client_timeout: float) -> bool:
+        if self.server.fail_with:
+            raise RpcError(self.server.fail_with)
+        return self.server.ready
+
+    async def get_model_config(self, model: str, as_json: bool, client_timeout: float) -> dict[str, Any]:
+        if self.server.model_missing:
+            raise RpcError("NOT_FOUND")
+        return {"config": {"parameters": {k: {"string_value": v} for k, v in self.server.params.items()}}}
+
+    def stream_infer(self, requests: Any, stream_timeout: float) -> Any:
+        server = self.server
+
+        class Responses:
+            def cancel(self) -> None:
+                pass
+
+            async def __aiter__(self):
+                async for request in requests:
+                    if server.fail_with:
+                        raise RpcError(server.fail_with)
+                    image = request["inputs"][0]._raw_image
+                    outputs = {contract.MM_HASH: np.array([server.keys.key(image).encode()], np.object_)}
+                    if server.shared is not None and image != PROBE_IMAGE:  # encoder_0 on the shared store
+                        owner = int(request["inputs"][1]._raw_owner)
+                        answer = await CachedEncoder(server.shared, server.keys, server.encode).reference(image, owner)
+                        outputs[contract.REFERENCES] = np.array([answer.reference.to_bytes()], np.object_)
+                        outputs[contract.CACHE_HIT] = np.array([answer.cache_hit])
+                    yield Result(outputs), None
+
+        return Responses()
+
+    async def infer(self, model: str, inputs: list[Any], client_timeout: float) -> Result:
+        assert model == contract.ENCODE_MODEL
+        if self.server.fail_with:
+            raise RpcError(self.server.fail_with)
+        image = inputs[0]._raw_image
+        self.server.encode_calls.append(image)
+        embeds, grid = self.server.answer(image)
+        return Result({contract.IMAGE_EMBEDS: embeds, contract.IMAGE_GRID_THW: grid})
+
+    async def close(self) -> None:
+        pass
+
+
+async def _shared_encode(self: FakeEncoderServer, image: bytes) -> EncodedImage:
+    self.encode_calls.append(image)
+    embeds, grid = self.answer(image)
+    return EncodedImage(embeds[0], tuple(int(v) for v in grid[0]))  # type: ignore[arg-type]
+
+
+FakeEncoderServer.encode = _shared_encode  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def raw_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the raw bytes on the tritonclient inputs the client builds (the fakes read them)."""
+    from python_backends.scaleout import remote
+
+    def image_bytes(image: bytes) -> Any:
+        return type("Input", (), {"_raw_image": image})()
+
+    def lease(owner: int) -> Any:
+        return type("Input", (), {"_raw_owner": owner})()
+
+    monkeypatch.setattr(remote, "_image_input_bytes", image_bytes)
+    monkeypatch.setattr(remote, "_image_input", image_bytes)
+    monkeypatch.setattr(remote, "_lease_input", lease)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    opened = EmbeddingStore(StoreConfig(path=str(tmp_path / "pd-store"), capacity_bytes=1 << 24, merge_size=2))
+    opened.path = str(tmp_path / "pd-store")  # what a server's config names
+    yield opened
+    opened.close()
+
+
+def remote_for(store: EmbeddingStore, servers: dict[str, FakeEncoderServer], **kwargs: Any) -> RemoteEncoders:
+    return RemoteEncoders(
+        StaticEndpoints(list(servers)), store, KEYS, node_id="node-a", store_path=store.path, merge_size=2,
+        connect=lambda address: servers[address].client(address), **kwargs,
+    )  # fmt: skip
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+# --------------------------------------------------------------------------- endpoint sources
+
+
+def test_endpoint_specs() -> None:
+    assert run(endpoint_source("a:8001, b:8001,a:8001").current()) == ["a:8001", "b:8001"]
+    assert endpoint_source("dns:triton-epd-encoder:8001") == DnsEndpoints("triton-epd-encoder", 8001)
+    assert endpoint_source("file:/etc/encoders") == FileEndpoints(Path("/etc/encoders"))
+    for bad in ("a", "a:0", "a:x", "dns:name", "dns::8001", "file:", " , "):
+        with pytest.raises(EndpointSpecError):
+            endpoint_source(bad)
+
+
+def test_dns_answers_one_address_per_record_and_nothing_on_failure() -> None:
+    async def records(name: str, port: int, type: int) -> list[tuple[Any, ...]]:
+        return [(socket.AF_INET, type, 6, "", (ip, port)) for ip in ("10.0.0.2", "10.0.0.1", "10.0.0.2")]
+
+    async def nxdomain(name: str, port: int, type: int) -> list[tuple[Any, ...]]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    assert run(DnsEndpoints("enc", 8001, records).current()) == ["10.0.0.1:8001", "10.0.0.2:8001"]
+    assert run(DnsEndpoints("enc", 8001, nxdomain).current()) == []
+
+
+def test_file_is_re_read(tmp_path: Path) -> None:
+    path = tmp_path / "encoders"
+    source = FileEndpoints(path)
+    assert run(source.current()) == []  # missing: none (logged), not an exception
+    path.write_text("# encoders\n10.0.0.1:8001\n10.0.0.2:8001, 10.0.0.3:8001\n")
+    assert run(source.current()) == ["10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"]
+    path.write_text("10.0.0.3:8001\n")
+    assert run(source.current()) == ["10.0.0.3:8001"]
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_admission_refuses_another_key_config_and_a_server_without_encoders(store: EmbeddingStore) -> None:
+    servers = {"good:1": FakeEncoderServer(), "other:1": FakeEncoderServer(OTHER_KEYS), "pd:1": FakeEncoderServer()}
+    servers["pd:1"].model_missing = True
+    servers["down:1"] = FakeEncoderServer()
+    servers["down:1"].ready = False
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    assert list(remote.router.encoders) == ["good:1"]
+    assert remote.stats.refused == {"other:1": 1, "pd:1": 1}  # down:1 is tried again, not refused
+    servers["down:1"].ready = True
+    run(remote.refresh())
+    assert list(remote.router.encoders) == ["good:1", "down:1"]
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def test_another_nodes_embedding_crosses_once_and_is_then_a_local_hit(store: EmbeddingStore) -> None:
+    servers = {"b:1": FakeEncoderServer(params={contract.NODE_ID: "node-b", contract.STORE_PATH: "/elsewhere"})}
+    remote = remote_for(store, servers)
+    image = b"image one"
+
+    async def twice() -> list[tuple[bytes, bool]]:
+        await remote.refresh()
+        return [await remote.encode_reference(image, 4242), await remote.encode_reference(image, 4242)]
+
+    (first, hit_first), (second, hit_second) = run(twice())
+    assert servers["b:1"].encode_calls == [image]  # one fetch for two requests
+    embeds, grid = embedding_of(image)
+    assert remote.stats.cross_node_bytes == embeds.nbytes + grid.nbytes
+    assert (hit_first, hit_second) == (False, True) and remote.stats.local_hits == 1
+    ref = store.parse_reference(first)
+    np.testing.assert_array_equal(store.resolve(ref), embeds[0])  # verified and stored here, by reference
+    assert ref.grid_thw == (1, 4, 4)
+    for wire in (first, second):
+        store.release(store.parse_reference(wire))
+
+
+def test_an_encoder_sharing_the_store_answers_a_reference(store: EmbeddingStore) -> None:
+    shared = FakeEncoderServer(params={contract.NODE_ID: "node-a", contract.STORE_PATH: store.path}, shared=store)
+    remote = remote_for(store, {"a:1": shared})
+
+    async def once() -> tuple[bytes, bool]:
+        await remote.refresh()
+        return await remote.encode_reference(b"image two", 99)
+
+    wire, hit = run(once())
+    assert remote.servers["a:1"].shares_store and not hit
+    assert remote.stats.cross_node_bytes == 0  # nothing crossed: the encoder wrote our store
+    assert store.resolve(store.parse_reference(wire)).shape == (4, HIDDEN)
+
+
+def test_failover_retries_on_another_encoder_and_the_breaker_opens(store: EmbeddingStore) -> None:
+    servers = {f"e{i}:1": FakeEncoderServer(params={contract.NODE_ID: "n"}) for i in range(2)}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    images = [f"image {i}".encode() for i in range(12)]
+    dead = remote.router.home(KEYS.key(images[0]))
+    alive = next(a for a in servers if a != dead)
+    servers[dead].fail_with = "UNAVAILABLE"  # SIGKILLed: every call fails at once
+
+    async def all_images() -> list[tuple[bytes, bool]]:
+        return [await remote.encode_reference(image, 7) for image in images]
+
+    answers = run(all_images())
+    assert len(answers) == len(images) and len(servers[alive].encode_calls) == len(images)
+    assert remote.stats.of(dead).failures == 3  # then its breaker opened: no more calls to it
+    assert remote.stats.of(alive).retries == 3
+    assert remote.router.encoders[dead].breaker.state == BreakerState.OPEN
+
+
+def test_a_bad_answer_is_not_stored_and_goes_elsewhere(store: EmbeddingStore) -> None:
+    servers = {f"e{i}:1": FakeEncoderServer(params={contract.NODE_ID: "n"}) for i in range(2)}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    image = b"image three"
+    home = remote.router.home(KEYS.key(image))
+    servers[home].answer = lambda image: (np.zeros((1, 3, HIDDEN), np.float32), np.array([[1, 4, 4]]))
+    run(remote.encode_reference(image, 7))
+    assert remote.stats.of(home).failures == 1 and remote.stats.cross_node_bytes > 0
+
+
+def test_a_bad_image_is_the_clients_error_not_the_encoders(store: EmbeddingStore) -> None:
+    servers = {"e:1": FakeEncoderServer(params={contract.NODE_ID: "n"})}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    servers["e:1"].fail_with = "INVALID_ARGUMENT"
+    with pytest.raises(EpdError) as error:
+        run(remote.encode_reference(b"not an image", 7))
+    assert error.value.code == ErrorCode.INVALID_ARG
+    assert remote.stats.of("e:1").failures == 0 and remote.router.encoders["e:1"].breaker.failures_in_a_row == 0
+
+
+def test_checked_embedding_refuses_what_does_not_fit() -> None:
+    grid = np.array([[1, 4, 4]], np.int64)
+    assert checked_embedding(np.zeros((1, 4, 2), np.float32), grid, 2).grid_thw == (1, 4, 4)
+    for embeds, bad_grid in (
+        (np.zeros((1, 4, 2), np.float64), grid),
+        (np.zeros((1, 5, 2), np.float32), grid),
+        (np.zeros((4, 2), np.float32), grid),
+        (np.full((1, 4, 2), np.nan, np.float32), grid),
+        (np.zeros((1, 4, 2), np.float32), np.array([[1, 0, 4]])),
+    ):
+        with pytest.raises(ValueError):
+            checked_embedding(embeds, bad_grid, 2)
+
+
+# --------------------------------------------------------------------------- bad topology, real clients
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("spec", ["unreachable", "dns:no-such-encoder.invalid:8001"])
+def test_unreachable_or_unresolvable_encoders_give_one_clear_unavailable_error(
+    spec: str, store: EmbeddingStore
+) -> None:
+    if spec == "unreachable":
+        spec = f"127.0.0.1:{_closed_port()}"
+    remote = RemoteEncoders(endpoint_source(spec), store, KEYS, node_id="n", store_path="x", merge_size=2)
+
+    async def request() -> None:
+        try:
+            await remote.refresh()
+            await remote.encode_reference(b"image", 7)
+        finally:
+            await remote.close()
+
+    with pytest.raises(EpdError) as error:
+        run(request())
+    assert error.value.code == ErrorCode.UNAVAILABLE
+    assert "no encoder endpoints configured or resolved" in error.value.message
