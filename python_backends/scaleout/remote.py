@@ -25,6 +25,7 @@ image: one with another checkpoint or preprocessing config is refused (log line 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import struct
 import time
@@ -107,8 +108,16 @@ def _connect(address: str) -> Any:
 
 
 def _status(exc: BaseException) -> str:
-    status = getattr(exc, "status", None)
-    return str(status() if callable(status) else "").removeprefix("StatusCode.")
+    """The gRPC status name of a failed call ("" when it carries none)."""
+    if isinstance(exc, EpdError):
+        names = {ErrorCode.INVALID_ARG: "INVALID_ARGUMENT", ErrorCode.NOT_FOUND: "NOT_FOUND"}
+        return names.get(exc.code, exc.code.value)
+    code = getattr(exc, "code", None)  # grpc.aio.AioRpcError from a stream
+    if callable(code):
+        return str(getattr(code(), "name", ""))
+    status = getattr(exc, "status", None)  # tritonclient's InferenceServerException
+    value = status() if callable(status) else None
+    return "" if value is None else str(value).removeprefix("StatusCode.")
 
 
 def _image_input(image: bytes) -> Any:
@@ -132,6 +141,9 @@ async def _stream_one(client: Any, model: str, inputs: list[Any], parameters: Ma
         async for result, error in responses:
             if error is not None:
                 raise error
+            if result is not None and (errors := result.as_numpy(contract.ERROR)) is not None:
+                fields = json.loads(bytes(errors.reshape(-1)[0]))  # errors_as_outputs: the code survives
+                raise EpdError(f"{model}: {fields['message']}", ErrorCode(fields["code"]))
             if result is not None and result.get_response().outputs:
                 return result
         raise ConnectionError(f"{model}: the stream ended without an answer")
@@ -296,7 +308,7 @@ class RemoteEncoders:
     ) -> tuple[bytes, bool]:
         parameters = None if tenant is None else {contract.TENANT: tenant}
         if server.shares_store:
-            inputs = [_image_input_bytes(image), _lease_input(lease_owner)]
+            inputs = [_image_input_bytes(image), _lease_input(lease_owner), _errors_as_outputs()]
             try:
                 result = await _stream_one(server.client, ENCODER_MODEL, inputs, parameters, timeout_s)
             except Exception as exc:
@@ -364,6 +376,14 @@ def _image_input_bytes(image: bytes) -> Any:
     data = np.array([image], dtype=np.object_)
     tensor = InferInput(contract.IMAGE, [1], "BYTES")
     tensor.set_data_from_numpy(data)
+    return tensor
+
+
+def _errors_as_outputs() -> Any:
+    from tritonclient.grpc import InferInput
+
+    tensor = InferInput(contract.ERRORS_AS_OUTPUTS, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([True]))
     return tensor
 
 

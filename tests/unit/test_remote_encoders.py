@@ -66,7 +66,7 @@ class FakeEncoderServer:
         self, keys: KeyConfig = KEYS, params: dict[str, str] | None = None, shared: EmbeddingStore | None = None
     ) -> None:
         self.keys, self.params, self.shared = keys, params or {}, shared
-        self.ready, self.fail_with, self.model_missing = True, "", False
+        self.ready, self.fail_with, self.model_missing, self.error_output = True, "", False, ""
         self.encode_calls: list[bytes] = []
         self.answer = embedding_of
 
@@ -99,6 +99,9 @@ class FakeClient:
                 async for request in requests:
                     if server.fail_with:
                         raise RpcError(server.fail_with)
+                    if server.error_output:  # as the encoder model answers with errors_as_outputs
+                        yield Result({contract.ERROR: np.array([server.error_output.encode()], np.object_)}), None
+                        return
                     image = request["inputs"][0]._raw_image
                     outputs = {contract.MM_HASH: np.array([server.keys.key(image).encode()], np.object_)}
                     if server.shared is not None and image != PROBE_IMAGE:  # encoder_0 on the shared store
@@ -294,6 +297,24 @@ def test_a_bad_image_is_the_clients_error_not_the_encoders(store: EmbeddingStore
         run(remote.encode_reference(b"not an image", 7))
     assert error.value.code == ErrorCode.INVALID_ARG
     assert remote.stats.of("e:1").failures == 0 and remote.router.encoders["e:1"].breaker.failures_in_a_row == 0
+
+
+def test_an_encoder_model_error_keeps_its_code(store: EmbeddingStore) -> None:
+    params = {contract.NODE_ID: "node-a", contract.STORE_PATH: store.path}
+    servers = {f"a{i}:1": FakeEncoderServer(params=params, shared=store) for i in range(2)}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    for server in servers.values():
+        server.error_output = '{"code": "INVALID_ARG", "message": "image[0] could not be decoded"}'
+    with pytest.raises(EpdError) as error:
+        run(remote.encode_reference(b"corrupt image", 7))
+    assert error.value.code == ErrorCode.INVALID_ARG and "could not be decoded" in error.value.message
+    assert sum(remote.stats.of(a).requests for a in servers) == 1  # not retried elsewhere
+    for server in servers.values():
+        server.error_output = '{"code": "INTERNAL", "message": "encode failed: RuntimeError"}'
+    with pytest.raises(EpdError) as error:  # an encoder fault: tried on each, then UNAVAILABLE
+        run(remote.encode_reference(b"another image", 7))
+    assert error.value.code == ErrorCode.UNAVAILABLE and "INTERNAL" in error.value.message
 
 
 def test_checked_embedding_refuses_what_does_not_fit() -> None:
