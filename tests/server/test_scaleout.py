@@ -16,9 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import secrets
+import signal
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,13 +33,20 @@ from builders.launcher import prepare
 from builders.repository import TARGETS
 from builders.roles import load_model_args
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from client.epd_client import chat_prompt
 from python_backends.scaleout.endpoints import StaticEndpoints
 from python_backends.scaleout.remote import RemoteEncoders
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig
+from tests.images import synthetic_image, with_note
 from tests.server.conftest import LOG_DIR, TEST_EXIT_TIMEOUT_S, copy_model_code, serving
-from tests.server.test_epd_acceptance import EQUALITY_CASES, _case_images, metric, tokens_of
+from tests.server.test_epd_acceptance import EQUALITY_CASES, _case_images, metric, stream_generate, tokens_of
 
-pytestmark = pytest.mark.server
+pytestmark = [
+    pytest.mark.timeout(2400),  # three servers start one after another on a shared 2-core machine
+    pytest.mark.server,
+    # Three dedicated servers (one with three vLLM engines) do not fit CI's time budget.
+    pytest.mark.skipif(not os.environ.get("TRITON_EPD_SCALEOUT_TESTS"), reason="run with `make test-scaleout`"),
+]
 
 SLOTS_DIR = REPO_ROOT / "build" / "test-slots"
 
@@ -86,8 +100,6 @@ def test_each_role_server_serves_only_its_models(topology: Topology) -> None:
 
 
 def test_epd_over_remote_encoders_equals_llm_and_encodes_each_image_once(topology: Topology) -> None:
-    import secrets
-
     note = f"scaleout {secrets.token_hex(8)}".encode()
     pd = topology.pd
     encodes_before = _encodes(topology)
@@ -149,3 +161,55 @@ def test_an_encoder_with_another_preprocessing_config_is_refused(topology: Topol
         assert remote.stats.refused == {address: 1}
     finally:
         store.close()
+
+
+def test_an_encoder_killed_under_load_fails_over_and_rejoins(topology: Topology) -> None:
+    """64 requests of distinct images at c=8; encoder B (another node) SIGKILLed once 16 have
+    finished: every request answers llm's tokens, B's in-flight encodes are retried on A, and B
+    restarted on the same address is taken back (its encode counter rises again)."""
+    pd, b = topology.pd, topology.encoder_b
+    note = f"failover {secrets.token_hex(8)}".encode()
+    prompt, sampling = chat_prompt("What is this?", 1), {"max_tokens": 4, "temperature": 0.0}
+    images = [with_note(synthetic_image(96 + 4 * (i % 8), 96, 500 + i, "PNG"), note) for i in range(64)]
+    expected = [tokens_of(pd, "llm", prompt, [image], sampling).result.token_ids for image in images]
+    b_address = f"127.0.0.1:{b.options.ports.grpc}"
+    finished, lock = [0], threading.Lock()
+
+    def request(image: bytes) -> Any:
+        answer = stream_generate(pd.grpc_url, "epd", prompt, [image], sampling)
+        with lock:
+            finished[0] += 1
+            if finished[0] == 16:
+                os.killpg(b.group.pid, signal.SIGKILL)  # tritonserver and its python stubs
+        return answer
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(request, images))
+    errors = [a.error for a in answers if a.error is not None]
+    assert not errors, errors
+    wrong = [i for i, (a, want) in enumerate(zip(answers, expected, strict=True)) if a.result.token_ids != want]
+    assert not wrong, f"requests {wrong} differ from llm"
+    assert metric(pd, "epd_remote_encoder_failures", endpoint=b_address) >= 1
+    assert metric(pd, "epd_remote_encoder_retries") >= 1
+    state_after_kill = metric(pd, "epd_remote_encoder_breaker_state", endpoint=b_address)
+
+    b.group.log_path = LOG_DIR / "scaleout-encoder-b-restarted.log"
+    b.start()
+    b.wait_ready(timeout_s=600)
+    before = _encoded_on(b)
+    rejoined = [with_note(synthetic_image(120, 96, 900 + i, "PNG"), note) for i in range(16)]
+    deadline = time.monotonic() + 120
+    for image in rejoined:  # about half of them have B as their home once it is back
+        answer = stream_generate(pd.grpc_url, "epd", prompt, [image], sampling)
+        assert answer.error is None, answer.error
+        if time.monotonic() > deadline or _encoded_on(b) > before:
+            break
+        time.sleep(1.0)
+    assert _encoded_on(b) > before, f"B did not rejoin (breaker state after the kill: {state_after_kill})"
+
+
+def _encoded_on(server: TritonServer) -> float:
+    try:
+        return metric(server, "nv_inference_request_success", model="encode")
+    except AssertionError:  # not exported before its first request
+        return 0.0
