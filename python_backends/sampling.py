@@ -7,6 +7,7 @@ is an INVALID_ARG that names the field, so a typo never silently falls back to d
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # JSON's NaN and Infinity parse to floats; no sampling parameter means anything by them.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_str_list(value: Any) -> bool:
@@ -37,14 +39,15 @@ def _is_int_list(value: Any) -> bool:
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], bool] | None, str]] = {
     "max_tokens": (_is_int, "integer", lambda v: v >= 1, ">= 1"),
     "min_tokens": (_is_int, "integer", lambda v: v >= 0, ">= 0"),
-    "temperature": (_is_number, "number", lambda v: v >= 0, ">= 0"),
-    "top_p": (_is_number, "number", lambda v: 0 < v <= 1, "in (0, 1]"),
+    "temperature": (_is_number, "finite number", lambda v: v >= 0, ">= 0"),
+    "top_p": (_is_number, "finite number", lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (_is_int, "integer", lambda v: v == -1 or v >= 0, "-1, 0 or >= 1"),
-    "min_p": (_is_number, "number", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "seed": (_is_int, "integer", None, ""),
-    "presence_penalty": (_is_number, "number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "frequency_penalty": (_is_number, "number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (_is_number, "number", lambda v: v > 0, "> 0"),
+    "min_p": (_is_number, "finite number", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    # vLLM's own server bounds the seed to a 64-bit signed integer (torch's generators take no more).
+    "seed": (_is_int, "integer", lambda v: -(2**63) <= v < 2**63, "a 64-bit signed integer"),
+    "presence_penalty": (_is_number, "finite number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (_is_number, "finite number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (_is_number, "finite number", lambda v: v > 0, "> 0"),
     "stop": (_is_str_list, "string or list of strings", None, ""),
     "stop_token_ids": (_is_int_list, "list of integers", None, ""),
     "ignore_eos": (lambda v: isinstance(v, bool), "boolean", None, ""),

@@ -203,9 +203,26 @@ class Tables:
             txn.put(gauge.encode(), encode_counter(0), db=self.db["counters"])
 
 
+# Only the store's owner may read it: embeddings of every tenant and the reference secret live here.
+STORE_DIR_MODE = 0o700
+STORE_FILE_MODE = 0o600
+
+
+def _owner_only(path: str, mode: int) -> None:
+    """Tighten ``path`` to ``mode`` when this user owns it (another user's store is left alone:
+    opening it then fails on its own permissions)."""
+    info = os.stat(path)
+    if info.st_uid == os.geteuid() and info.st_mode & 0o777 != mode:
+        os.chmod(path, mode)
+
+
 def open_environment(config: StoreConfig) -> lmdb.Environment:
     """The store's LMDB environment; unreadable files are set aside and recreated (``recreate.py``)."""
-    os.makedirs(config.path, mode=0o700, exist_ok=True)
+    os.makedirs(config.path, mode=STORE_DIR_MODE, exist_ok=True)
+    _owner_only(config.path, STORE_DIR_MODE)
+    for name in ("data.mdb", "lock.mdb"):  # made by an older version with LMDB's default 0644
+        if os.path.exists(os.path.join(config.path, name)):
+            _owner_only(os.path.join(config.path, name), STORE_FILE_MODE)
     try:
         return open_or_recreate(config.path, lambda: _open_lmdb(config))
     except lmdb.Error as exc:
@@ -220,6 +237,7 @@ def open_environment(config: StoreConfig) -> lmdb.Environment:
 def _open_lmdb(config: StoreConfig) -> lmdb.Environment:
     return lmdb.open(
         config.path,
+        mode=STORE_FILE_MODE,
         map_size=config.effective_map_size(),
         max_dbs=len(DATABASE_NAMES),
         max_readers=config.max_readers,
