@@ -204,15 +204,19 @@ class GrpcClient:
         finally:
             self._client.stop_stream()
 
-    def warm_up(self, images: Sequence[bytes], encoder: str = "encoder_0", timeout_s: float = 600.0) -> list[str]:
+    def warm_up(
+        self, images: Sequence[bytes], encoder: str = "encoder_0", timeout_s: float = 600.0, tenant: str | None = None
+    ) -> list[str]:
         """Pre-encode ``images`` into the server's embedding cache through an encoder model;
         returns each image's ``mm_hash``, to send later as ``b"mm_hash:" + hash`` instead of
-        the bytes (``epd`` answers NOT_FOUND once an entry is evicted: send the bytes then)."""
+        the bytes (``epd`` answers NOT_FOUND once an entry is evicted: send the bytes then).
+        ``tenant``: pre-encode for that tenant; its requests must name the same tenant."""
         image = self._module.InferInput("image", [len(images)], "BYTES")
         image.set_data_from_numpy(np.array(list(images), dtype=np.object_))
         responses = self._start_stream()
         try:
-            self._client.async_stream_infer(encoder, [image])
+            parameters = None if tenant is None else {"tenant": tenant}
+            self._client.async_stream_infer(encoder, [image], parameters=parameters)
             try:
                 response, error = responses.get(timeout=timeout_s)
             except queue.Empty:

@@ -56,6 +56,17 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return bad_request(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, "invalid_value")
 
 
+# The tenant (Triton request parameter ``tenant``: it scopes the embedding cache, README "Tenants").
+# A gateway in front sets the header; without it, OpenAI's ``user`` (the end user's id) is the tenant.
+TENANT_HEADER = "X-Tenant"
+
+
+def request_tenant(header: str | None, user: str | None) -> str | None:
+    """The header's tenant, else ``user``'s; None when neither names one. Triton checks the value
+    (1-256 characters, no control characters) and answers 400 otherwise."""
+    return header or user or None
+
+
 def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -91,7 +102,7 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
         return ModelList(data=[ModelCard(id=model, created=started) for model in ready])
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         if body.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
         state = await backend.model_state(body.model)
@@ -101,7 +112,11 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
             raise not_ready(f"model '{body.model}' is not ready on Triton")
         chat = renderer.render(body.messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        chunks = backend.generate(body.model, chat.prompt, chat.images, body.sampling_parameters(), request_id)
+        tenant = request_tenant(request.headers.get(TENANT_HEADER), body.user)
+        parameters = {"tenant": tenant} if tenant else None
+        chunks = backend.generate(
+            body.model, chat.prompt, chat.images, body.sampling_parameters(), request_id, parameters
+        )
         first = await _first_chunk(chunks)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -39,8 +39,16 @@ class ChatBackend(Protocol):
     async def ready_models(self) -> list[str]: ...
 
     def generate(
-        self, model: str, prompt: str, images: Sequence[bytes], sampling: dict[str, Any], request_id: str
-    ) -> AsyncIterator[Chunk]: ...
+        self,
+        model: str,
+        prompt: str,
+        images: Sequence[bytes],
+        sampling: dict[str, Any],
+        request_id: str,
+        parameters: dict[str, Any] | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """``parameters``: Triton request parameters (the tenant)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -110,12 +118,18 @@ class TritonChatBackend:
         return [model for model in self.models if await self.model_state(model)]
 
     async def generate(
-        self, model: str, prompt: str, images: Sequence[bytes], sampling: dict[str, Any], request_id: str
+        self,
+        model: str,
+        prompt: str,
+        images: Sequence[bytes],
+        sampling: dict[str, Any],
+        request_id: str,
+        parameters: dict[str, Any] | None = None,
     ) -> AsyncIterator[Chunk]:
         inputs = build_inputs(self._grpc, prompt, images, True, sampling, None)
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+            yield {"model_name": model, "inputs": inputs, "request_id": request_id, "parameters": parameters}
 
         try:
             responses = self.client.stream_infer(one_request())

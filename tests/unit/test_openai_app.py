@@ -48,6 +48,7 @@ class FakeBackend:
     closed_early: int = 0
 
     serve_any_model: bool = False  # the fuzzer's random model names reach the renderer too
+    parameters: list[dict[str, Any] | None] = field(default_factory=list)  # Triton request parameters per call
 
     async def model_state(self, model: str) -> bool | None:
         return True if self.serve_any_model else self.ready.get(model)
@@ -56,9 +57,16 @@ class FakeBackend:
         return [model for model, ready in self.ready.items() if ready]
 
     async def generate(
-        self, model: str, prompt: str, images: Sequence[bytes], sampling: dict[str, Any], request_id: str
+        self,
+        model: str,
+        prompt: str,
+        images: Sequence[bytes],
+        sampling: dict[str, Any],
+        request_id: str,
+        parameters: dict[str, Any] | None = None,
     ) -> AsyncIterator[Chunk]:
         self.calls.append(Call(model, prompt, list(images), sampling))
+        self.parameters.append(parameters)
         done = False
         try:
             for index, piece in enumerate(self.pieces):
