@@ -290,7 +290,8 @@ def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict
 
 
 def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
-    """``epd``: the BLS entry point's config (its model.py is kept in model_repository/epd/1/)."""
+    """``epd``: the entry point's config (its model.py is kept in model_repository/epd/1/) and the
+    engine args of its colocated path's engine (llm's: same model, same embeddings input)."""
     parameters = {
         **target.limits,
         **_store_parameters(target, facts),
@@ -299,8 +300,15 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
         contract.PREFILL_MODEL_KEY: contract.PREFILL_MODEL,
         contract.DECODE_MODEL_KEY: contract.DECODE_MODEL,
         contract.REMOTE_ENCODERS_KEY: target.pd.remote_encoders,
+        contract.PATH_POLICY: target.pd.path_policy,
+        **target.role_environment(contract.EPD_MODEL),
     }
-    return {"epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, contract.EPD, parameters)}
+    role_args = target.engine_args_for(contract.EPD_MODEL, checkpoint_positions(model_dir))
+    engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
+    return {
+        "epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, contract.EPD, parameters),
+        "epd/1/engine_args.json": _json(engine_args),
+    }
 
 
 def repository_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:

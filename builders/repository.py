@@ -50,6 +50,7 @@ from builders.targets import (
     cache_policy_from,
     resolved_target,
 )
+from python_backends import contract
 from python_backends.contract import DALI_FILE, ONNX_FILE, CachePolicy
 
 # What callers of this module (the launcher, benchmarks, tests) import from it.
@@ -119,6 +120,7 @@ def write_repository(
     role: Role = "all",
     gpus: int | None = None,
     remote_encoders: str = "",
+    path_policy: str | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
@@ -126,10 +128,13 @@ def write_repository(
     ``role`` (``builders/roles.py``): write only that role's models and remove the generated
     files of the others; the encoder artefacts stay, as ``epd`` keys images by their digest.
     ``gpus``: the gpu target's number of GPUs (``Target.with_gpus``).
-    ``remote_encoders``: epd's remote encoder servers (``python_backends/scaleout/endpoints.py``)."""
+    ``remote_encoders``: epd's remote encoder servers (``python_backends/scaleout/endpoints.py``).
+    ``path_policy``: epd's path policy (``PdServing.path_policy``; None: the target's)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if remote_encoders:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, remote_encoders=remote_encoders))
+    if path_policy is not None:
+        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, path_policy=path_policy))
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)
@@ -171,13 +176,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", choices=ROLES, default="all", help="write only this server role's models")
     add_cache_arguments(parser)
     add_gpus_argument(parser)
+    parser.add_argument(
+        "--path-policy", choices=contract.PATH_POLICIES, help="epd's path policy (default: the target's, adaptive)"
+    )
     args = parser.parse_args(argv)
     if args.gpus is not None and args.target != "gpu":
         parser.error("--gpus is for --target gpu")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per folded constant
     policy = cache_policy_from(args, args.target)
-    for path in write_repository(args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus):
+    written = write_repository(
+        args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus, path_policy=args.path_policy
+    )
+    for path in written:
         print(f"wrote {path}")
 
 

@@ -76,10 +76,19 @@ class PdServing:
     kv_connector: str = "TransferIdConnector"
     # Scale-out (``--role pd``): epd's remote encoders; "local": the server's own encoder models.
     remote_encoders: str = contract.LOCAL_ENCODERS
+    # epd's path policy (python_backends/epd_pipeline.py): ``adaptive`` (the cost model picks per
+    # request), ``disaggregated`` (epd then starts no colocated engine) or ``colocated``.
+    path_policy: str = contract.ADAPTIVE_POLICY
+
+    def __post_init__(self) -> None:
+        if self.path_policy not in contract.PATH_POLICIES:
+            choices = ", ".join(contract.PATH_POLICIES)
+            raise ValueError(f"path_policy must be one of {choices}, got {self.path_policy!r}")
 
 
 # vLLM roles that own an engine, and the encode side (preprocess, vit_encoder, the store).
-ENGINE_ROLES = (contract.LLM_MODEL, contract.PREFILL_MODEL, contract.DECODE_MODEL)
+# ``epd`` runs one for its colocated path (in its own process), placed like ``llm``'s.
+ENGINE_ROLES = (contract.LLM_MODEL, contract.PREFILL_MODEL, contract.DECODE_MODEL, contract.EPD_MODEL)
 ENCODE_ROLE = "encode"
 
 
@@ -137,6 +146,8 @@ GPU_LAYOUTS: dict[int, dict[str, int]] = {
     2: {ENCODE_ROLE: 0, contract.LLM_MODEL: 0, contract.PREFILL_MODEL: 1, contract.DECODE_MODEL: 1},
     4: {ENCODE_ROLE: 0, contract.LLM_MODEL: 1, contract.PREFILL_MODEL: 2, contract.DECODE_MODEL: 3},
 }
+for _layout in GPU_LAYOUTS.values():  # epd's colocated engine shares llm's GPU
+    _layout[contract.EPD_MODEL] = _layout[contract.LLM_MODEL]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class GenerationChunk:
     timings_ms: dict[str, float] = field(default_factory=dict)  # epd: per-stage times, on its last chunk
     cache_hits: int = 0  # epd: images served from the store, by epd itself or by an encoder
     fast_hits: int = 0  # epd: of those, found by its own lookup (no encoder call; metrics only, not sent)
+    serving_path: str = ""  # epd: the path that served the request, on its last chunk
 
 
 def text_of(array: np.ndarray | None) -> str:

@@ -109,6 +109,14 @@ class LlmEngine:
             prompt["multi_modal_data"] = request.image_embeds.multi_modal_data()
         elif images:
             prompt["multi_modal_data"] = {"image": images}
+        async for chunk in self.generate_prompt(prompt, request, request_id):
+            yield chunk
+
+    async def generate_prompt(
+        self, prompt: dict[str, Any], request: GenerateRequest, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        """Serve ``request`` with ``prompt`` as vLLM's input (text plus ``multi_modal_data``, media
+        or embeddings, and ``multi_modal_uuids``): ``epd``'s colocated path builds its own."""
         params = self.sampling_params(request)
         self.active_requests.add(request_id)
         produced = 0

@@ -129,3 +129,14 @@ def _quiet_pil() -> Iterator[None]:
 def _short(exc: Exception) -> str:
     text = str(exc) or type(exc).__name__
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def header_pixels(data: bytes) -> int:
+    """width * height from an image's header; 0 when it cannot be read (a size estimate for
+    the cost model only: requests are checked by :func:`check_image_header`)."""
+    try:
+        with _quiet_pil(), Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except Exception:
+        return 0
+    return int(width) * int(height)

@@ -149,9 +149,10 @@ LLM = ModelInterface(
 ENSEMBLE = ModelInterface(
     n.ENSEMBLE_MODEL, (_PROMPT, _tensor(n.IMAGE, "TYPE_UINT8", 1, -1), *GENERATE_OPTIONS), GENERATE_OUTPUTS
 )
-# ``epd``: the main entry point (BLS); llm's interface plus per-stage timings. ``errors_as_outputs``:
-# a gRPC stream carries a model error as a message without its code; a client that wants the code
-# asks for the error in the ``error`` output (JSON code + message) instead.
+# ``epd``: the main entry point; llm's interface plus per-stage timings and the path that served
+# the request. Its colocated path runs a vLLM engine in epd's own process (``VLLM_*`` parameters).
+# ``errors_as_outputs``: a gRPC stream carries a model error as a message without its code; a
+# client that wants the code asks for the error in the ``error`` output (JSON code + message).
 EPD = ModelInterface(
     n.EPD_MODEL,
     (_PROMPT, _ENCODED_IMAGES, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS),
@@ -160,9 +161,20 @@ EPD = ModelInterface(
         *(_tensor(n.timing_output(stage), "TYPE_FP32", 1) for stage in n.TIMING_STAGES),
         _tensor(n.CACHE_HITS, "TYPE_UINT32", 1),
         _ERROR,
+        _tensor(n.SERVING_PATH, "TYPE_STRING", 1),
     ),
-    (*n.LIMITS, *_STORE_USER, *_CONTENT_KEYS, n.ENCODER_MODELS_KEY, n.PREFILL_MODEL_KEY, n.DECODE_MODEL_KEY,
-     n.REMOTE_ENCODERS_KEY, n.REMOTE_ENCODE_DEADLINE_S),
+    (
+        *n.LIMITS,
+        *_STORE_USER,
+        *_CONTENT_KEYS,
+        n.ENCODER_MODELS_KEY,
+        n.PREFILL_MODEL_KEY,
+        n.DECODE_MODEL_KEY,
+        n.PATH_POLICY,
+        n.REMOTE_ENCODERS_KEY,
+        n.REMOTE_ENCODE_DEADLINE_S,
+    ),
+    vllm_env=True,
 )
 # ``preprocess``: the file's bytes, one image per batch row; rows of different requests differ in
 # length, hence ragged (the DALI backend's input convention). Output order is the pipeline's.

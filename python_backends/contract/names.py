@@ -41,6 +41,15 @@ NUM_OUTPUT_TOKENS = "num_output_tokens"
 FINISH_REASON = "finish_reason"
 CACHE_HITS = "cache_hits"  # epd: images served from the embedding store
 TIMING_STAGES = ("hash", "lookup", "encode", "prefill", "decode")  # epd: timing_<stage>_ms
+# epd's serving paths (python_backends/epd_paths): which one served a request comes back in the
+# ``serving_path`` output; a request may force one with the Triton request parameter ``path``.
+SERVING_PATH = "serving_path"
+PATH_REQUEST_PARAMETER = "path"
+DISAGGREGATED_PATH = "disaggregated"  # store -> encoders -> prefill -> KV transfer -> decode
+COLOCATED_PATH = "colocated"  # epd's own vLLM engine does prefill and decode
+SERVING_PATHS = (DISAGGREGATED_PATH, COLOCATED_PATH)
+ADAPTIVE_POLICY = "adaptive"  # the path with the lower predicted completion time, per request
+PATH_POLICIES = (ADAPTIVE_POLICY, *SERVING_PATHS)
 
 # The encode path (preprocess -> [vit_positions ->] vit_encoder), embeddings by value.
 PIXEL_VALUES = "pixel_values"
@@ -90,6 +99,8 @@ ENCODE_MODEL_KEY = "encode_model"
 ENCODER_MODELS_KEY = "encoder_models"
 PREFILL_MODEL_KEY = "prefill_model"
 DECODE_MODEL_KEY = "decode_model"
+# epd: the deployment's path policy (one of PATH_POLICIES; a request's ``path`` overrides it).
+PATH_POLICY = "path_policy"
 # What content keys cover besides the media (epd and encoder_<i> alike).
 PREPROCESSOR_CONFIG = "preprocessor_config"
 ENCODER_FILE = "encoder_file"

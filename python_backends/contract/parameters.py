@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from python_backends.contract.names import (
+    ADAPTIVE_POLICY,
     CACHE_SCOPE,
     CHECKPOINT_SHARDS,
     CHECKPOINT_WEIGHT_BYTES,
@@ -40,6 +41,7 @@ from python_backends.contract.names import (
     ONNX_FILE,
     ONNX_FILE_KEY,
     PATCH_DIM,
+    PATH_POLICY,
     PIPELINE_FILE,
     PRECISION,
     PREFILL_MODEL,
@@ -106,6 +108,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(ENCODER_MODELS_KEY, None),
         Parameter(PREFILL_MODEL_KEY, PREFILL_MODEL),
         Parameter(DECODE_MODEL_KEY, DECODE_MODEL),
+        Parameter(PATH_POLICY, ADAPTIVE_POLICY),
         Parameter(PREPROCESSOR_CONFIG, None),
         Parameter(ENCODER_FILE, None),
         Parameter(STORE_PATH, DEFAULT_STORE_PATH),

@@ -84,6 +84,7 @@ class DecoupledModel:
     model_name: str
     params: ModelParameters
     metrics: ModelMetrics
+    _vllm_engine: Any = None  # the engine start_engine started
     _unfinished: MetricHandle | None = None  # epd_<model>_unfinished_requests, with a vLLM engine
 
     # --- hooks ------------------------------------------------------------------------------
@@ -107,8 +108,8 @@ class DecoupledModel:
 
     def request_done(self) -> None:
         """After each request, on the event loop (metrics that follow the engine's state)."""
-        if self._unfinished is not None:
-            self._unfinished.set(self.engine.unfinished_requests())
+        if self._unfinished is not None and self._vllm_engine is not None:
+            self._unfinished.set(self._vllm_engine.unfinished_requests())
 
     # --- helpers for setup and parse ----------------------------------------------------------
 
@@ -118,6 +119,7 @@ class DecoupledModel:
         apply_vllm_environment(self.params.vllm_environment())
         engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
         engine = self.loop.run(engine_type.start(engine_args))
+        self._vllm_engine = engine  # may differ from ``self.engine`` (epd: its colocated engine)
         # Scraped by tests and operators: returns to 0 once cancelled streams are aborted.
         self._unfinished = self.metrics.gauge(
             f"epd_{self.model_name}_unfinished_requests",

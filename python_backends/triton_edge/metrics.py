@@ -136,3 +136,44 @@ class CacheMetrics:
                 f"embedding store: released {report.leases} leases, {report.claims} claims and "
                 f"{report.readers} reader slots of processes that died"
             )
+
+class PathMetrics:
+    """``epd``'s serving paths on /metrics: what was chosen and why, and the cost model's inputs.
+
+    - ``epd_path_requests{path, reason}``: requests served per path; reason ``predicted`` or
+      ``probe`` (adaptive), ``forced`` (request parameter ``path``), ``policy`` (a fixed policy),
+      ``only`` (one path available);
+    - ``epd_path_last_decision{path}``: 1 for the path of the latest decision, 0 for the other;
+    - ``epd_path_predicted_ms{path}``: the latest adaptive decision's predictions (-1: unknown);
+    - ``epd_path_in_flight{path}``: requests running on each path now;
+    - ``epd_path_estimate_ms{path, stage, bucket}``: each EWMA, ms per unit of load.
+    """
+
+    def __init__(self, metrics: ModelMetrics, paths: Any) -> None:
+        self._metrics = metrics
+        self._paths = tuple(paths)
+
+    def record(self, decision: Any, cost_model: Any) -> None:
+        """After a decision (``path_cost.Decision``) and the model's state (``PathCostModel``)."""
+        m = self._metrics
+        m.counter("epd_path_requests", "Requests served per path, by why it was chosen",
+                  path=decision.path, reason=decision.reason).increment()
+        for path in self._paths:
+            m.gauge("epd_path_last_decision", "1 for the path of the latest decision", path=path).set(
+                float(path == decision.path)
+            )
+            if decision.predicted_ms:
+                predicted = decision.predicted_ms.get(path)
+                m.gauge("epd_path_predicted_ms", "The latest adaptive decision's predicted completion time (-1: "
+                        "unknown)", path=path).set(-1.0 if predicted is None else predicted)
+        self.refresh(cost_model)
+
+    def refresh(self, cost_model: Any) -> None:
+        m = self._metrics
+        for path in self._paths:
+            m.gauge("epd_path_in_flight", "Requests running on each serving path", path=path).set(
+                cost_model.in_flight[path]
+            )
+        for (path, stage, bucket), value in cost_model.snapshot().items():
+            m.gauge("epd_path_estimate_ms", "The cost model's stage estimates, ms per unit of load",
+                    path=path, stage=stage, bucket=bucket).set(value)

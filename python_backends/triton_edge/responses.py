@@ -97,6 +97,8 @@ def chunk_tensors(chunk: GenerationChunk, declared: Collection[str] | None = Non
     if chunk.timings_ms:
         tensors += [tensor(contract.timing_output(stage), [ms], np.float32) for stage, ms in chunk.timings_ms.items()]
         tensors.append(tensor(contract.CACHE_HITS, [chunk.cache_hits], np.uint32))
+    if chunk.serving_path:
+        tensors.append(bytes_tensor(contract.SERVING_PATH, [chunk.serving_path]))
     return [t for t in tensors if declared is None or t.name() in declared]
 
 

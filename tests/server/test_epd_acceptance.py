@@ -76,6 +76,7 @@ class Answer:
     cache_hits: int | None = None
     error: str | None = None
     responses: int = 0
+    serving_path: str | None = None  # epd: the path that served it
 
 
 def stream_generate(
@@ -88,6 +89,7 @@ def stream_generate(
     cancel_after: int | None = None,
     before_send: Callable[[], None] | None = None,
     before_cancel: Callable[[], None] | None = None,
+    parameters: dict[str, str] | None = None,
 ) -> Answer:
     """One gRPC streaming request on its own connection (safe to run from many threads).
 
@@ -104,7 +106,7 @@ def stream_generate(
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         if before_send is not None:
             before_send()
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
         if cancel_after == 0:
             if before_cancel is not None:
                 before_cancel()
@@ -126,6 +128,9 @@ def stream_generate(
             hits = response.as_numpy("cache_hits")
             if hits is not None:
                 answer.cache_hits = int(hits.reshape(-1)[0])
+            path = response.as_numpy("serving_path")
+            if path is not None:
+                answer.serving_path = path.reshape(-1)[0].decode()
             final = response.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 return answer
@@ -137,9 +142,14 @@ def stream_generate(
         client.close()
 
 
-def tokens_of(server: TritonServer, model: str, prompt: str, images: Sequence[bytes], sampling=GREEDY) -> Answer:
-    answer = stream_generate(server.grpc_url, model, prompt, images, sampling)
+def tokens_of(
+    server: TritonServer, model: str, prompt: str, images: Sequence[bytes], sampling=GREEDY, path: str | None = None
+) -> Answer:
+    """A good request's answer; ``path``: force epd's serving path (request parameter)."""
+    parameters = None if path is None else {"path": path}
+    answer = stream_generate(server.grpc_url, model, prompt, images, sampling, parameters=parameters)
     assert answer.error is None, f"{model} refused a good request: {answer.error}"
+    assert path is None or answer.serving_path == path, f"asked for {path}, served by {answer.serving_path}"
     return answer
 
 
@@ -289,15 +299,24 @@ def _case_images(index: int, images: list[Img], note: bytes) -> list[bytes]:
 def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
     rows = []
     mismatches = 0
+    adaptive_paths: dict[str | None, int] = {}
     for index, (name, prompt_of, specs) in enumerate(EQUALITY_CASES):
         images = _case_images(index, specs, note)
         prompt = prompt_of(len(images))
         llm = tokens_of(server, "llm", prompt, images).result
-        epd = tokens_of(server, "epd", prompt, images)
+        # Every path of epd (issue 14): colocated with new media (its engine encodes them),
+        # disaggregated (the encoders store them), colocated with store hits (embeddings), and
+        # whatever the adaptive rule picks (hits now).
+        colocated_media = tokens_of(server, "epd", prompt, images, path="colocated").result
+        epd = tokens_of(server, "epd", prompt, images, path="disaggregated")
+        colocated_hits = tokens_of(server, "epd", prompt, images, path="colocated").result
         epd_again = tokens_of(server, "epd", prompt, images)  # every image is a store hit now
+        adaptive_paths[epd_again.serving_path] = adaptive_paths.get(epd_again.serving_path, 0) + 1
         ensemble = tokens_of(server, "ensemble", prompt, images).result if len(images) == 1 else None
         same = (
             epd.result.token_ids == llm.token_ids
+            and colocated_media.token_ids == llm.token_ids
+            and colocated_hits.token_ids == llm.token_ids
             and epd_again.result.token_ids == llm.token_ids
             and (ensemble is None or ensemble.token_ids == llm.token_ids)
             and epd.result.num_input_tokens == llm.num_input_tokens
@@ -315,12 +334,16 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
         if not same:
             row += (
                 f"\n      llm      {llm.token_ids}\n      epd      {epd.result.token_ids}"
-                f"\n      epd(hit) {epd_again.result.token_ids}"
+                f"\n      colocated(media) {colocated_media.token_ids}"
+                f"\n      colocated(hits)  {colocated_hits.token_ids}"
+                f"\n      epd(hit, {epd_again.serving_path}) {epd_again.result.token_ids}"
                 f"\n      ensemble {ensemble.token_ids if ensemble is not None else '-'}"
             )
         rows.append(row)
     assert sum(len(specs) == 1 for _, _, specs in EQUALITY_CASES) >= 6
     assert mismatches == 0, f"{mismatches} of {len(rows)} prompts differ:\n" + "\n".join(rows)
+    assert set(adaptive_paths) <= {"colocated", "disaggregated"}, adaptive_paths
+    print(f"adaptive epd served the 18 prompts (store hits) on: {adaptive_paths}")
 
 
 def test_dali_vs_transformers_divergence_is_the_pixels_alone(server, model_dir):

@@ -92,6 +92,7 @@ def test_files_of_each_target(model_dir: Path) -> None:
         "decode/config.pbtxt",
         "decode/1/engine_args.json",
         "epd/config.pbtxt",
+        "epd/1/engine_args.json",  # its colocated path's engine
     }
     common |= {"ensemble/config.pbtxt"}  # static DAG: encode's steps -> llm
     common |= {f"encoder_{i}/{name}" for i in range(2) for name in ("config.pbtxt", "1/model.py")}

@@ -1,27 +1,31 @@
-"""`epd`: the main entry point (BLS, decoupled), same interface as `llm`.
+"""`epd`: the main entry point (decoupled), same interface as `llm`.
 
-hash media -> embedding store lookup -> encode misses -> prefill -> first token at once ->
-stream decode. The steps live in python_backends.epd_pipeline (Triton-free, unit-tested with
-a fake), the BLS calls in python_backends.triton_edge.bls, the request/error/cancel policy in
-python_backends.triton_edge.decoupled. This file only wires them.
+hash media -> embedding store lookup -> choose a path (request parameter `path`, else the
+deployment's `path_policy`, adaptive by default) -> disaggregated (encode misses -> prefill ->
+first token at once -> stream decode, over BLS) or colocated (epd's own vLLM engine, store hits
+as embeddings). The steps live in python_backends.epd_pipeline and its path modules
+(Triton-free, unit-tested with fakes), the BLS calls in python_backends.triton_edge.bls, the
+request/error/cancel policy in python_backends.triton_edge.decoupled. This file only wires them.
 """
 
 from contextlib import aclosing
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.epd_pipeline import EpdPipeline, pinned_encoder
+from python_backends.epd_pipeline import EpdPipeline, pinned_encoder, requested_path
 from python_backends.generate_request import check_image_headers, parse_generate_request, request_limits
+from python_backends.llm_engine import LlmEngine
 from python_backends.scaleout.remote import with_remote_encoders
 from python_backends.store import EmbeddingStore, KeyConfig
 from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsStages
 from python_backends.triton_edge.decoupled import DecoupledModel
-from python_backends.triton_edge.metrics import CacheMetrics
+from python_backends.triton_edge.metrics import CacheMetrics, PathMetrics
 
 
 class TritonPythonModel(DecoupledModel):
     INPUTS = contract.EPD.input_names
+    colocated = None
 
     def setup(self, args):
         params = self.params
@@ -33,15 +37,20 @@ class TritonPythonModel(DecoupledModel):
             Path(params.string(contract.PREPROCESSOR_CONFIG)), repository / params.string(contract.ENCODER_FILE)
         )
         encoders = params.string(contract.ENCODER_MODELS_KEY).split(",")
-        policy = params.cache_policy()
+        cache = params.cache_policy()
+        policy = params.string(contract.PATH_POLICY)
+        if policy != contract.DISAGGREGATED_PATH:  # the colocated path's engine, in this process
+            self.colocated = self.start_engine(args, LlmEngine)
         # --role pd --remote-encoders: encodes go to encoder servers over gRPC.
         stages, self.remote = with_remote_encoders(params, self.store, keys, self.engine)
         self.pipeline = EpdPipeline(
-            self.store, stages, keys, encoders, node_cache=policy.scope == "node", tenant_policy=policy.tenants
+            self.store, stages, keys, encoders, node_cache=cache.scope == "node", tenant_policy=cache.tenants,
+            colocated=self.colocated, image_limits=self.limits.images, policy=policy,
         )
         hits = "Images served from the embedding store without encoding"
         self.cache_hits = self.metrics.counter("epd_cache_hits", hits)
         self.cache_metrics = CacheMetrics(self.metrics, self.store, node_gauges=True)
+        self.path_metrics = PathMetrics(self.metrics, self.pipeline.paths)
         self.loop.submit(self.cache_metrics.refresh_every(1.0))
         if self.remote is not None:
             self.loop.submit(self.remote.run(self.metrics))
@@ -50,11 +59,12 @@ class TritonPythonModel(DecoupledModel):
         parsed = parse_generate_request(inputs, self.limits)
         check_image_headers(parsed, self.limits)
         raw = request.parameters()
-        return parsed, pinned_encoder(raw), request_tenant(request_parameters(raw))
+        return parsed, pinned_encoder(raw), request_tenant(request_parameters(raw)), requested_path(raw)
 
     async def serve(self, parsed, request_id):
-        request, encoder, tenant = parsed
-        async with aclosing(self.pipeline.run(request, request_id, encoder, tenant)) as chunks:
+        request, encoder, tenant, path = parsed
+        run = self.pipeline.run(request, request_id, encoder, tenant, path, self.path_metrics.record)
+        async with aclosing(run) as chunks:
             async for chunk in chunks:
                 if chunk.timings_ms:  # the last chunk
                     self.cache_hits.increment(chunk.cache_hits)
@@ -64,3 +74,9 @@ class TritonPythonModel(DecoupledModel):
     def request_done(self):
         super().request_done()
         self.cache_metrics.refresh()
+        self.path_metrics.refresh(self.pipeline.cost)
+
+    def finalize(self):
+        super().finalize()
+        if self.colocated is not None:
+            self.colocated.shutdown()

@@ -1,0 +1,113 @@
+"""``epd``'s colocated path: one vLLM engine in epd's own process does prefill and decode.
+
+Why in epd's process: a path that relays another model's tokens over BLS pays a Triton
+response hop per token, and on 2 shared cores that hop alone made epd's decode longer than
+llm's whole decode (results/2026-11-29/encode-breakdown). Here the engine's chunks are epd's
+responses, as they are ``llm``'s, so the path costs what ``llm`` costs plus the store lookup.
+
+Images, after the shared hash and lookup (``epd_references.py``):
+
+- every image in the store: handed to the engine as embeddings (vLLM's ``enable_mm_embeds``:
+  ``image_embeds`` + ``image_grid_thw``, with the content key as the item's identity), so a
+  hit never re-encodes;
+- no image in the store: the media go to the engine, which encodes them itself (as ``llm``
+  does; vLLM's own encoder and prefix caches serve repeats);
+- some of each: the missing ones are encoded by the encoder models first (into the store) and
+  all go in as embeddings, because vLLM takes one form per modality in a prompt.
+
+Timings (on the last chunk): ``prefill`` is the time to the first token (the engine's own
+encode included), ``decode`` the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from python_backends.epd_references import ImageReferences, LeasedReferences, ms_since, stage_error
+from python_backends.errors import EpdError
+from python_backends.generate_request import GenerateRequest
+from python_backends.generation import GenerationChunk
+from python_backends.media import ImageLimits, decode_images
+from python_backends.pd.engines import ImageEmbeds, multi_modal_data, multi_modal_uuids
+from python_backends.pd_stage import owned_float32
+from python_backends.store import EmbeddingStore, Reference
+
+
+class ColocatedEngine(Protocol):
+    """What the path needs of its engine (``python_backends.llm_engine.LlmEngine``; a fake in
+    the unit tests). Runs on epd's event loop."""
+
+    def generate_prompt(
+        self, prompt: dict[str, Any], request: GenerateRequest, request_id: str
+    ) -> AsyncIterator[GenerationChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+def stored_embeds(store: EmbeddingStore, references: list[Reference]) -> list[ImageEmbeds]:
+    """The engine's copy of each referenced embedding (one copy out of the store, see pd_stage)."""
+    images: list[ImageEmbeds] = []
+    for ref in references:
+        with store.open_view(ref) as view:
+            tensor = owned_float32(view, ref.dtype)
+        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw or ()), uuid=ref.key))  # type: ignore[arg-type]
+    return images
+
+
+class ColocatedPath:
+    def __init__(self, engine: ColocatedEngine, references: ImageReferences, limits: ImageLimits) -> None:
+        self.engine = engine
+        self.references = references
+        self.limits = limits
+
+    async def _prompt(
+        self, request: GenerateRequest, leased: LeasedReferences, encoder: str | None, timings: dict[str, float]
+    ) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt": request.prompt}
+        if not request.images:
+            return prompt
+        if not leased.found:  # every image is new: the engine encodes the media itself
+            media = [image for image in request.images if isinstance(image, bytes)]
+            prompt["multi_modal_data"] = {"image": await asyncio.to_thread(decode_images, media, self.limits)}
+            return prompt
+        await self.references.encode_missing(leased, encoder, timings)
+        images = stored_embeds(self.references.store, leased.references)
+        prompt["multi_modal_data"] = multi_modal_data(images)
+        uuids = multi_modal_uuids(images)
+        if uuids:
+            prompt["multi_modal_uuids"] = uuids
+        return prompt
+
+    async def run(
+        self,
+        request: GenerateRequest,
+        request_id: str,
+        leased: LeasedReferences,
+        timings: dict[str, float],
+        encoder: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Serve one request whose images were looked up into ``leased``; the last chunk carries
+        the timings and cache counts. Closing early aborts the engine's request."""
+        start = time.perf_counter()
+        prompt = await self._prompt(request, leased, encoder, timings)
+        first_at: float | None = None
+        finished = False
+        try:
+            async for chunk in self.engine.generate_prompt(prompt, request, request_id):
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    timings["prefill"] = (first_at - start) * 1000.0
+                if chunk.finished:
+                    finished = True
+                    timings["decode"] = ms_since(first_at)
+                    yield leased.measured(chunk, timings)
+                else:
+                    yield chunk
+        except EpdError as exc:
+            raise stage_error("generate", exc) from None
+        finally:
+            if not finished:
+                await self.engine.abort(request_id)

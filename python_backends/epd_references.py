@@ -1,0 +1,204 @@
+"""Steps 1-3 of every ``epd`` request, whichever path serves it: hash, lookup, encode (Triton-free).
+
+1. **hash**: the content key of each image (media bytes + preprocessing config + encoder
+   version). An image sent as ``mm_hash:<key>`` (pre-encoded, see ``cached_encoder.py``) is
+   its key already. With a tenant (Triton request parameter ``tenant``) under the ``isolated``
+   policy, both are taken into that tenant's key space (``store.keys.tenant_key``), so no
+   hit, join or ``mm_hash`` crosses tenants (``python_backends/tenants.py``).
+2. **lookup** (node-wide cache only): a stored key is a hit at once, leased for this request,
+   with no call to any encoder. A ``mm_hash`` that is not stored is NOT_FOUND, with a hint.
+3. **encode** (when the chosen path needs references for the misses): every other image goes
+   to one encoder model (``encoder_<i>``), all at once; the encoder claims the key in the store
+   (single-flight across every process), encodes misses through the ``encode`` ensemble, writes
+   the store and returns a reference leased for this process. Which encoder: the one a request
+   pins (Triton request parameter ``encoder``), else the key's home (key modulo the number of
+   encoders: the same image always meets the same encoder, which matters for per-instance caches).
+
+The hit check runs once per image: the lookup in step 2 (it counts the hit; a miss is counted
+by the claim that follows, hence ``count_miss=False``). The encoder's ``claim`` in step 3 is the
+single-flight point, not a second check: it finds the key stored only when another request
+stored it in between (or for callers that skip step 2: clients pre-encoding media, and
+per-instance caches). Every lease taken is recorded in :class:`LeasedReferences` as soon as it
+is taken, and :meth:`ImageReferences.release` gives them all back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.generate_request import CachedImage
+from python_backends.generation import GenerationChunk
+from python_backends.store import EmbeddingStore, KeyConfig, Reference, tenant_key
+from python_backends.tenants import key_space
+
+log = logging.getLogger(__name__)
+
+# encoder model, image, lease owner, tenant -> (wire reference, whether the store already had it)
+EncodeReference = Callable[[str, bytes, int, str | None], Awaitable[tuple[bytes, bool]]]
+
+
+@dataclass
+class LeasedReferences:
+    """One request's images: keys, what the store held (``found``), what it lacks
+    (``missing``: key -> media), the references in image order once complete, and the leases
+    the request must give back."""
+
+    keys: list[str] = field(default_factory=list)
+    tenant: str | None = None  # the request's tenant, passed on to the encoders
+    found: dict[str, Reference] = field(default_factory=dict)
+    missing: dict[str, bytes] = field(default_factory=dict)
+    references: list[Reference] = field(default_factory=list)
+    leases: list[Reference] = field(default_factory=list)
+    cache_hits: int = 0
+    fast_hits: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def measured(self, chunk: GenerationChunk, timings: dict[str, float]) -> GenerationChunk:
+        """``chunk`` as the request's last: with the timings and the cache counts."""
+        chunk.timings_ms, chunk.cache_hits, chunk.fast_hits = dict(timings), self.cache_hits, self.fast_hits
+        return chunk
+
+
+def stage_error(stage: str, exc: BaseException) -> EpdError:
+    """One coded error that names the stage; errors that already carry a code keep it."""
+    if isinstance(exc, EpdError):
+        return EpdError(f"{stage}: {exc.message}", exc.code)
+    return EpdError(f"{stage} failed: {type(exc).__name__}", ErrorCode.INTERNAL)
+
+
+def ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+class ImageReferences:
+    def __init__(
+        self,
+        store: EmbeddingStore,
+        keys: KeyConfig,
+        encoders: Sequence[str],
+        encode_reference: EncodeReference,
+        *,
+        node_cache: bool = True,
+        tenant_policy: str = "isolated",
+    ) -> None:
+        if not encoders:
+            raise ValueError("epd needs at least one encoder model")
+        self.store = store
+        self.keys = keys
+        self.encoders = list(encoders)
+        self.encode_reference = encode_reference
+        # Per-instance caches (``node_cache=False``) hold keys only their encoder can compute:
+        # every image then goes to its encoder, which is what that setting is for.
+        self.node_cache = node_cache
+        key_space(None, tenant_policy)  # an unknown policy fails here, at load
+        self.tenant_policy = tenant_policy
+
+    def encoder_for(self, key: str, pinned: str | None = None) -> str:
+        """The encoder model an image goes to: the pinned one, else the key's home."""
+        if pinned is None:
+            return self.encoders[int(key[:16], 16) % len(self.encoders)]
+        if pinned in self.encoders:
+            return pinned
+        raise EpdError(f"unknown encoder {pinned!r}; this epd serves {', '.join(self.encoders)}", ErrorCode.INVALID_ARG)
+
+    def lookup(
+        self,
+        images: Sequence[bytes | CachedImage],
+        leased: LeasedReferences,
+        timings: dict[str, float],
+        tenant: str | None = None,
+    ) -> None:
+        """Steps 1 and 2: keys (in ``tenant``'s key space under the ``isolated`` policy), and a
+        leased reference for every image the store holds."""
+        start = time.perf_counter()
+        space = key_space(tenant, self.tenant_policy)
+        leased.tenant = tenant
+        leased.keys = [
+            tenant_key(im.mm_hash if isinstance(im, CachedImage) else self.keys.key(im), space) for im in images
+        ]
+        timings["hash"] = ms_since(start)
+        start = time.perf_counter()
+        try:
+            for index, (key, image) in enumerate(zip(leased.keys, images, strict=True)):
+                if key in leased.found or key in leased.missing:
+                    continue
+                if isinstance(image, CachedImage):
+                    ref = self._cached(key, index)
+                elif self.node_cache and (found := self.store.lookup(key, count_miss=False)) is not None:
+                    ref = found
+                else:
+                    leased.missing[key] = image
+                    continue
+                leased.found[key] = ref
+                leased.leases.append(ref)
+                leased.cache_hits += 1
+                leased.fast_hits += 1
+        except EpdError as exc:
+            raise stage_error("lookup", exc) from None
+        timings["lookup"] = ms_since(start)
+        if leased.complete:
+            leased.references = [leased.found[key] for key in leased.keys]
+
+    def _cached(self, key: str, index: int) -> Reference:
+        """The entry an ``mm_hash:`` item names (``key``: already in the request's key space).
+        The message names the item by index, never by hash or tenant, so that every miss reads
+        the same: another tenant's image is indistinguishable from one no one sent."""
+        ref = self.store.lookup(key)
+        if ref is None:
+            raise EpdError(
+                f"image[{index}] names an mm_hash that is not in the embedding cache (never encoded, evicted or "
+                "encoded by another encoder version); send the image bytes instead",
+                ErrorCode.NOT_FOUND,
+            )
+        return ref
+
+    async def encode_missing(self, leased: LeasedReferences, pinned: str | None, timings: dict[str, float]) -> None:
+        """Step 3: all misses at once, each through its encoder; leases are recorded as soon as
+        each answer arrives, so a failure or cancellation releases every one that was taken."""
+        if not leased.missing:
+            return
+        start = time.perf_counter()
+        owner = os.getpid()
+        indices = {key: leased.keys.index(key) for key in leased.missing}
+
+        async def one(key: str, image: bytes) -> None:
+            try:
+                encoder = self.encoder_for(key, pinned)
+                wire, cache_hit = await self.encode_reference(encoder, image, owner, leased.tenant)
+            except EpdError as exc:  # the encoder saw one image: name it as the client did
+                raise EpdError(exc.message.replace("image[0]", f"image[{indices[key]}]", 1), exc.code) from None
+            ref = self.store.parse_reference(wire)
+            leased.leases.append(ref)
+            leased.found[key] = ref
+            leased.cache_hits += int(cache_hit)
+
+        tasks = [asyncio.ensure_future(one(key, image)) for key, image in leased.missing.items()]
+        try:
+            await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+        except asyncio.CancelledError:
+            # The BLS calls run on; their leases must be recorded before the request releases.
+            await asyncio.wait(tasks)
+            raise
+        failures = [error for t in tasks if (error := t.exception()) is not None]
+        if failures:
+            raise stage_error("encode", failures[0])
+        leased.missing.clear()
+        leased.references = [leased.found[key] for key in leased.keys]
+        timings["encode"] = ms_since(start)
+
+    def release(self, leased: LeasedReferences) -> None:
+        for ref in leased.leases:
+            try:
+                self.store.release(ref)
+            except Exception:
+                log.warning("could not release lease %s", ref.lease_id, exc_info=True)
+        leased.leases.clear()

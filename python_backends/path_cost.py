@@ -1,0 +1,216 @@
+"""The adaptive path rule of ``epd``: a cost model, not a threshold (Triton-free, plain data).
+
+Per request, ``epd`` (python_backends/epd_pipeline.py) describes the work (:class:`RequestShape`:
+images, how many the store lacks, their size bucket, output tokens) and asks
+:meth:`PathCostModel.choose` for the path with the lower predicted completion time:
+
+- ``colocated``: epd's own vLLM engine does everything; images go in as media (the engine
+  encodes them) or, when every image is in the store, as embeddings.
+  predicted = first_token[media|embeds, bucket] + (tokens - 1) * token_ms
+- ``disaggregated``: missing images through the encoders, then prefill, KV transfer, decode.
+  predicted = misses * encode[bucket] + prefill[bucket] + (tokens - 1) * token_ms
+
+Each term is an EWMA of the stages' own timings (what each path measured on requests it
+served, per image-size bucket), kept *per unit of load*: a sample taken while ``n`` requests
+were running on the engines it used counts ``time / n``, and a prediction multiplies by the
+load now plus one (processor sharing: an engine that runs n requests at once gives each about
+1/n of itself). ``shared_compute`` says the two paths' engines share the same processors (the
+cpu target: two cores for everything): then a path's load is every request in flight, not only
+its own, and the paths compete for the same cores.
+
+A path with no sample yet, or whose estimate is older than ``probe_interval_s``, gets one
+request (a probe, one at a time) so that its estimate stays live; forced requests feed the
+estimates too. Everything here runs on epd's event loop thread (no locking).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from python_backends import contract
+
+# Image-size buckets by the largest image's pixels: upper bounds (inclusive) and labels.
+SIZE_BUCKETS: tuple[tuple[int, str], ...] = (
+    (0, "none"),
+    (320 * 320, "small"),
+    (800 * 600, "medium"),
+    (1600 * 1200, "large"),
+)
+LARGEST_BUCKET = "xlarge"
+ANY_BUCKET = "any"  # the fallback estimate of a stage, over every bucket
+
+
+def size_bucket(pixels: int) -> str:
+    for bound, label in SIZE_BUCKETS:
+        if pixels <= bound:
+            return label
+    return LARGEST_BUCKET
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What a request asks of the engines, known before it is served."""
+
+    images: int
+    misses: int  # images the embedding store does not hold
+    largest_pixels: int
+    output_tokens: int
+
+    @property
+    def bucket(self) -> str:
+        return size_bucket(self.largest_pixels)
+
+    @property
+    def image_form(self) -> str:
+        """How the colocated path hands the images to its engine."""
+        return "embeds" if self.misses == 0 else "media"
+
+
+@dataclass
+class Ewma:
+    alpha: float
+    value: float = 0.0
+    samples: int = 0
+    updated_at: float = 0.0
+
+    def add(self, sample: float, now: float) -> None:
+        self.value = sample if self.samples == 0 else self.alpha * sample + (1 - self.alpha) * self.value
+        self.samples += 1
+        self.updated_at = now
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str
+    reason: str  # "predicted", "probe", "forced", "policy", "only"
+    predicted_ms: dict[str, float | None] = field(default_factory=dict)
+
+
+# Estimate names: (path, stage). Stages per path are the terms of the module docstring.
+COLOCATED_FIRST = "first_token"
+COLOCATED_TOKEN = "token"
+ENCODE = "encode"
+PREFILL = "prefill"
+DISAGGREGATED_TOKEN = "token"
+
+
+class PathCostModel:
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.2,
+        probe_interval_s: float = 30.0,
+        shared_compute: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.probe_interval_s = probe_interval_s
+        self.shared_compute = shared_compute
+        self.clock = clock
+        self.estimates: dict[tuple[str, str, str], Ewma] = {}  # (path, stage, bucket) -> ms per unit of load
+        self.in_flight = dict.fromkeys(contract.SERVING_PATHS, 0)
+        self._probing: str | None = None
+        self.last: Decision | None = None
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, path: str) -> int:
+        """Requests running on the engines ``path`` uses (all of epd's when they share compute)."""
+        return sum(self.in_flight.values()) if self.shared_compute else self.in_flight[path]
+
+    def started(self, path: str, probe: bool = False) -> int:
+        """A request starts on ``path``: the load it starts under (itself included)."""
+        self.in_flight[path] += 1
+        if probe:
+            self._probing = path
+        return self.load(path)
+
+    def finished(self, path: str) -> None:
+        self.in_flight[path] -= 1
+        if self._probing == path:
+            self._probing = None
+
+    # ------------------------------------------------------------------ samples
+
+    def _add(self, path: str, stage: str, bucket: str, ms: float, load: int) -> None:
+        per_unit = ms / max(load, 1)
+        now = self.clock()
+        for key in ((path, stage, bucket), (path, stage, ANY_BUCKET)):
+            self.estimates.setdefault(key, Ewma(self.alpha)).add(per_unit, now)
+
+    def observe_colocated(self, shape: RequestShape, first_ms: float, decode_ms: float, tokens: int, load: int) -> None:
+        """A colocated request finished: time to its first token and to the rest."""
+        self._add(contract.COLOCATED_PATH, f"{COLOCATED_FIRST}/{shape.image_form}", shape.bucket, first_ms, load)
+        if tokens > 1:
+            self._add(contract.COLOCATED_PATH, COLOCATED_TOKEN, ANY_BUCKET, decode_ms / (tokens - 1), load)
+
+    def observe_disaggregated(
+        self, shape: RequestShape, timings: dict[str, float], tokens: int, load: int, encoded: int
+    ) -> None:
+        """A disaggregated request finished with its pipeline ``timings`` (ms per stage)."""
+        path = contract.DISAGGREGATED_PATH
+        if encoded and "encode" in timings:
+            self._add(path, ENCODE, shape.bucket, timings["encode"] / encoded, load)
+        if "prefill" in timings:
+            self._add(path, PREFILL, shape.bucket, timings["prefill"], load)
+        if tokens > 1 and "decode" in timings:
+            self._add(path, DISAGGREGATED_TOKEN, ANY_BUCKET, timings["decode"] / (tokens - 1), load)
+
+    # ------------------------------------------------------------------ predictions
+
+    def _estimate(self, path: str, stage: str, bucket: str) -> Ewma | None:
+        return self.estimates.get((path, stage, bucket)) or self.estimates.get((path, stage, ANY_BUCKET))
+
+    def _terms(self, path: str, shape: RequestShape) -> list[tuple[Ewma | None, float]] | None:
+        """(estimate, multiplier) per term of ``path``'s prediction for ``shape``."""
+        tokens_after_first = max(shape.output_tokens - 1, 0)
+        if path == contract.COLOCATED_PATH:
+            first = self._estimate(path, f"{COLOCATED_FIRST}/{shape.image_form}", shape.bucket)
+            return [(first, 1.0), (self._estimate(path, COLOCATED_TOKEN, ANY_BUCKET), tokens_after_first)]
+        terms = [
+            (self._estimate(path, PREFILL, shape.bucket), 1.0),
+            (self._estimate(path, DISAGGREGATED_TOKEN, ANY_BUCKET), tokens_after_first),
+        ]
+        if shape.misses:
+            terms.append((self._estimate(path, ENCODE, shape.bucket), float(shape.misses)))
+        return terms
+
+    def predict(self, path: str, shape: RequestShape) -> float | None:
+        """Predicted completion time (ms) of ``shape`` on ``path`` now; None while unknown."""
+        terms = self._terms(path, shape)
+        if terms is None or any(est is None for est, times in terms if times):
+            return None
+        unit = sum(est.value * times for est, times in terms if est is not None and times)
+        return unit * (self.load(path) + 1)
+
+    def _stale(self, path: str, shape: RequestShape) -> bool:
+        terms = self._terms(path, shape) or []
+        now = self.clock()
+        return any(est is None or now - est.updated_at > self.probe_interval_s for est, times in terms if times)
+
+    def choose(self, shape: RequestShape, available: Iterable[str]) -> Decision:
+        """The path for ``shape`` among ``available`` ones (the rule of the module docstring)."""
+        paths = [p for p in contract.SERVING_PATHS if p in set(available)]
+        if not paths:
+            raise ValueError("no serving path is available")
+        predicted = {p: self.predict(p, shape) for p in paths}
+        if len(paths) == 1:
+            decision = Decision(paths[0], "only", predicted)
+        else:
+            known = {p: ms for p, ms in predicted.items() if ms is not None}
+            best = min(known, key=lambda p: known[p]) if known else paths[-1]
+            stale = [p for p in paths if p != best and self._stale(p, shape)]
+            if stale and self._probing is None:
+                decision = Decision(stale[0], "probe", predicted)
+            else:
+                decision = Decision(best, "predicted", predicted)
+        self.last = decision
+        return decision
+
+    def snapshot(self) -> dict[tuple[str, str, str], float]:
+        """(path, stage, bucket) -> current estimate in ms per unit of load (for /metrics)."""
+        return {key: est.value for key, est in self.estimates.items()}

@@ -1,0 +1,188 @@
+"""epd's path choice (python_backends/epd_pipeline.py) and its colocated path, with the scripted
+stages of test_epd_pipeline.py, a scripted colocated engine and a real (temporary) store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
+from python_backends.epd_pipeline import EpdPipeline, requested_path
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.generate_request import GenerateRequest
+from python_backends.generation import GenerationChunk
+from python_backends.path_cost import PathCostModel
+from tests.images import synthetic_image
+from tests.unit import test_epd_pipeline
+from tests.unit.test_epd_pipeline import ENCODERS, KEYS, FakeStages, request
+
+store = test_epd_pipeline.store  # the same temporary-store fixture
+
+PHOTO = synthetic_image(64, 48, seed=1)
+OTHER = synthetic_image(64, 48, seed=2)
+
+
+@dataclass
+class FakeEngine:
+    """Scripted colocated engine: tokens 200.. ; records the vLLM prompts it was given."""
+
+    prompts: list[dict[str, Any]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    hang_after_first: bool = False
+
+    async def generate_prompt(self, prompt: dict[str, Any], req: GenerateRequest, request_id: str):
+        self.prompts.append(prompt)
+        total = req.sampling["max_tokens"]
+        for n in range(1, total + 1):
+            if self.hang_after_first and n == 2:
+                await asyncio.sleep(3600)
+            last = n == total
+            yield GenerationChunk("c", [199 + n], 7, n, "length" if last else None, last)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def pipeline(stages: FakeStages, engine: FakeEngine | None, policy: str = "adaptive", **kw: Any) -> EpdPipeline:
+    return EpdPipeline(stages.store, stages, KEYS, ENCODERS, colocated=engine, policy=policy, **kw)
+
+
+def run(p: EpdPipeline, req: GenerateRequest, path: str | None = None, request_id: str = "r1"):
+    async def go():
+        return [c async for c in p.run(req, request_id, path=path)]
+
+    return asyncio.run(go())
+
+
+def test_colocated_sends_new_media_to_the_engine(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    chunks = run(pipeline(stages, engine), request([PHOTO]), path=COLOCATED_PATH)
+    assert [c.token_ids for c in chunks] == [[200], [201], [202], [203]]
+    assert chunks[-1].serving_path == COLOCATED_PATH and not chunks[0].serving_path
+    assert {"hash", "lookup", "prefill", "decode"} == set(chunks[-1].timings_ms)
+    (image,) = engine.prompts[0]["multi_modal_data"]["image"]
+    assert isinstance(image, Image.Image) and image.size == (64, 48)
+    assert stages.encoded == [] and stages.prefill_refs == []  # no encoder, no prefill/decode
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_colocated_hands_store_hits_over_as_embeddings(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    run(p, request([PHOTO]), path=DISAGGREGATED_PATH)  # stores the embeddings
+    chunks = run(p, request([PHOTO]), path=COLOCATED_PATH)
+    assert len(stages.encoded) == 1 and chunks[-1].cache_hits == 1  # a hit never re-encodes
+    data = engine.prompts[0]["multi_modal_data"]["image"]
+    assert data["image_embeds"].shape == (4, 8) and data["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert engine.prompts[0]["multi_modal_uuids"] == {"image": [KEYS.key(PHOTO)]}
+    expected = asyncio.run(FakeStages(store).encode(PHOTO)).embeds  # the fake encodes from the bytes alone
+    assert torch.equal(data["image_embeds"], torch.from_numpy(expected))
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_colocated_with_some_images_stored_encodes_the_rest_first(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    run(p, request([PHOTO]), path=DISAGGREGATED_PATH)
+    chunks = run(p, request([PHOTO, OTHER]), path=COLOCATED_PATH)
+    assert len(stages.encoded) == 2 and "encode" in chunks[-1].timings_ms
+    data = engine.prompts[0]["multi_modal_data"]["image"]
+    assert data["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]  # one form for all images
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_forcing_disaggregated_under_adaptive_is_obeyed(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    for i in range(3):
+        chunks = run(p, request([PHOTO]), path=DISAGGREGATED_PATH, request_id=f"r{i}")
+        assert chunks[-1].serving_path == DISAGGREGATED_PATH and chunks[0].token_ids == [100]
+    assert engine.prompts == []
+
+
+def test_a_forced_path_that_is_not_served_is_a_clear_error(store):
+    stages = FakeStages(store)
+    with pytest.raises(EpdError) as info:
+        run(pipeline(stages, None), request([PHOTO]), path=COLOCATED_PATH)
+    assert info.value.code == ErrorCode.UNAVAILABLE
+    assert "'colocated' is not available" in info.value.message and "path=disaggregated" in info.value.message
+    assert stages.encoded == [] and store.metrics()["active_leases"] == 0
+
+
+def test_the_path_request_parameter():
+    assert requested_path(json.dumps({"path": "colocated"})) == COLOCATED_PATH
+    assert requested_path(json.dumps({"path": "adaptive"})) is None  # the deployment's rule, explicitly
+    assert requested_path(json.dumps({"encoder": "encoder_0"})) is None and requested_path(None) is None
+    with pytest.raises(EpdError) as info:
+        requested_path(json.dumps({"path": "fastest"}))
+    assert info.value.code == ErrorCode.INVALID_ARG and "disaggregated, colocated" in info.value.message
+
+
+def test_fixed_policies(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    assert run(pipeline(stages, engine, "disaggregated"), request([PHOTO]))[-1].serving_path == DISAGGREGATED_PATH
+    assert run(pipeline(stages, engine, "colocated"), request([PHOTO]))[-1].serving_path == COLOCATED_PATH
+    assert run(pipeline(stages, None), request([PHOTO]))[-1].serving_path == DISAGGREGATED_PATH  # the only one
+    with pytest.raises(ValueError, match="needs the colocated engine"):
+        pipeline(stages, None, "colocated")
+    with pytest.raises(ValueError, match="path_policy must be one of"):
+        pipeline(stages, engine, "fastest")
+
+
+def test_adaptive_probes_both_paths_then_follows_the_cost_model(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    cost = PathCostModel()
+    p = pipeline(stages, engine, cost_model=cost)
+    seen = [run(p, request([synthetic_image(64, 48, seed=10 + i)]), request_id=f"r{i}")[-1] for i in range(6)]
+    paths = [c.serving_path for c in seen]
+    assert set(paths[:2]) == {COLOCATED_PATH, DISAGGREGATED_PATH}  # one probe each, first
+    assert cost.predict(COLOCATED_PATH, p.shape(request([PHOTO]), _looked_up(p, [PHOTO]))) is not None
+    # Whatever the fakes measured, every later request goes to the path predicted cheaper.
+    for chunk in seen[2:]:
+        assert chunk.serving_path == cost.last.path  # type: ignore[union-attr]
+    assert store.metrics()["active_leases"] == 0
+
+
+def _looked_up(p: EpdPipeline, images: list[bytes]):
+    from python_backends.epd_references import LeasedReferences
+
+    leased = LeasedReferences()
+    p.references.lookup(images, leased, {})
+    p.references.release(leased)
+    return leased
+
+
+def test_on_decision_hook_sees_every_decision(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    seen = []
+
+    async def go():
+        async for _ in p.run(request([PHOTO]), "r1", path=DISAGGREGATED_PATH, on_decision=lambda d, c: seen.append(d)):
+            pass
+
+    asyncio.run(go())
+    assert [(d.path, d.reason) for d in seen] == [(DISAGGREGATED_PATH, "forced")]
+
+
+def test_cancelling_a_colocated_stream_aborts_the_engine_request_and_releases(store):
+    stages, engine = FakeStages(store), FakeEngine(hang_after_first=True)
+    p = pipeline(stages, engine)
+    run(p, request([PHOTO]), path=DISAGGREGATED_PATH)  # a stored image: a lease to give back
+
+    async def go():
+        gen = p.run(request([PHOTO]), "cancel-me", path=COLOCATED_PATH)
+        first = await gen.__anext__()
+        assert store.metrics()["active_leases"] == 1
+        await gen.aclose()
+        return first
+
+    assert asyncio.run(go()).token_ids == [200]
+    assert engine.aborted == ["cancel-me"]
+    assert store.metrics()["active_leases"] == 0 and p.cost.in_flight[COLOCATED_PATH] == 0

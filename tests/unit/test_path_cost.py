@@ -1,0 +1,110 @@
+"""The adaptive path rule (python_backends/path_cost.py) with fake timings and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH, SERVING_PATHS
+from python_backends.path_cost import PathCostModel, RequestShape, size_bucket
+
+UNIQUE = RequestShape(images=1, misses=1, largest_pixels=640 * 480, output_tokens=33)
+HIT = RequestShape(images=1, misses=0, largest_pixels=640 * 480, output_tokens=33)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def trained(colocated_first: float, colocated_token: float, encode: float, prefill: float, token: float,
+            clock: Clock | None = None, shared: bool = True) -> PathCostModel:
+    model = PathCostModel(clock=clock or Clock(), shared_compute=shared)
+    for shape in (UNIQUE, HIT):
+        model.observe_colocated(shape, colocated_first, colocated_token * 32, 33, load=1)
+        model.observe_disaggregated(shape, {"encode": encode, "prefill": prefill, "decode": token * 32}, 33, 1, 1)
+    return model
+
+
+def test_buckets() -> None:
+    assert [size_bucket(p) for p in (0, 300 * 300, 640 * 480, 1024 * 1024, 4000 * 3000)] == [
+        "none", "small", "medium", "large", "xlarge"]
+
+
+def test_predictions_add_the_stage_estimates() -> None:
+    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5)
+    assert model.predict(COLOCATED_PATH, UNIQUE) == pytest.approx(40 + 32 * 3)
+    assert model.predict(DISAGGREGATED_PATH, UNIQUE) == pytest.approx(55 + 25 + 32 * 5)
+    assert model.predict(DISAGGREGATED_PATH, HIT) == pytest.approx(25 + 32 * 5)  # no encode for a hit
+
+
+def test_picks_the_lower_prediction_either_way() -> None:
+    slow_colocated = trained(colocated_first=400, colocated_token=30, encode=55, prefill=25, token=5)
+    fast_colocated = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5)
+    assert slow_colocated.choose(UNIQUE, SERVING_PATHS).path == DISAGGREGATED_PATH
+    assert fast_colocated.choose(UNIQUE, SERVING_PATHS).path == COLOCATED_PATH
+    assert fast_colocated.choose(UNIQUE, SERVING_PATHS).reason == "predicted"
+
+
+def test_store_hits_change_the_decision() -> None:
+    # Encoding is what makes disaggregated lose here; with the image stored it wins.
+    model = trained(colocated_first=120, colocated_token=4, encode=200, prefill=20, token=4)
+    assert model.choose(UNIQUE, SERVING_PATHS).path == COLOCATED_PATH
+    model.observe_colocated(HIT, 120, 4 * 32, 33, load=1)
+    assert model.choose(HIT, SERVING_PATHS).path == DISAGGREGATED_PATH
+
+
+def test_load_scales_predictions_and_samples_are_per_unit_of_load() -> None:
+    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=False)
+    idle = model.predict(COLOCATED_PATH, UNIQUE)
+    for _ in range(3):
+        model.started(COLOCATED_PATH)
+    assert model.predict(COLOCATED_PATH, UNIQUE) == pytest.approx(4 * idle)  # type: ignore[operator]
+    # Not sharing compute: the other path's load is its own, so it now wins.
+    assert model.choose(UNIQUE, SERVING_PATHS).path == DISAGGREGATED_PATH
+    # A sample taken under load 4 counts a quarter per unit.
+    fresh = PathCostModel()
+    fresh.observe_colocated(UNIQUE, 400, 0, 1, load=4)
+    assert fresh.estimates[(COLOCATED_PATH, "first_token/media", "medium")].value == pytest.approx(100)
+
+
+def test_shared_compute_loads_both_paths_alike() -> None:
+    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=True)
+    for _ in range(7):
+        model.started(COLOCATED_PATH)
+    assert model.load(DISAGGREGATED_PATH) == model.load(COLOCATED_PATH) == 7
+    assert model.choose(UNIQUE, SERVING_PATHS).path == COLOCATED_PATH  # same cores: service time decides
+
+
+def test_unknown_paths_are_probed_one_at_a_time_then_refreshed_when_stale() -> None:
+    clock = Clock()
+    model = PathCostModel(clock=clock, probe_interval_s=30)
+    first = model.choose(UNIQUE, SERVING_PATHS)
+    assert first.reason == "probe" and first.predicted_ms == {DISAGGREGATED_PATH: None, COLOCATED_PATH: None}
+    model.started(first.path, probe=True)
+    assert model.choose(UNIQUE, SERVING_PATHS).reason == "predicted"  # one probe at a time
+    model.finished(first.path)
+
+    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, clock=clock)
+    assert model.choose(UNIQUE, SERVING_PATHS).path == COLOCATED_PATH
+    clock.now = 31.0
+    model.observe_colocated(UNIQUE, 40, 3 * 32, 33, load=1)  # colocated stays fresh, disaggregated ages
+    decision = model.choose(UNIQUE, SERVING_PATHS)
+    assert (decision.path, decision.reason) == (DISAGGREGATED_PATH, "probe")
+
+
+def test_ewma_follows_recent_samples() -> None:
+    model = PathCostModel(alpha=0.5)
+    for ms in (100, 100, 20, 20, 20):
+        model.observe_colocated(HIT, ms, 0, 1, load=1)
+    assert model.estimates[(COLOCATED_PATH, "first_token/embeds", "medium")].value == pytest.approx(30)
+
+
+def test_one_available_path_is_the_answer() -> None:
+    model = trained(colocated_first=400, colocated_token=30, encode=55, prefill=25, token=5)
+    decision = model.choose(UNIQUE, [COLOCATED_PATH])
+    assert (decision.path, decision.reason) == (COLOCATED_PATH, "only")
+    with pytest.raises(ValueError, match="no serving path"):
+        model.choose(UNIQUE, [])
