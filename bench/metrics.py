@@ -46,6 +46,7 @@ class RequestRecord:
     # Optional per-request server outputs: stage timings (ms) and cache hits.
     stage_ms: dict[str, float] = field(default_factory=dict)
     cache_hits: int | None = None
+    serving_path: str | None = None  # epd: the path that served it
     num_images: int = 0
     reused_images: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -193,6 +194,8 @@ def summarize(records: Sequence[RequestRecord], slo: Slo = Slo()) -> dict[str, A
     }
     hits = [r.cache_hits for r in done if r.cache_hits is not None]
     summary["cache_hits_reported"] = sum(hits) if hits else None
+    paths = [r.serving_path for r in done if r.serving_path]
+    summary["serving_paths"] = {path: paths.count(path) for path in sorted(set(paths))} if paths else None
     return summary
 
 

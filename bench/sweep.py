@@ -1,8 +1,11 @@
 """Modes x load points x repetitions against one server -> one results document.
 
 A mode is a model name with an optional media policy: ``llm``, ``ensemble``, ``epd``,
-``epd:repeated`` (reused media from a small pool, ``repeated_reuse_ratio``) or
-``epd:unique`` (no reuse). A mode whose model is not loaded is reported as skipped.
+``epd:repeated`` (reused media from a small pool, ``repeated_reuse_ratio``, prompts differ),
+``epd:unique`` (no reuse) or ``epd:identical`` (every request the same: one pool image, one
+prompt), and for ``epd`` an optional serving path (``epd:adaptive``, ``epd:disaggregated:repeated``,
+``epd:colocated:identical``), sent as the request parameter ``path``. A mode whose model is not
+loaded is reported as skipped.
 For each (mode, point): warm-up requests (excluded), then ``reps`` measured runs whose
 summaries are reduced to their median; /metrics and CPU time are read around each run.
 """
@@ -38,7 +41,8 @@ from bench.stages import disaggregation_reading, stage_breakdown
 from bench.triton_target import TritonGrpcTarget
 from bench.workload import WorkloadBuilder, WorkloadSpec
 
-MEDIA_POLICIES = ("default", "unique", "repeated")
+MEDIA_POLICIES = ("default", "unique", "repeated", "identical")
+PATH_POLICIES = ("adaptive", "disaggregated", "colocated")  # epd's (python_backends/contract)
 # Request keys of a noise retry: repetition + stride x attempt, never a key measured before.
 NOISE_RETRY_KEY_STRIDE = 1000
 RATIO_METRICS = (
@@ -58,17 +62,38 @@ class ModeSpec:
     label: str
     model: str
     media: str = "default"
+    path: str | None = None  # epd's serving path (request parameter ``path``)
 
     @classmethod
     def parse(cls, text: str) -> ModeSpec:
-        model, _, media = text.partition(":")
-        media = media or "default"
-        if not model or media not in MEDIA_POLICIES:
-            raise ValueError(f"mode {text!r}: use MODEL or MODEL:unique or MODEL:repeated")
-        return cls(text, model, media)
+        model, *options = text.split(":")
+        media, path = "default", None
+        for option in options:
+            if option in MEDIA_POLICIES and media == "default":
+                media = option
+            elif option in PATH_POLICIES and path is None:
+                path = option
+            else:
+                raise ValueError(
+                    f"mode {text!r}: use MODEL[:PATH][:MEDIA], PATH one of {PATH_POLICIES} (epd), "
+                    f"MEDIA one of {MEDIA_POLICIES[1:]}"
+                )
+        if not model:
+            raise ValueError(f"mode {text!r} names no model")
+        return cls(text, model, media, path)
 
     def reuse_ratio(self, spec: WorkloadSpec) -> float:
-        return {"default": spec.reuse_ratio, "unique": 0.0, "repeated": spec.repeated_reuse_ratio}[self.media]
+        return {"default": spec.reuse_ratio, "unique": 0.0, "repeated": spec.repeated_reuse_ratio, "identical": 1.0}[
+            self.media
+        ]
+
+    @property
+    def identical(self) -> bool:
+        return self.media == "identical"
+
+    def prepare_options(self) -> dict[str, Any]:
+        """Keyword arguments of the target's ``prepare`` for this mode (a path: Triton targets only)."""
+        return {"parameters": {"path": self.path}} if self.path else {}
 
 
 @dataclass
@@ -234,8 +259,8 @@ class Sweep:
             # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
             primers = self.builder.pool_primers() if reuse > 0 and config.prime_pool else []
             warm = [
-                target.prepare(r, mode.model)
-                for r in primers + self.builder.build(config.warmup_requests, reuse, "warmup", index)
+                target.prepare(r, mode.model, **mode.prepare_options())
+                for r in primers + self.builder.build(config.warmup_requests, reuse, "warmup", index, 0, mode.identical)
             ]
             await closed_loop(send, warm, point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
 
@@ -245,8 +270,8 @@ class Sweep:
                 # A retry gets fresh requests (its own key range): the discarded attempt's
                 # unique images are in the server's caches now.
                 key_rep = rep + NOISE_RETRY_KEY_STRIDE * attempt
-                built = self.builder.build(config.requests_per_point, reuse, "measure", index, key_rep)
-                items = [target.prepare(r, mode.model) for r in built]
+                built = self.builder.build(config.requests_per_point, reuse, "measure", index, key_rep, mode.identical)
+                items = [target.prepare(r, mode.model, **mode.prepare_options()) for r in built]
                 rep_summary, rep_records = await self._measure(send, items, point, index, rep, mode, layout)
                 other = rep_summary["cpu"].get("other_processes_cpu_share")
                 if (

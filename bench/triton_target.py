@@ -24,12 +24,14 @@ from client.epd_client import ONE_IMAGE_MODELS, build_inputs
 
 TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"
 CACHE_HITS_OUTPUT = "cache_hits"
+SERVING_PATH_OUTPUT = "serving_path"  # epd: the path that served the request
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
     request: BenchRequest
     inputs: list[Any]
+    parameters: dict[str, Any] | None = None  # Triton request parameters (epd's ``path``)
 
 
 class TritonGrpcTarget:
@@ -57,7 +59,7 @@ class TritonGrpcTarget:
             return f"cannot reach {self.url}: {exc}"
         return f"model '{model}' is not loaded on {self.url}"
 
-    def prepare(self, request: BenchRequest, model: str) -> PreparedRequest:
+    def prepare(self, request: BenchRequest, model: str, parameters: dict[str, Any] | None = None) -> PreparedRequest:
         # The same tensors the client library sends (ensemble takes its image as UINT8).
         inputs = build_inputs(
             self._grpc,
@@ -68,7 +70,7 @@ class TritonGrpcTarget:
             True,
             one_image_uint8=model in ONE_IMAGE_MODELS,
         )
-        return PreparedRequest(request, inputs)
+        return PreparedRequest(request, inputs, parameters)
 
     async def send(self, model: str, prepared: PreparedRequest, timeout_s: float) -> RequestRecord:
         """One request; transport and model errors end up in ``record.error``, never raised."""
@@ -78,7 +80,10 @@ class TritonGrpcTarget:
 
     async def _stream(self, model: str, prepared: PreparedRequest, record: RequestRecord, started: float) -> None:
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": model, "inputs": prepared.inputs, "request_id": prepared.request.key}
+            request = {"model_name": model, "inputs": prepared.inputs, "request_id": prepared.request.key}
+            if prepared.parameters:
+                request["parameters"] = prepared.parameters
+            yield request
 
         async for result, error in self.client.stream_infer(one_request()):
             arrived = time.perf_counter() - started
@@ -111,6 +116,9 @@ def read_response(result: Any, response: Any, record: RequestRecord) -> bool:
         record.finish_reason = (reason.decode() if isinstance(reason, bytes) else str(reason)) or record.finish_reason
     if CACHE_HITS_OUTPUT in names:
         record.cache_hits = int(result.as_numpy(CACHE_HITS_OUTPUT).reshape(-1)[0])
+    if SERVING_PATH_OUTPUT in names:
+        path = result.as_numpy(SERVING_PATH_OUTPUT).reshape(-1)[0]
+        record.serving_path = path.decode() if isinstance(path, bytes) else str(path)
     for name in names:
         if name.startswith(TIMING_PREFIX) and name.endswith(TIMING_SUFFIX):
             stage = name[len(TIMING_PREFIX) : -len(TIMING_SUFFIX)]

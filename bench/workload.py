@@ -11,6 +11,7 @@ the mode, so greedy outputs can be compared across modes request by request.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import zlib
 from collections.abc import Sequence
@@ -257,12 +258,21 @@ class WorkloadBuilder:
         self.prompts = PromptMaker(self.spec.tokenizer)
 
     def build(
-        self, count: int, reuse_ratio: float, phase: str = "measure", point: int = 0, rep: int = 0
+        self,
+        count: int,
+        reuse_ratio: float,
+        phase: str = "measure",
+        point: int = 0,
+        rep: int = 0,
+        identical: bool = False,
     ) -> list[BenchRequest]:
         # Lengths and image counts do not depend on the reuse ratio (a separate stream),
         # so `llm` and `llm:repeated` get the same shapes of work.
         shapes = np.random.default_rng([self.spec.seed, PHASES[phase], point, rep, 0])
         reuse = np.random.default_rng([self.spec.seed, PHASES[phase], point, rep, 1])
+        if identical:  # one request (first pool image, one prompt) sent `count` times
+            one = self._request(f"{phase}/{point}/{rep}/0", shapes, reuse, 1.0, pool_index=0)
+            return [dataclasses.replace(one, key=f"{phase}/{point}/{rep}/{i}") for i in range(count)]
         return [self._request(f"{phase}/{point}/{rep}/{i}", shapes, reuse, reuse_ratio) for i in range(count)]
 
     def pool_primers(self) -> list[BenchRequest]:

@@ -174,3 +174,38 @@ def test_open_loop_sends_on_schedule_and_counts_latency_from_it():
     assert by_key["2"].chunk_times[0] == pytest.approx(0.15, abs=0.04)
     assert result.max_dispatch_lag_s >= 0.09
     assert json.dumps(by_key["3"].to_json())  # records stay JSON-serialisable
+
+
+def test_identical_requests_share_prompt_image_and_sampling_but_not_keys():
+    builder = WorkloadBuilder(spec(media_pool_size=4, prompt_tokens=LengthDist.parse("uniform:8:32")))
+    requests = builder.build(6, 1.0, identical=True)
+    assert len({(r.prompt, r.images, json.dumps(r.sampling)) for r in requests}) == 1
+    assert len({r.key for r in requests}) == 6 and requests[0].reused_images == 1
+    assert requests[0].images == builder.pool_primers()[0].images  # the first pool image
+    assert len({r.prompt for r in builder.build(6, 1.0)}) > 1  # repeated: prompts differ
+
+
+@pytest.mark.parametrize(
+    ("text", "model", "media", "path"),
+    [
+        ("llm", "llm", "default", None),
+        ("llm:identical", "llm", "identical", None),
+        ("epd:adaptive", "epd", "default", "adaptive"),
+        ("epd:disaggregated:repeated", "epd", "repeated", "disaggregated"),
+        ("epd:unique:colocated", "epd", "unique", "colocated"),
+    ],
+)
+def test_mode_names_carry_media_and_path(text, model, media, path):
+    from bench.sweep import ModeSpec
+
+    mode = ModeSpec.parse(text)
+    assert (mode.label, mode.model, mode.media, mode.path) == (text, model, media, path)
+    assert mode.prepare_options() == ({"parameters": {"path": path}} if path else {})
+
+
+@pytest.mark.parametrize("text", ["epd:fastest", "epd:repeated:unique", ":repeated", "epd:colocated:adaptive"])
+def test_bad_mode_names_are_refused(text):
+    from bench.sweep import ModeSpec
+
+    with pytest.raises(ValueError, match="mode"):
+        ModeSpec.parse(text)
