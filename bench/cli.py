@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         nargs="+",
         default=list(DEFAULT_MODES),
-        help="MODEL[:unique|:repeated] ...; missing models are skipped",
+        help="MODEL[:PATH][:unique|:repeated|:identical] ...; PATH (epd): adaptive, disaggregated, colocated; "
+        "missing models are skipped",
     )
     _sweep_arguments(run, REPO_ROOT / "results" / "latest" / "bench", "triton-epd benchmark")
 

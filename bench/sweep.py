@@ -91,6 +91,13 @@ class ModeSpec:
     def identical(self) -> bool:
         return self.media == "identical"
 
+    @property
+    def media_namespace(self) -> str:
+        """epd's fixed paths get unique images of their own: one epd mode's encodes would make
+        another's unique images store hits. ``llm`` and ``epd``/``epd:adaptive`` (the pair the
+        path goals compare) see the same images, so their tokens compare request by request."""
+        return f"{self.path}/" if self.path in ("disaggregated", "colocated") else ""
+
     def prepare_options(self) -> dict[str, Any]:
         """Keyword arguments of the target's ``prepare`` for this mode (a path: Triton targets only)."""
         return {"parameters": {"path": self.path}} if self.path else {}
@@ -260,7 +267,9 @@ class Sweep:
             primers = self.builder.pool_primers() if reuse > 0 and config.prime_pool else []
             warm = [
                 target.prepare(r, mode.model, **mode.prepare_options())
-                for r in primers + self.builder.build(config.warmup_requests, reuse, "warmup", index, 0, mode.identical)
+                for r in primers + self.builder.build(
+                    config.warmup_requests, reuse, "warmup", index, 0, mode.identical, mode.media_namespace
+                )
             ]
             await closed_loop(send, warm, point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
 
@@ -270,7 +279,9 @@ class Sweep:
                 # A retry gets fresh requests (its own key range): the discarded attempt's
                 # unique images are in the server's caches now.
                 key_rep = rep + NOISE_RETRY_KEY_STRIDE * attempt
-                built = self.builder.build(config.requests_per_point, reuse, "measure", index, key_rep, mode.identical)
+                built = self.builder.build(
+                    config.requests_per_point, reuse, "measure", index, key_rep, mode.identical, mode.media_namespace
+                )
                 items = [target.prepare(r, mode.model, **mode.prepare_options()) for r in built]
                 rep_summary, rep_records = await self._measure(send, items, point, index, rep, mode, layout)
                 other = rep_summary["cpu"].get("other_processes_cpu_share")

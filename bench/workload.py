@@ -265,7 +265,10 @@ class WorkloadBuilder:
         point: int = 0,
         rep: int = 0,
         identical: bool = False,
+        namespace: str = "",
     ) -> list[BenchRequest]:
+        """``count`` requests; ``namespace`` keeps unique images apart from other modes' (the same
+        key in another namespace is another image)."""
         # Lengths and image counts do not depend on the reuse ratio (a separate stream),
         # so `llm` and `llm:repeated` get the same shapes of work.
         shapes = np.random.default_rng([self.spec.seed, PHASES[phase], point, rep, 0])
@@ -273,7 +276,10 @@ class WorkloadBuilder:
         if identical:  # one request (first pool image, one prompt) sent `count` times
             one = self._request(f"{phase}/{point}/{rep}/0", shapes, reuse, 1.0, pool_index=0)
             return [dataclasses.replace(one, key=f"{phase}/{point}/{rep}/{i}") for i in range(count)]
-        return [self._request(f"{phase}/{point}/{rep}/{i}", shapes, reuse, reuse_ratio) for i in range(count)]
+        return [
+            self._request(f"{phase}/{point}/{rep}/{i}", shapes, reuse, reuse_ratio, namespace=namespace)
+            for i in range(count)
+        ]
 
     def pool_primers(self) -> list[BenchRequest]:
         """One request per image of the reused pool, each showing that image only: the
@@ -293,6 +299,7 @@ class WorkloadBuilder:
         reuse_ratio: float,
         pool_index: int | None = None,
         num_images: int | None = None,
+        namespace: str = "",
     ) -> BenchRequest:
         spec = self.spec
         prompt_tokens = spec.prompt_tokens.sample(shapes)
@@ -310,7 +317,7 @@ class WorkloadBuilder:
                 size = spec.image_sizes[index % len(spec.image_sizes)]
                 reused += 1
             else:
-                image_key = f"unique/{key}/{slot}"
+                image_key = f"unique/{namespace}{key}/{slot}"
             images.append(self.media.image(image_key, size))
             keys.append(image_key)
         return BenchRequest(
