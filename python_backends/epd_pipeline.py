@@ -154,9 +154,10 @@ class EpdPipeline:
     ) -> AsyncIterator[GenerationChunk]:
         """Serve one request (``encoder``: pin its images' encodes to that encoder model;
         ``tenant``: the checked tenant whose key space its images and ``mm_hash`` references use,
-        under the ``isolated`` policy; ``path``: force that path; ``on_decision``: told the decision, e.g. for /metrics). The last chunk
-        carries the timings, cache counts and the path. Closing the iterator early (client
-        cancelled) stops the path and releases every lease."""
+        under the ``isolated`` policy; ``path``: force that path; ``on_decision``: told the
+        decision, e.g. for /metrics). The last chunk carries the timings, cache counts and the
+        path. Closing the iterator early (client cancelled) stops the path and releases every
+        lease."""
         timings: dict[str, float] = {}
         leased = LeasedReferences()
         try:
