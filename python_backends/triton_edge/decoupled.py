@@ -146,6 +146,10 @@ class DecoupledModel:
         self._lock = threading.Lock()
         self._accepting = True
         self.loop = EventLoopThread()
+        # Scraped by tests and operators: 0 once every request (cancelled ones too) has ended.
+        self._running_gauge = self.metrics.gauge(
+            f"epd_{self.model_name}_running_requests", f"Requests the {self.model_name} model is still serving"
+        )
         self.setup(args)
 
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> None:
@@ -166,12 +170,14 @@ class DecoupledModel:
             future = self.loop.submit(self._serve(parsed, request_id, sender, as_output))
             with self._lock:
                 self._running[request_id] = future
+                self._running_gauge.set(len(self._running))
             future.add_done_callback(functools.partial(self._forget, request_id))
 
     def _forget(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             if self._running.get(request_id) is future:
                 del self._running[request_id]
+            self._running_gauge.set(len(self._running))
 
     async def _serve(self, parsed: Any, request_id: str, sender: Any, as_output: bool) -> None:
         cancel = CancelWatch(sender)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
+
+from python_backends.pd.transfer import list_transfers
 
 
 class MetricHandle:
@@ -177,3 +180,20 @@ class PathMetrics:
         for (path, stage, bucket), value in cost_model.snapshot().items():
             m.gauge("epd_path_estimate_ms", "The cost model's stage estimates, ms per unit of load",
                     path=path, stage=stage, bucket=bucket).set(value)
+
+
+class KvTransferMetrics:
+    """``epd_kv_pending_transfers``: prefilled KV transfers in the node's KV folder that no decode
+    has consumed or discarded yet (0 once every request, cancelled ones too, has ended)."""
+
+    def __init__(self, metrics: ModelMetrics, store: Path) -> None:
+        self._store = store
+        self._pending = metrics.gauge("epd_kv_pending_transfers", "Prefilled KV transfers not yet consumed or dropped")
+
+    def refresh(self) -> None:
+        self._pending.set(len(list_transfers(self._store)))
+
+    async def refresh_every(self, period_s: float) -> None:
+        while True:
+            self.refresh()
+            await asyncio.sleep(period_s)

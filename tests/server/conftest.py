@@ -34,6 +34,7 @@ from builders.repository import TARGETS
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, StopReport, TritonServer
 from client.epd_client import GrpcClient, HttpClient
 from python_backends.store import EmbeddingStore, StoreConfig
+from tests.server import stop_dump
 
 SLOTS = 16
 SHM = Path("/dev/shm")  # tmpfs, like the served defaults
@@ -130,7 +131,8 @@ def serving(
     # Triton counts those models as live until its exit timeout. Collect them first, as a
     # process that had finished with its clients would have.
     gc.collect()
-    check_stop(server.stop(), known_exit_timeout)
+    report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
+    check_stop(report, known_exit_timeout)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from python_backends.pd.engines import DecodeEngine
 from python_backends.pd_stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
+from python_backends.triton_edge.metrics import KvTransferMetrics
 
 
 class TritonPythonModel(DecoupledModel):
@@ -25,6 +26,8 @@ class TritonPythonModel(DecoupledModel):
         self.max_tokens_limit = self.params.integer(contract.MAX_TOKENS_LIMIT)
         self.store = EmbeddingStore(self.params.store_config())
         self.engine = self.start_engine(args, DecodeEngine)
+        self.transfers = KvTransferMetrics(self.metrics, self.engine.store)
+        self.loop.submit(self.transfers.refresh_every(1.0))
 
     def parse(self, inputs, request):
         parsed = parse_stage_inputs(inputs, self.max_tokens_limit)
@@ -35,6 +38,10 @@ class TritonPythonModel(DecoupledModel):
         if parsed.transfer_params:  # prefilled KV no decode will take
             self.engine.discard(parsed.transfer_params)
         return None
+
+    def request_done(self):
+        super().request_done()
+        self.transfers.refresh()
 
     def request_id(self, parsed):
         return parsed[0].request_id or super().request_id(parsed)
