@@ -139,23 +139,24 @@ def test_adaptive_probes_both_paths_then_follows_the_cost_model(store):
     stages, engine = FakeStages(store), FakeEngine()
     cost = PathCostModel()
     p = pipeline(stages, engine, cost_model=cost)
-    seen = [run(p, request([synthetic_image(64, 48, seed=10 + i)]), request_id=f"r{i}")[-1] for i in range(6)]
-    paths = [c.serving_path for c in seen]
-    assert set(paths[:2]) == {COLOCATED_PATH, DISAGGREGATED_PATH}  # one probe each, first
-    assert cost.predict(COLOCATED_PATH, p.shape(request([PHOTO]), _looked_up(p, [PHOTO]))) is not None
-    # Whatever the fakes measured, every later request goes to the path predicted cheaper.
-    for chunk in seen[2:]:
-        assert chunk.serving_path == cost.last.path  # type: ignore[union-attr]
+    decisions = []
+
+    async def one(i: int) -> GenerationChunk:
+        image = synthetic_image(64, 48, seed=10 + i)
+        chunks = [c async for c in p.run(request([image]), f"r{i}", on_decision=lambda d, c: decisions.append(d))]
+        return chunks[-1]
+
+    seen = [asyncio.run(one(i)) for i in range(6)]
+    assert [c.serving_path for c in seen] == [d.path for d in decisions]
+    assert {d.path for d in decisions[:2]} == {COLOCATED_PATH, DISAGGREGATED_PATH}  # one probe each, first
+    assert [d.reason for d in decisions[:2]] == ["probe", "probe"]
+    # Then, whatever the fakes measured, each request goes to the path predicted cheaper for it.
+    for decision in decisions[2:]:
+        assert decision.reason == "predicted"
+        predicted = {path: ms for path, ms in decision.predicted_ms.items() if ms is not None}
+        assert set(predicted) == {COLOCATED_PATH, DISAGGREGATED_PATH}
+        assert decision.path == min(predicted, key=lambda path: predicted[path])
     assert store.metrics()["active_leases"] == 0
-
-
-def _looked_up(p: EpdPipeline, images: list[bytes]):
-    from python_backends.epd_references import LeasedReferences
-
-    leased = LeasedReferences()
-    p.references.lookup(images, leased, {})
-    p.references.release(leased)
-    return leased
 
 
 def test_on_decision_hook_sees_every_decision(store):
