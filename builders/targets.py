@@ -67,12 +67,13 @@ class PdServing:
     ``prefill`` and ``decode`` do not all pile onto one core).
     """
 
-    kv_store_path: str = "/dev/shm/triton-epd-kv"  # TransferIdConnector's folder (tmpfs)
+    # The node's transfer folder (tmpfs): every transfer's record (manifest, first token) and,
+    # with TransferIdConnector, its KV too.
+    kv_store_path: str = "/dev/shm/triton-epd-kv"
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    # vLLM KV connector between prefill and decode (python_backends/pd/engines.py, KV_CONNECTORS).
-    # "NixlConnector" (GPU to GPU) gets engine args that pass check_engine_args, but the engines
-    # still keep the epd transfer (prompt ids, digest, first token) in TransferIdConnector's
-    # folder and refuse it at start; until that is carried for NIXL, gpu keeps this default.
+    # vLLM KV connector between prefill and decode (python_backends/pd/engines.py, KV_CONNECTORS):
+    # TransferIdConnector (cpu, files in kv_store_path) or NixlConnector (gpu: the KV moves GPU to
+    # GPU, decode reads prefill's blocks). The epd transfer parameters are the same for both.
     kv_connector: str = "TransferIdConnector"
     # Scale-out (``--role pd``): epd's remote encoders; "local": the server's own encoder models.
     remote_encoders: str = contract.LOCAL_ENCODERS
@@ -267,6 +268,8 @@ TARGETS: dict[str, Target] = {
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         },
         encode=EncodeServing(device="gpu"),
+        # KV from prefill to decode GPU to GPU through vLLM's own connector (no host copy).
+        pd=PdServing(kv_connector="NixlConnector"),
         # The encoder's TensorRT output stays on the GPU: one device copy into the store.
         cache=CachePolicy(device="cuda:0"),
         gpu_budget=GpuBudget(gpus=1),

@@ -47,7 +47,17 @@ rounding, every prefill chunk), commits with a manifest that binds token ids + m
 hashes with a digest, validates all of it on the decode side before loading, reports any
 failure as a failed load (``kv_load_failure_policy="fail"`` -> ``finish_reason="error"``),
 is single-use (decode deletes it) and expires unconsumed transfers. Files live on tmpfs
-(``/dev/shm``), so a transfer is a memory copy on one node. Across nodes, or on GPUs, use
-Nixl (the engine wrappers take any engine args; only ``check_engine_args`` and the
-transfer-parameter format are specific to this connector).
+(``/dev/shm``), so a transfer is a memory copy on one node.
+
+On GPUs (the ``gpu`` target) the KV moves with vLLM's ``NixlConnector``, GPU to GPU: the KV
+stays in the prefill engine's blocks and Nixl's decode side reads them. The wrappers keep one
+contract for both connectors (:class:`.transfer.TransferParams`: transfer id, prompt digest,
+first token, and the connector's own ``kv_transfer_params`` handed to decode's request as they
+are) and the same decode-side checks: for Nixl the prefill wrapper writes the transfer's
+manifest (prompt ids, placeholders, image identities, a digest of Nixl's parameters) into the
+node folder itself, so an unknown, reused or altered transfer (e.g. a tampered block list) is
+refused before decode's engine sees it, and ``num_cached_tokens`` still proves the load (the
+P-side cache count Nixl adds is dropped). Prefill runs two steps under Nixl so the first token's
+KV is transferred too: decode's prompt is the prompt plus that token, and Nixl's decode side
+must not hold more KV blocks than prefill hands over.
 """

@@ -6,7 +6,9 @@ Who calls what:
   once in ``initialize`` with the engine args from its JSON (pass them through
   :func:`pd_engine_args`, or write the result of it into the JSON), then
   :meth:`PrefillEngine.prefill` per request. It returns the first token at once and the
-  :class:`TransferParams` (a <= 1 KB JSON object) that the BLS hands to ``decode``.
+  :class:`TransferParams` (a small JSON object: the transfer's id, digest and first token, and
+  the KV connector's own ``kv_transfer_params``) that the BLS hands to ``decode``, whichever
+  connector moves the KV (TransferIdConnector through the node folder, NixlConnector GPU to GPU).
 - ``decode`` model (decoupled python backend): ``DecodeEngine.start`` once, then
   :meth:`DecodeEngine.decode` per request; it yields tokens 2..N. It needs the same
   image embeddings as prefill (they identify the request's multimodal inputs and give
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +56,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
-CONNECTOR_NAME = "TransferIdConnector"
+CONNECTOR_NAME = tx.TRANSFER_ID_CONNECTOR
 CONNECTOR_MODULE = "python_backends.pd.connector"
-NIXL_CONNECTOR = "NixlConnector"
+NIXL_CONNECTOR = tx.NIXL_CONNECTOR
 # The connectors a target may choose (builders/targets.py, PdServing.kv_connector) -> the module
 # that holds it (None: vLLM's own). TransferIdConnector is the cpu default: files in a tmpfs
 # folder, keyed by our transfer id. NixlConnector (vLLM 0.32, ``nixl`` package) moves KV
-# GPU-to-GPU on one node (UCX/NVLink) without a host copy.
+# GPU-to-GPU on one node (UCX/NVLink) without a host copy. Both serve the same epd transfer
+# parameters (:class:`tx.TransferParams`, the connector's own ``kv_transfer_params`` inside) and
+# the same checks on the decode side; the node folder (``store_path``) holds every transfer's
+# record (manifest, first token) and, for TransferIdConnector only, its KV too.
 KV_CONNECTORS: dict[str, str | None] = {CONNECTOR_NAME: CONNECTOR_MODULE, NIXL_CONNECTOR: None}
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -113,9 +119,10 @@ def pd_engine_args(
     args = copy.deepcopy(dict(base))
     args["enable_mm_embeds"] = True
     ktc: dict[str, Any] = {"kv_connector": connector, "kv_role": _KV_ROLE[role], "kv_load_failure_policy": "fail"}
+    # Nixl reads only the extra keys it knows; store_path is the wrappers' record folder there.
+    ktc["kv_connector_extra_config"] = {"store_path": str(store_path)}
     if connector == CONNECTOR_NAME:
         ktc["kv_connector_module_path"] = CONNECTOR_MODULE
-        ktc["kv_connector_extra_config"] = {"store_path": str(store_path)}
     else:
         ktc["kv_buffer_device"] = "cuda"  # GPU to GPU, no host copy
     args["kv_transfer_config"] = ktc
@@ -125,9 +132,9 @@ def pd_engine_args(
     return args
 
 
-def check_engine_args(args: Mapping[str, Any], role: Role) -> Path | None:
-    """Refuse engine args that would let decode recompute silently; returns the store path
-    (TransferIdConnector's folder; None for a vLLM connector, which keeps no folder)."""
+def check_engine_args(args: Mapping[str, Any], role: Role) -> Path:
+    """Refuse engine args that would let decode recompute silently; returns the node's transfer
+    folder (``store_path``: every connector's records, TransferIdConnector's KV too)."""
     where = f"{role} engine args"
     ktc = args.get("kv_transfer_config")
     if not isinstance(ktc, Mapping):
@@ -141,13 +148,13 @@ def check_engine_args(args: Mapping[str, Any], role: Role) -> Path | None:
     if ktc.get("kv_load_failure_policy", "fail") != "fail":
         raise ValueError(f"{where}: kv_load_failure_policy must be 'fail' (a failed load must not recompute)")
     store = (ktc.get("kv_connector_extra_config") or {}).get("store_path")
-    if connector == CONNECTOR_NAME and not store:
+    if not store:
         raise ValueError(f"{where}: kv_connector_extra_config.store_path is missing")
     if not args.get("enable_mm_embeds"):
         raise ValueError(f"{where}: enable_mm_embeds must be true (images arrive as embeddings)")
     if role == "decode" and args.get("enable_prefix_caching", True) is not False:
         raise ValueError(f"{where}: enable_prefix_caching must be false on decode")
-    return Path(store) if store else None
+    return Path(store)
 
 
 async def _start_async_llm(engine_args: Mapping[str, Any]) -> Any:
@@ -200,25 +207,33 @@ class PrefillResult:
         )
 
 
+def image_identity(image: ImageEmbeds) -> str:
+    """The identity decode must match for a connector that does not check multimodal inputs
+    itself (Nixl): the store key, else a digest of the embeddings and grid."""
+    if image.uuid:
+        return image.uuid
+    import hashlib
+
+    digest = hashlib.sha256(repr(image.grid_thw).encode())
+    digest.update(image.embeds.detach().to("cpu").contiguous().numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
 class KvEngine:
-    """A vLLM AsyncLLM with our KV connector in ``ROLE``. Methods run on the event loop thread."""
+    """A vLLM AsyncLLM with a KV connector in ``ROLE``. Methods run on the event loop thread."""
 
     ROLE: Role
 
-    def __init__(self, engine: Any, store: Path) -> None:
+    def __init__(self, engine: Any, store: Path, connector: str = CONNECTOR_NAME) -> None:
         self.engine = engine
         self.store = store
+        self.connector = connector
 
     @classmethod
     async def start(cls, engine_args: Mapping[str, Any]) -> Self:
         store = check_engine_args(engine_args, cls.ROLE)
-        if store is None:
-            # The epd transfer parameters (transfer id, prompt digest, first token) are kept in
-            # TransferIdConnector's folder; carrying vLLM's own connector parameters through the
-            # same contract is not built yet, so refuse rather than serve a silent recompute.
-            connector = engine_args["kv_transfer_config"]["kv_connector"]
-            raise ValueError(f"{cls.ROLE}: the engines serve TransferIdConnector only so far, not {connector!r}")
-        return cls(await _start_async_llm(engine_args), store)
+        connector = str(engine_args["kv_transfer_config"]["kv_connector"])
+        return cls(await _start_async_llm(engine_args), store, connector)
 
     def unfinished_requests(self) -> int:
         return unfinished_requests(self.engine)
@@ -248,14 +263,7 @@ class PrefillEngine(KvEngine):
         ``cache_salt`` (vLLM's) keeps this request off prefix-cache entries of other salts.
         """
         sampling = dict(sampling or {})
-        max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         transfer_id = tx.new_transfer_id()
-        params = _sampling_params(
-            sampling,
-            {"max_tokens": 1, "min_tokens": min(int(sampling.get("min_tokens", 0) or 0), 1),
-             "output_kind": _output_kind(False)},
-            {tx.KEY_TRANSFER_ID: transfer_id},
-        )
         vllm_prompt: dict[str, Any] = (
             {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         )
@@ -267,9 +275,24 @@ class PrefillEngine(KvEngine):
                 vllm_prompt["multi_modal_uuids"] = uuids
         if cache_salt:
             vllm_prompt["cache_salt"] = cache_salt
+        if self.connector == CONNECTOR_NAME:
+            return await self._prefill_to_folder(vllm_prompt, sampling, transfer_id, request_id or transfer_id)
+        return await self._prefill_in_engine(vllm_prompt, images, sampling, transfer_id, request_id or transfer_id)
+
+    async def _prefill_to_folder(
+        self, vllm_prompt: dict[str, Any], sampling: dict[str, Any], transfer_id: str, request_id: str
+    ) -> PrefillResult:
+        """TransferIdConnector: the connector writes the KV and the manifest into the node folder."""
+        max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+        params = _sampling_params(
+            sampling,
+            {"max_tokens": 1, "min_tokens": min(int(sampling.get("min_tokens", 0) or 0), 1),
+             "output_kind": _output_kind(False)},
+            {tx.KEY_TRANSFER_ID: transfer_id},
+        )
         final = None
         with input_rejections("prefill engine"):
-            async for output in self.engine.generate(vllm_prompt, params, request_id or transfer_id):
+            async for output in self.engine.generate(vllm_prompt, params, request_id):
                 final = output
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             tx.remove_transfer(self.store, transfer_id)
@@ -300,6 +323,87 @@ class PrefillEngine(KvEngine):
             finish_reason=completion.finish_reason if done else None,
             transfer=transfer,
         )
+
+    async def _prefill_in_engine(
+        self,
+        vllm_prompt: dict[str, Any],
+        images: Sequence[ImageEmbeds],
+        sampling: dict[str, Any],
+        transfer_id: str,
+        request_id: str,
+    ) -> PrefillResult:
+        """A vLLM connector that keeps the KV in this engine until decode reads it (Nixl).
+
+        The request asks for ``{"do_remote_decode": true}`` and runs two steps, so that the
+        first token's KV is computed too: decode's prompt is the prompt plus that token (it
+        continues from prefill's token, also under random sampling), and Nixl's decode side
+        refuses to hold more KV blocks than the prefill side hands over. The second token is
+        dropped. What the connector returns becomes the ``kv_transfer_params`` of the
+        transfer parameters as-is (less the P-side cache count, which vLLM would report as
+        decode's ``num_cached_tokens``: that count is decode's proof of loading); the node
+        folder gets the manifest (prompt ids, placeholders, image identities, the digest of
+        those parameters) and the first token, which decode checks like TransferIdConnector's.
+        """
+        max_tokens = int(sampling.get("max_tokens", DEFAULT_MAX_TOKENS) or DEFAULT_MAX_TOKENS)
+        steps = 2 if max_tokens >= 2 else 1
+        params = _sampling_params(
+            sampling,
+            {"max_tokens": steps, "min_tokens": min(int(sampling.get("min_tokens", 0) or 0), steps),
+             "output_kind": _output_kind(True)},
+            {"do_remote_decode": True} if steps == 2 else {},
+        )
+        head = final = None
+        with input_rejections("prefill engine"):
+            async for output in self.engine.generate(vllm_prompt, params, request_id):
+                head = head or output
+                final = output
+        if head is None or final is None or not head.outputs or not head.outputs[0].token_ids:
+            raise EpdError("prefill produced no token", ErrorCode.INTERNAL)
+        first = head.outputs[0]
+        token = int(first.token_ids[0])
+        # Two tokens in one delta when this loop fell behind: the first one's text on its own.
+        text = first.text if len(first.token_ids) == 1 else self.engine.get_tokenizer().decode([token])
+        prompt_ids = list(head.prompt_token_ids or [])
+        finished_at_first = head.finished and len(first.token_ids) == 1
+        if steps == 1 or finished_at_first:
+            reason = first.finish_reason if finished_at_first else "length"
+            return PrefillResult(token, text, len(prompt_ids), reason or "length", None)
+        kv = dict(final.kv_transfer_params or {})
+        kv.pop(tx.NIXL_REPORTED_CACHE_KEY, None)
+        if final.outputs[0].finish_reason == "error" or kv.get("do_remote_prefill") is not True:
+            raise EpdError(f"prefill got no {self.connector} transfer parameters for decode", ErrorCode.INTERNAL)
+        placeholders: list[tuple[int, int]] = []
+        if images:
+            try:
+                placeholders = tx.placeholder_runs(
+                    prompt_ids, self._image_token_id(), [int(img.embeds.shape[0]) for img in images]
+                )
+            except ValueError as exc:
+                raise EpdError(f"prefill cannot describe the prompt for decode: {exc}", ErrorCode.INTERNAL) from None
+        manifest = tx.Manifest(
+            transfer_id=transfer_id, token_ids=prompt_ids, mm_hashes=[image_identity(img) for img in images],
+            chunks=[], layers=[], block_size=0, created=time.time(), mm_placeholders=placeholders,
+            connector=self.connector, kv_params_digest=tx.kv_params_digest(kv),
+        )  # fmt: skip
+        tx.write_manifest(self.store, manifest)
+        tx.write_first_token(self.store, transfer_id, token)
+        transfer = tx.TransferParams(
+            transfer_id, len(prompt_ids), token, manifest.digest, connector=self.connector, kv_transfer_params=kv
+        )
+        try:  # what decode will be handed must pass decode's own parsing
+            checked = tx.TransferParams.parse(transfer.to_json())
+        except EpdError as exc:
+            tx.remove_transfer(self.store, transfer_id)
+            raise EpdError(f"prefill made unusable transfer parameters: {exc.message}", ErrorCode.INTERNAL) from None
+        return PrefillResult(token, text, len(prompt_ids), None, checked)
+
+    def _image_token_id(self) -> int:
+        """The token vLLM expands into one placeholder per embedding row (Qwen2-VL's image pad)."""
+        hf_config = getattr(self.engine.model_config, "hf_config", None)
+        token = getattr(hf_config, "image_token_id", None)
+        if not isinstance(token, int):
+            raise ValueError("the model config names no image_token_id")
+        return token
 
 
 class DecodeEngine(KvEngine):
@@ -339,11 +443,29 @@ class DecodeEngine(KvEngine):
     ) -> AsyncIterator[GenerationChunk]:
         """Yield tokens 2..N of the request that prefill started."""
         params, manifest = self.resolve(transfer_params)
-        if len(images) != len(manifest.mm_hashes):
+        if len(images) != len(manifest.mm_hashes) or (
+            not manifest.holds_kv and [image_identity(img) for img in images] != manifest.mm_hashes
+        ):  # TransferIdConnector compares the multimodal hashes itself, inside the engine
             raise invalid_arg(
                 f"the transfer was prefilled with {len(manifest.mm_hashes)} image(s); decode got "
-                f"{len(images)}: send decode the same image embeddings as prefill"
+                f"{len(images)} that differ: send decode the same image embeddings as prefill"
             )
+        try:
+            async for chunk in self._decode(params, manifest, images, sampling, request_id, stream):
+                yield chunk
+        finally:
+            if not manifest.holds_kv:  # single use, as TransferIdConnector makes its transfers
+                tx.remove_transfer(self.store, params.transfer_id)
+
+    async def _decode(
+        self,
+        params: tx.TransferParams,
+        manifest: tx.Manifest,
+        images: Sequence[ImageEmbeds],
+        sampling: Mapping[str, Any] | None,
+        request_id: str | None,
+        stream: bool,
+    ) -> AsyncIterator[GenerationChunk]:
         sampling = dict(sampling or {})
         max_tokens = int(sampling.get("max_tokens", DEFAULT_MAX_TOKENS) or DEFAULT_MAX_TOKENS)
         if max_tokens < 2:
@@ -369,7 +491,7 @@ class DecodeEngine(KvEngine):
             async for output in self.engine.generate(prompt, vllm_params, request_id):
                 completion = output.outputs[0]
                 if completion.finish_reason == "error":
-                    raise self._load_error(params)
+                    raise self._load_error(params, manifest)
                 cached = int(output.num_cached_tokens or 0)
                 if first and cached < manifest.num_tokens:
                     await self.engine.abort(request_id)
@@ -389,7 +511,13 @@ class DecodeEngine(KvEngine):
                     num_cached_tokens=cached,
                 )
 
-    def _load_error(self, params: tx.TransferParams) -> EpdError:
+    def _load_error(self, params: tx.TransferParams, manifest: tx.Manifest) -> EpdError:
+        if not manifest.holds_kv:  # the prefill engine released or lost the blocks
+            return EpdError(
+                f"decode could not read KV transfer {params.transfer_id} from the prefill engine "
+                f"({params.connector}): its lease expired or the prefill engine is gone; retry the request",
+                ErrorCode.UNAVAILABLE,
+            )
         try:
             tx.read_manifest(self.store, params.transfer_id)
         except EpdError as exc:

@@ -19,6 +19,12 @@ receives are parsed and validated here (:meth:`TransferParams.parse`), the manif
 validated against them (:func:`check_manifest`), and the connector checks the decode
 request's own token ids and multimodal hashes against the manifest before it loads a byte.
 
+With NixlConnector (the gpu target's choice) the KV stays in the prefill engine's GPU blocks
+and Nixl's decode side reads them; the folder then holds only ``manifest.json`` (written by
+the prefill wrapper, no chunks, plus the digest of Nixl's ``kv_transfer_params``) and
+``first_token.json``. The transfer parameters are the same object for both connectors
+(:class:`TransferParams`: the connector's own ``kv_transfer_params`` inside).
+
 Transfer parameters (what travels from prefill to decode; small, JSON-able, versioned)::
 
     {"version": 1, "transfer_id": "<32 hex>", "num_prompt_tokens": 300,
@@ -32,6 +38,7 @@ and :func:`prompt_digest`. Nothing here imports vLLM, torch or Triton.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -46,7 +53,7 @@ from typing import Any
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 FIRST_TOKEN_NAME = "first_token.json"
@@ -59,7 +66,20 @@ _CHUNK = re.compile(r"^chunk-(\d{8})-(\d{8})\.safetensors$")
 KEY_TRANSFER_ID = "epd_transfer_id"
 KEY_DIGEST = "epd_digest"
 KEY_NUM_TOKENS = "epd_num_prompt_tokens"
-MAX_PARAMS_BYTES = 1024
+# The connectors whose ``kv_transfer_params`` the transfer parameters carry. TransferIdConnector
+# (ours, the cpu default) keeps KV in the node's folder; NixlConnector (vLLM's, GPU to GPU) keeps
+# it in the prefill engine's blocks until decode reads them.
+TRANSFER_ID_CONNECTOR = "TransferIdConnector"
+NIXL_CONNECTOR = "NixlConnector"
+CONNECTORS = (TRANSFER_ID_CONNECTOR, NIXL_CONNECTOR)
+# What Nixl's decode side needs from its prefill side's kv_transfer_params (vLLM 0.32,
+# nixl/pull_scheduler.py: get_num_new_matched_tokens / update_state_after_alloc).
+NIXL_REQUIRED_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+# vLLM reports this P-side count as decode's ``num_cached_tokens`` (output_processor.py), which
+# would hide whether decode loaded the KV: prefill drops it before the parameters leave.
+NIXL_REPORTED_CACHE_KEY = "remote_prefill_cached_tokens"
+# Nixl's remote_block_ids grow with the prompt (one id per KV block: ~2 KB for 8k tokens of 16).
+MAX_PARAMS_BYTES = 64 * 1024
 
 
 def new_transfer_id() -> str:
@@ -103,15 +123,38 @@ def _int_field(data: Mapping[str, Any], key: str, minimum: int) -> int:
     return value
 
 
+def kv_params_digest(kv_transfer_params: Mapping[str, Any]) -> str:
+    """SHA-256 of a connector's ``kv_transfer_params`` in canonical JSON (recorded by prefill,
+    compared by decode: altered block ids would read whatever lives in those blocks now)."""
+    text = json.dumps(kv_transfer_params, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(b"epd-kv-params-v1\0" + text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class TransferParams:
-    """What decode needs from prefill. Built by the prefill wrapper, validated by decode."""
+    """What decode needs from prefill: one contract for every connector. Built by the prefill
+    wrapper, carried by ``epd`` as the ``transfer_params`` tensor, validated by decode.
+
+    ``kv_transfer_params`` are the connector's own (handed to the decode engine's request as
+    they are): for TransferIdConnector our ``epd_*`` keys (derived from the other fields, and
+    checked to be exactly those), for NixlConnector what vLLM's prefill request returned.
+    ``transfer_id`` names the node's record of the transfer (manifest, first token) for every
+    connector, so decode checks the same things whichever moves the KV.
+    """
 
     transfer_id: str
     num_prompt_tokens: int
     first_token_id: int
     digest: str
+    connector: str = TRANSFER_ID_CONNECTOR
+    kv_transfer_params: Mapping[str, Any] | None = None
     version: int = PARAMS_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_params is None and self.connector == TRANSFER_ID_CONNECTOR:
+            derived: dict[str, Any] = {KEY_TRANSFER_ID: self.transfer_id, KEY_DIGEST: self.digest}
+            derived[KEY_NUM_TOKENS] = self.num_prompt_tokens
+            object.__setattr__(self, "kv_transfer_params", derived)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,7 +176,9 @@ class TransferParams:
             data = raw
         if not isinstance(data, Mapping):
             raise invalid_arg("KV transfer parameters must be a JSON object")
-        unknown = set(data) - {"version", "transfer_id", "num_prompt_tokens", "first_token_id", "digest"}
+        known = {"version", "transfer_id", "num_prompt_tokens", "first_token_id", "digest", "connector",
+                 "kv_transfer_params"}
+        unknown = set(data) - known
         if unknown:
             raise invalid_arg(f"unknown KV transfer parameter(s): {sorted(unknown)}")
         version = data.get("version")
@@ -147,25 +192,49 @@ class TransferParams:
         digest = data.get("digest")
         if not isinstance(digest, str) or not _DIGEST.match(digest):
             raise invalid_arg("KV transfer parameter 'digest' must be 64 lowercase hex characters")
-        return cls(
+        connector = data.get("connector")
+        if connector not in CONNECTORS:
+            raise invalid_arg(f"KV transfer parameter 'connector' must be one of {list(CONNECTORS)}, got {connector!r}")
+        kv = data.get("kv_transfer_params")
+        if not isinstance(kv, Mapping):
+            raise invalid_arg("KV transfer parameter 'kv_transfer_params' must be a JSON object")
+        params = cls(
             transfer_id=transfer_id,
             num_prompt_tokens=_int_field(data, "num_prompt_tokens", 1),
             first_token_id=_int_field(data, "first_token_id", 0),
             digest=digest,
+            connector=connector,
+            kv_transfer_params=dict(kv),
         )
+        params._check_connector_params()
+        return params
+
+    def _check_connector_params(self) -> None:
+        kv = self.connector_params()
+        if self.connector == TRANSFER_ID_CONNECTOR:
+            expected = TransferParams(self.transfer_id, self.num_prompt_tokens, self.first_token_id, self.digest)
+            if kv != expected.connector_params():
+                raise invalid_arg("TransferIdConnector's kv_transfer_params must name this transfer, digest and length")
+            return
+        missing = [key for key in NIXL_REQUIRED_KEYS if key not in kv]
+        if kv.get("do_remote_prefill") is not True or missing:
+            raise invalid_arg(
+                f"kv_transfer_params of {self.connector} must come from its prefill request "
+                f"(do_remote_prefill true; missing {missing})"
+            )
 
     def connector_params(self) -> dict[str, Any]:
-        """The ``kv_transfer_params`` the decode engine's connector reads."""
-        return {
-            KEY_TRANSFER_ID: self.transfer_id,
-            KEY_DIGEST: self.digest,
-            KEY_NUM_TOKENS: self.num_prompt_tokens,
-        }
+        """The ``kv_transfer_params`` the decode engine's request carries (a copy: vLLM's
+        connectors update the dict they are given)."""
+        return copy.deepcopy(dict(self.kv_transfer_params or {}))
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """The commit record of one transfer, written by the producer's scheduler side."""
+    """The commit record of one transfer. TransferIdConnector: written by the connector's
+    producer side, with the chunks and layers of the KV files beside it. Any other connector
+    (the KV stays in the prefill engine): written by the prefill wrapper, no chunks or layers,
+    with the digest of the connector's ``kv_transfer_params`` that decode must be given."""
 
     transfer_id: str
     token_ids: list[int]
@@ -176,7 +245,14 @@ class Manifest:
     created: float
     # (offset, length) of each multimodal item's placeholder run in token_ids
     mm_placeholders: list[tuple[int, int]] = field(default_factory=list)
+    connector: str = TRANSFER_ID_CONNECTOR
+    kv_params_digest: str = ""  # connectors other than TransferIdConnector: kv_params_digest(...)
     version: int = MANIFEST_VERSION
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether the KV itself is in the transfer's folder (TransferIdConnector)."""
+        return self.connector == TRANSFER_ID_CONNECTOR
 
     @property
     def num_tokens(self) -> int:
@@ -206,11 +282,19 @@ class Manifest:
         mm_hashes = data.get("mm_hashes")
         if not isinstance(mm_hashes, list) or not all(isinstance(h, str) for h in mm_hashes):
             raise ValueError("mm_hashes must be a list of strings")
+        connector = data.get("connector", TRANSFER_ID_CONNECTOR)
+        if connector not in CONNECTORS:
+            raise ValueError(f"unknown connector {connector!r}")
+        holds_kv = connector == TRANSFER_ID_CONNECTOR
         layers = data.get("layers")
-        if not isinstance(layers, list) or not layers or not all(isinstance(x, str) for x in layers):
+        if not isinstance(layers, list) or (holds_kv and not layers) or not all(isinstance(x, str) for x in layers):
             raise ValueError("layers must be a non-empty list of layer names")
         chunks = [tuple(c) for c in data.get("chunks", [])]
-        check_chunks_cover(chunks, len(token_ids))
+        kv_digest = data.get("kv_params_digest", "")
+        if holds_kv:
+            check_chunks_cover(chunks, len(token_ids))
+        elif chunks or not isinstance(kv_digest, str) or not _DIGEST.match(kv_digest):
+            raise ValueError(f"a {connector} transfer has no chunks and needs the digest of its kv_transfer_params")
         placeholders = [tuple(p) for p in data.get("mm_placeholders", [])]
         check_placeholders(placeholders, len(token_ids))
         if len(placeholders) != len(mm_hashes):
@@ -224,6 +308,8 @@ class Manifest:
             block_size=int(data.get("block_size", 0)),
             created=float(data.get("created", 0.0)),
             mm_placeholders=placeholders,  # type: ignore[arg-type]
+            connector=connector,
+            kv_params_digest=kv_digest if not holds_kv else "",
         )
         if not is_transfer_id(manifest.transfer_id):
             raise ValueError("bad transfer_id")
@@ -277,6 +363,27 @@ def collapse_placeholders(token_ids: Sequence[int], placeholders: Sequence[Seque
     return out
 
 
+def placeholder_runs(token_ids: Sequence[int], placeholder_id: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(offset, length) of each image's expanded placeholder run in a prompt vLLM processed:
+    the maximal runs of ``placeholder_id``, which must be one per image with the image's number
+    of embedding rows (``sizes``). Used where no connector reports the placeholders (Nixl)."""
+    runs: list[tuple[int, int]] = []
+    index = 0
+    while index < len(token_ids):
+        if token_ids[index] != placeholder_id:
+            index += 1
+            continue
+        start = index
+        while index < len(token_ids) and token_ids[index] == placeholder_id:
+            index += 1
+        runs.append((start, index - start))
+    if [length for _, length in runs] != list(sizes):
+        raise ValueError(
+            f"image placeholder runs {[length for _, length in runs]} differ from the images' sizes {list(sizes)}"
+        )
+    return runs
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -286,6 +393,8 @@ def _atomic_write(path: Path, text: str) -> None:
 def write_manifest(store: Path, manifest: Manifest) -> Path:
     """Commit a transfer: the manifest appears atomically, after every chunk."""
     folder = transfer_dir(store, manifest.transfer_id)
+    if not manifest.holds_kv:
+        folder.mkdir(parents=True, exist_ok=True)
     for start, end in manifest.chunks:
         if not (folder / chunk_name(start, end)).is_file():
             raise FileNotFoundError(f"chunk {start}-{end} of transfer {manifest.transfer_id} is missing")
@@ -342,6 +451,13 @@ def check_manifest(params: TransferParams, manifest: Manifest, first_token_id: i
         raise invalid_arg(
             f"KV transfer parameters do not match transfer {params.transfer_id}: "
             "first_token_id differs from the token prefill produced"
+        )
+    if manifest.connector != params.connector or (
+        not manifest.holds_kv and manifest.kv_params_digest != kv_params_digest(params.connector_params())
+    ):
+        raise invalid_arg(
+            f"KV transfer parameters do not match transfer {params.transfer_id}: "
+            f"the {params.connector} kv_transfer_params differ from the ones prefill recorded"
         )
 
 

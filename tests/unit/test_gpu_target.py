@@ -188,17 +188,27 @@ def test_cuda_graph_shapes_are_the_models_input_dims(tiny_model: Path) -> None:
 # KV connector: chosen by the target description
 
 
-def test_cpu_keeps_transfer_id_connector_and_nixl_args_pass_the_check() -> None:
+def test_cpu_keeps_transfer_id_connector_and_gpu_takes_nixl() -> None:
     assert TARGETS["cpu"].pd.kv_connector == "TransferIdConnector"
+    assert GPU.pd.kv_connector == NIXL_CONNECTOR
     base = {"model": "/m", "max_model_len": 128}
     for role in ("prefill", "decode"):
-        args = pd_engine_args(base, role, "/unused", NIXL_CONNECTOR)
+        args = pd_engine_args(base, role, "/dev/shm/kv", NIXL_CONNECTOR)
         ktc = args["kv_transfer_config"]
         assert ktc["kv_connector"] == NIXL_CONNECTOR and "kv_connector_module_path" not in ktc
-        assert ktc["kv_load_failure_policy"] == "fail"
-        assert check_engine_args(args, role) is None  # no folder: vLLM's connector moves the KV
+        assert ktc["kv_load_failure_policy"] == "fail" and ktc["kv_buffer_device"] == "cuda"
+        # The folder holds the transfer records (manifest, first token) for Nixl too.
+        assert check_engine_args(args, role) == Path("/dev/shm/kv")
     with pytest.raises(ValueError, match="kv connector must be one of"):
         pd_engine_args(base, "prefill", "/s", "ExampleConnector")
+
+
+def test_generated_gpu_repository_serves_nixl(tiny_model: Path) -> None:
+    files = repository_files(GPU.fitted_to_checkpoint(tiny_model), tiny_model, FACTS)
+    for role in ("prefill", "decode"):
+        args = json.loads(files[f"{role}/1/engine_args.json"])
+        assert args["kv_transfer_config"]["kv_connector"] == NIXL_CONNECTOR
+        assert check_engine_args(args, role) == Path(GPU.pd.kv_store_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -39,9 +40,28 @@ def _commit(store: Path, manifest: tx.Manifest) -> None:
 
 
 def _params(manifest: tx.Manifest, **change) -> dict:
-    data = tx.TransferParams(TID, manifest.num_tokens, 42, manifest.digest).to_dict()
-    data.update(change)
-    return data
+    fields = {"transfer_id": TID, "num_prompt_tokens": manifest.num_tokens, "first_token_id": 42,
+              "digest": manifest.digest, **change}  # fmt: skip
+    return tx.TransferParams(**fields).to_dict()
+
+
+# What vLLM 0.32's NixlConnector returns from a prefill request (nixl/pull_scheduler.py).
+NIXL_KV = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4, 5]],
+    "remote_engine_id": "prefill-engine", "remote_request_id": "r1", "remote_host": "localhost",
+    "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 41,
+    "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+}  # fmt: skip
+
+
+def _nixl_params(**change) -> dict:
+    fields = {"transfer_id": TID, "num_prompt_tokens": 40, "first_token_id": 7, "digest": "a" * 64,
+              "connector": tx.NIXL_CONNECTOR, "kv_transfer_params": NIXL_KV, **change}  # fmt: skip
+    return tx.TransferParams(**fields).to_dict()
+
+
+def _valid(**change) -> dict:
+    return {**tx.TransferParams(TID, 3, 1, "a" * 64).to_dict(), **change}
 
 
 # --------------------------------------------------------------------------- parameters
@@ -50,10 +70,23 @@ def _params(manifest: tx.Manifest, **change) -> dict:
 def test_params_round_trip_is_small_json() -> None:
     params = tx.TransferParams(TID, 300, 17, "a" * 64)
     text = params.to_json()
-    assert len(text) < 200
+    assert len(text) < 512
     assert tx.TransferParams.parse(text) == params
     assert tx.TransferParams.parse(text.encode()) == params
     assert tx.TransferParams.parse(json.loads(text)) == params
+    assert params.connector == tx.TRANSFER_ID_CONNECTOR
+
+
+def test_one_contract_for_both_connectors() -> None:
+    """The same object, tensor and checks carry each connector's own kv_transfer_params."""
+    ours = tx.TransferParams.parse(_valid())
+    nixl = tx.TransferParams.parse(_nixl_params())
+    assert set(ours.to_dict()) == set(nixl.to_dict())
+    assert ours.connector_params() == {tx.KEY_TRANSFER_ID: TID, tx.KEY_DIGEST: "a" * 64, tx.KEY_NUM_TOKENS: 3}
+    assert nixl.connector_params() == NIXL_KV  # handed to the decode engine as vLLM made them
+    handed = nixl.connector_params()
+    handed["do_remote_prefill"] = False  # Nixl's scheduler updates the dict it is given ...
+    assert nixl.connector_params()["do_remote_prefill"] is True  # ... not the parsed parameters
 
 
 @pytest.mark.parametrize(
@@ -61,36 +94,23 @@ def test_params_round_trip_is_small_json() -> None:
     [
         ("not json", "not valid JSON"),
         ("[1, 2]", "JSON object"),
-        (
-            {"version": 2, "transfer_id": TID, "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64},
-            "version",
-        ),
-        (
-            {"version": 1, "transfer_id": "../etc", "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64},
-            "transfer_id",
-        ),
-        (
-            {"version": 1, "transfer_id": TID.upper(), "num_prompt_tokens": 1, "first_token_id": 0, "digest": "a" * 64},
-            "transfer_id",
-        ),
-        (
-            {"version": 1, "transfer_id": TID, "num_prompt_tokens": 0, "first_token_id": 0, "digest": "a" * 64},
-            "num_prompt_tokens",
-        ),
-        (
-            {"version": 1, "transfer_id": TID, "num_prompt_tokens": True, "first_token_id": 0, "digest": "a" * 64},
-            "num_prompt_tokens",
-        ),
-        (
-            {"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": -1, "digest": "a" * 64},
-            "first_token_id",
-        ),
-        ({"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": 1, "digest": "xyz"}, "digest"),
-        (
-            {"version": 1, "transfer_id": TID, "num_prompt_tokens": 3, "first_token_id": 1, "digest": "a" * 64, "x": 1},
-            "unknown",
-        ),
-        ("x" * 2000, "over"),
+        (_valid(version=1), "version"),
+        (_valid(transfer_id="../etc"), "transfer_id"),
+        (_valid(transfer_id=TID.upper()), "transfer_id"),
+        (_valid(num_prompt_tokens=0), "num_prompt_tokens"),
+        (_valid(num_prompt_tokens=True), "num_prompt_tokens"),
+        (_valid(first_token_id=-1), "first_token_id"),
+        (_valid(digest="xyz"), "digest"),
+        (_valid(x=1), "unknown"),
+        (_valid(connector="ExampleConnector"), "connector"),
+        (_valid(kv_transfer_params=[1]), "kv_transfer_params"),
+        # TransferIdConnector's parameters must name this very transfer.
+        (_valid(kv_transfer_params={tx.KEY_TRANSFER_ID: "f" * 32, tx.KEY_DIGEST: "a" * 64, tx.KEY_NUM_TOKENS: 3}),
+         "must name this transfer"),
+        (_nixl_params(kv_transfer_params={**NIXL_KV, "do_remote_prefill": False}), "do_remote_prefill"),
+        (_nixl_params(kv_transfer_params={k: v for k, v in NIXL_KV.items() if k != "remote_block_ids"}),
+         "remote_block_ids"),
+        ("x" * (tx.MAX_PARAMS_BYTES + 1), "over"),
     ],
 )
 def test_params_reject_bad_input(raw, needle) -> None:
@@ -179,6 +199,54 @@ def test_check_manifest_catches_altered_params(tmp_path: Path) -> None:
     for recorded in (41, None):
         with pytest.raises(EpdError, match="first_token_id"):
             tx.check_manifest(tx.TransferParams.parse(_params(manifest)), manifest, recorded)
+
+
+def _nixl_manifest(kv=NIXL_KV) -> tx.Manifest:
+    return tx.Manifest(
+        transfer_id=TID, token_ids=[5, 9, 9, 6], mm_hashes=["img"], chunks=[], layers=[], block_size=0,
+        created=1.0, mm_placeholders=[(1, 2)], connector=tx.NIXL_CONNECTOR, kv_params_digest=tx.kv_params_digest(kv),
+    )  # fmt: skip
+
+
+def test_nixl_manifest_holds_no_kv_and_binds_the_connector_params(tmp_path: Path) -> None:
+    manifest = _nixl_manifest()
+    tx.write_manifest(tmp_path, manifest)  # no chunk files: the KV stays in the prefill engine
+    read = tx.read_manifest(tmp_path, TID)
+    assert read == manifest and not read.holds_kv
+    params = tx.TransferParams.parse(_nixl_params(num_prompt_tokens=4, digest=manifest.digest))
+    tx.check_manifest(params, read, 7)
+    altered = {**NIXL_KV, "remote_block_ids": [[0, 1, 2]]}  # would read other requests' KV
+    for bad in (_nixl_params(num_prompt_tokens=4, digest=manifest.digest, kv_transfer_params=altered),
+                tx.TransferParams(TID, 4, 7, manifest.digest).to_dict()):  # fmt: skip
+        with pytest.raises(EpdError, match="kv_transfer_params differ") as err:
+            tx.check_manifest(tx.TransferParams.parse(bad), read, 7)
+        assert err.value.code == ErrorCode.INVALID_ARG
+
+
+def test_nixl_manifest_without_its_params_digest_is_damaged(tmp_path: Path) -> None:
+    tx.write_manifest(tmp_path, dataclasses.replace(_nixl_manifest(), kv_params_digest=""))
+    with pytest.raises(EpdError) as err:
+        tx.read_manifest(tmp_path, TID)
+    assert err.value.code == ErrorCode.INTERNAL
+
+
+@pytest.mark.parametrize(
+    "tokens, sizes, expected",
+    [
+        ([1, 9, 9, 9, 2], [3], [(1, 3)]),
+        ([9, 9, 3, 9, 9, 9, 9], [2, 4], [(0, 2), (3, 4)]),
+        ([1, 2, 3], [], []),
+    ],
+)
+def test_placeholder_runs(tokens, sizes, expected) -> None:
+    assert tx.placeholder_runs(tokens, 9, sizes) == expected
+    assert tx.collapse_placeholders(tokens, expected) == [t for i, t in enumerate(tokens) if t != 9 or
+                                                         i == 0 or tokens[i - 1] != 9]  # fmt: skip
+
+
+def test_placeholder_runs_must_match_the_images() -> None:
+    with pytest.raises(ValueError, match="differ"):
+        tx.placeholder_runs([1, 9, 9, 2, 9], 9, [2])
 
 
 def test_first_token_record(tmp_path: Path) -> None:
