@@ -214,8 +214,10 @@ def image_identity(image: ImageEmbeds) -> str:
         return image.uuid
     import hashlib
 
-    digest = hashlib.sha256(repr(image.grid_thw).encode())
-    digest.update(image.embeds.detach().to("cpu").contiguous().numpy().tobytes())
+    import torch
+
+    digest = hashlib.sha256(f"{image.grid_thw}{image.embeds.dtype}{tuple(image.embeds.shape)}".encode())
+    digest.update(image.embeds.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return "sha256:" + digest.hexdigest()
 
 
@@ -338,7 +340,8 @@ class PrefillEngine(KvEngine):
         first token's KV is computed too: decode's prompt is the prompt plus that token (it
         continues from prefill's token, also under random sampling), and Nixl's decode side
         refuses to hold more KV blocks than the prefill side hands over. The second token is
-        dropped. What the connector returns becomes the ``kv_transfer_params`` of the
+        dropped (a request that ends at its first token leaves its blocks to Nixl's lease,
+        ``kv_lease_duration``). What the connector returns becomes the ``kv_transfer_params`` of the
         transfer parameters as-is (less the P-side cache count, which vLLM would report as
         decode's ``num_cached_tokens``: that count is decode's proof of loading); the node
         folder gets the manifest (prompt ids, placeholders, image identities, the digest of
@@ -355,7 +358,8 @@ class PrefillEngine(KvEngine):
         head = final = None
         with input_rejections("prefill engine"):
             async for output in self.engine.generate(vllm_prompt, params, request_id):
-                head = head or output
+                if head is None:
+                    head = output
                 final = output
         if head is None or final is None or not head.outputs or not head.outputs[0].token_ids:
             raise EpdError("prefill produced no token", ErrorCode.INTERNAL)

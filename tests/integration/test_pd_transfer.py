@@ -259,6 +259,14 @@ def test_bad_transfer_params_are_clear_errors(engines: Engines) -> None:
     result = engines.run(engines.prefill.prefill(prompt, images, GREEDY))
     good = result.transfer.to_dict()
 
+    def altered(**change: Any) -> dict:
+        """``good`` with fields changed as a client could: the connector's parameters follow
+        them (otherwise parsing alone refuses the mismatch, before the checks shown here)."""
+        from python_backends.pd import transfer as tx
+
+        fields = {k: v for k, v in good.items() if k not in ("kv_transfer_params", "version")}
+        return tx.TransferParams(**{**fields, **change}).to_dict()
+
     def decode_error(params: Any, decode_images: list) -> EpdError:
         async def run() -> None:
             async for _ in engines.decode.decode(params, decode_images, GREEDY):
@@ -272,13 +280,15 @@ def test_bad_transfer_params_are_clear_errors(engines: Engines) -> None:
     cases = [
         ("garbage", "{not json", images, ErrorCode.INVALID_ARG, "JSON"),
         ("wrong version", {**good, "version": 7}, images, ErrorCode.INVALID_ARG, "version"),
-        ("path traversal", {**good, "transfer_id": "../../etc/passwd"}, images, ErrorCode.INVALID_ARG, "transfer_id"),
-        ("unknown id", {**good, "transfer_id": "0" * 32}, images, ErrorCode.NOT_FOUND, "not found"),
-        ("altered digest", {**good, "digest": "f" * 64}, images, ErrorCode.INVALID_ARG, "do not match"),
-        ("altered token count", {**good, "num_prompt_tokens": good["num_prompt_tokens"] - 1}, images,
+        ("path traversal", altered(transfer_id="../../etc/passwd"), images, ErrorCode.INVALID_ARG, "transfer_id"),
+        ("unknown id", altered(transfer_id="0" * 32), images, ErrorCode.NOT_FOUND, "not found"),
+        ("altered digest", altered(digest="f" * 64), images, ErrorCode.INVALID_ARG, "do not match"),
+        ("altered token count", altered(num_prompt_tokens=good["num_prompt_tokens"] - 1), images,
          ErrorCode.INVALID_ARG, "do not match"),
-        ("altered first token", {**good, "first_token_id": (good["first_token_id"] + 1) % 1000}, images,
+        ("altered first token", altered(first_token_id=(good["first_token_id"] + 1) % 1000), images,
          ErrorCode.INVALID_ARG, "first_token_id"),
+        ("connector parameters naming another transfer", {**good, "kv_transfer_params": {
+            **good["kv_transfer_params"], "epd_transfer_id": "0" * 32}}, images, ErrorCode.INVALID_ARG, "name this"),
         ("images missing", good, [], ErrorCode.INVALID_ARG, "image"),
         ("other image", good, other_image, ErrorCode.INVALID_ARG, "could not load"),
     ]
