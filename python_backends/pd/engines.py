@@ -68,6 +68,8 @@ NIXL_CONNECTOR = tx.NIXL_CONNECTOR
 # record (manifest, first token) and, for TransferIdConnector only, its KV too.
 KV_CONNECTORS: dict[str, str | None] = {CONNECTOR_NAME: CONNECTOR_MODULE, NIXL_CONNECTOR: None}
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Records of transfers that a connector other than TransferIdConnector moves: swept by prefill.
+RECORD_SWEEP_S, RECORD_MAX_AGE_S = 30.0, 300.0
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,7 @@ class PrefillEngine(KvEngine):
             chunks=[], layers=[], block_size=0, created=time.time(), mm_placeholders=placeholders,
             connector=self.connector, kv_params_digest=tx.kv_params_digest(kv),
         )  # fmt: skip
+        self._sweep_records()
         tx.write_manifest(self.store, manifest)
         tx.write_first_token(self.store, transfer_id, token)
         transfer = tx.TransferParams(
@@ -400,6 +403,15 @@ class PrefillEngine(KvEngine):
             tx.remove_transfer(self.store, transfer_id)
             raise EpdError(f"prefill made unusable transfer parameters: {exc.message}", ErrorCode.INTERNAL) from None
         return PrefillResult(token, text, len(prompt_ids), None, checked)
+
+    def _sweep_records(self, now: float | None = None) -> None:
+        """Remove records no decode took (client gone, BLS crashed), as TransferIdConnector's
+        producer sweeps its transfers: at most every RECORD_SWEEP_S, those older than
+        RECORD_MAX_AGE_S (Nixl has released their blocks long before, by its lease)."""
+        now = time.time() if now is None else now
+        if now - getattr(self, "_last_sweep", 0.0) >= RECORD_SWEEP_S:
+            self._last_sweep = now
+            tx.sweep_expired(self.store, RECORD_MAX_AGE_S, now)
 
     def _image_token_id(self) -> int:
         """The token vLLM expands into one placeholder per embedding row (Qwen2-VL's image pad)."""

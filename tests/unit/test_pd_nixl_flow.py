@@ -26,7 +26,7 @@ import pytest
 
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.pd import transfer as tx
-from python_backends.pd.engines import DecodeEngine, ImageEmbeds, PrefillEngine
+from python_backends.pd.engines import RECORD_MAX_AGE_S, DecodeEngine, ImageEmbeds, PrefillEngine
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -208,3 +208,16 @@ def test_decode_that_computed_the_prompt_itself_fails(tmp_path: Path, schedulers
     with pytest.raises(EpdError, match="instead of loading them") as err:
         _run(_collect(decode, wire, [_image()]))
     assert err.value.code == ErrorCode.INTERNAL
+
+
+def test_prefill_sweeps_records_no_decode_took(tmp_path: Path, schedulers: tuple[Any, Any]) -> None:
+    import os
+    import time
+
+    prefill, _ = _engines(tmp_path, schedulers)
+    stale = tmp_path / ("f" * 32)
+    stale.mkdir()
+    old = time.time() - 2 * RECORD_MAX_AGE_S
+    os.utime(stale, (old, old))
+    wire = _prefill(prefill).chunk().transfer_params
+    assert tx.list_transfers(tmp_path) == [tx.TransferParams.parse(wire).transfer_id]
