@@ -131,12 +131,15 @@ def _image_input(image: bytes) -> Any:
 
 async def _stream_one(client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None,
                       timeout_s: float) -> Any:
-    """One request to a decoupled model over a gRPC stream: its first response."""
+    """One request to a decoupled model over a gRPC stream: its first response. The stream is
+    read to its end (the server closes it after the request's final response): cancelling a
+    finished request's stream left the encoder model unable to unload at stop."""
 
     async def requests() -> AsyncIterator[dict[str, Any]]:
         yield {"model_name": model, "inputs": inputs, "parameters": dict(parameters or {})}
 
     responses = client.stream_infer(requests(), stream_timeout=timeout_s)
+    answer = None
     try:
         async for result, error in responses:
             if error is not None:
@@ -144,11 +147,14 @@ async def _stream_one(client: Any, model: str, inputs: list[Any], parameters: Ma
             if result is not None and (errors := result.as_numpy(contract.ERROR)) is not None:
                 fields = json.loads(bytes(errors.reshape(-1)[0]))  # errors_as_outputs: the code survives
                 raise EpdError(f"{model}: {fields['message']}", ErrorCode(fields["code"]))
-            if result is not None and result.get_response().outputs:
-                return result
+            if answer is None and result is not None and result.get_response().outputs:
+                answer = result
+    except BaseException:
+        responses.cancel()  # a failed or abandoned call: the server stops working on it
+        raise
+    if answer is None:
         raise ConnectionError(f"{model}: the stream ended without an answer")
-    finally:
-        responses.cancel()
+    return answer
 
 
 def checked_embedding(embeds: Any, grid: Any, merge_size: int) -> EncodedImage:

@@ -124,7 +124,9 @@ def test_epd_over_remote_encoders_equals_llm_and_encodes_each_image_once(topolog
         prompt = prompt_of(len(images))
         llm = tokens_of(pd, "llm", prompt, images).result
         again = tokens_of(pd, "epd", prompt, images)
-        same = again.result.token_ids == llm.token_ids and (not images or again.cache_hits == len(images))
+        # A repeat inside one request may count once or twice (as in test_epd_acceptance).
+        hits_ok = again.cache_hits is not None and len(set(images)) <= again.cache_hits <= len(images)
+        same = again.result.token_ids == llm.token_ids and hits_ok
         mismatches += not same
         rows.append(f"{'ok ' if same else 'BAD'} {name} (stored): hits {again.cache_hits}")
     assert mismatches == 0, "\n".join(rows)
