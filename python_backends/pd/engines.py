@@ -177,6 +177,28 @@ def _sampling_params(sampling: Mapping[str, Any], overrides: Mapping[str, Any], 
         raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
 
 
+def primed_prompt_text(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """The text vLLM's streaming detokenizer wrongly puts before decode's first piece, or "".
+
+    vLLM primes ``tokenizers.decoders.DecodeStream`` with the request's prompt ids. Decode's
+    prompt ends with prefill's token; when that token ends inside a UTF-8 character (byte-level
+    BPE, e.g. the first byte of a CJK character), DecodeStream (tokenizers 0.23) keeps no prefix
+    and its first complete step returns the whole prompt's text (special tokens skipped) before
+    the new character. That text is decode(prompt ids without the first token): strip it.
+    ``tokenizer``: the Rust ``tokenizers.Tokenizer`` (vLLM's ``renderer.tokenizer._tokenizer``).
+    """
+    if tokenizer is None or not prompt_ids:
+        return ""
+    # A character is at most 4 bytes: the last 8 tokens tell whether the prompt ends inside one.
+    if not tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens).endswith("\ufffd"):
+        return ""
+    return str(tokenizer.decode(list(prompt_ids[:-1]), skip_special_tokens))
+
+
+def strip_primed_prompt(text: str, primed: str) -> str:
+    return text[len(primed) :] if primed and text.startswith(primed) else text
+
+
 def _output_kind(stream: bool) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
@@ -501,6 +523,8 @@ class DecodeEngine(KvEngine):
             if uuids:
                 prompt["multi_modal_uuids"] = uuids
         request_id = request_id or f"decode-{params.transfer_id}"
+        skip_special = vllm_params.skip_special_tokens
+        primed = primed_prompt_text(self._rust_tokenizer(), prompt["prompt_token_ids"], skip_special)
         produced = 1  # prefill's first token
         first = True
         with input_rejections("decode engine"):
@@ -518,14 +542,22 @@ class DecodeEngine(KvEngine):
                     )
                 first = False
                 produced = 1 + len(completion.token_ids) if not stream else produced + len(completion.token_ids)
+                text = completion.text
+                if primed and text:  # the first text out: the only one the priming bug can touch
+                    text, primed = strip_primed_prompt(text, primed), ""
                 yield GenerationChunk(
-                    text=completion.text,
+                    text=text,
                     token_ids=list(completion.token_ids),
                     num_output_tokens=produced,
                     finish_reason=completion.finish_reason,
                     finished=output.finished,
                     num_cached_tokens=cached,
                 )
+
+    def _rust_tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` vLLM's detokenizer steps (None: no fast tokenizer)."""
+        renderer = getattr(self.engine, "renderer", None)
+        return getattr(getattr(renderer, "tokenizer", None), "_tokenizer", None)
 
     def _load_error(self, params: tx.TransferParams, manifest: tx.Manifest) -> EpdError:
         if not manifest.holds_kv:  # the prefill engine released or lost the blocks
