@@ -109,7 +109,7 @@ def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) 
     return ProcessGroup("openai-server", command, log_path=log_path)
 
 
-def run_demo(server: TritonServer) -> int:
+def run_demo(server: TritonServer, openai_url: str | None = None) -> int:
     from client.epd_client import ClientError, GrpcClient, chat_prompt
 
     client = GrpcClient(server.grpc_url, "llm")
@@ -129,6 +129,10 @@ def run_demo(server: TritonServer) -> int:
         client.close()
     print(f"\n>>> {result.num_input_tokens} input tokens, {result.num_output_tokens} output tokens "
           f"(random weights: the text is meaningless, the pipeline is real)")
+    if openai_url is not None:  # the same question through the OpenAI API, with the official client
+        from client.openai_server.demo import run as openai_demo
+
+        return openai_demo(openai_url)
     return 0
 
 
@@ -209,13 +213,15 @@ def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup
             f"  metrics {server.metrics_url}",
             flush=True,
         )
+        openai_url = None
         if openai is not None:
             openai.start()
             port = openai.command[-1]
             wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [openai], 120, "the OpenAI API")
-            print(f"  OpenAI  http://127.0.0.1:{port}/v1", flush=True)
+            openai_url = f"http://127.0.0.1:{port}/v1"
+            print(f"  OpenAI  {openai_url}", flush=True)
         if demo:
-            return run_demo(server)
+            return run_demo(server, openai_url)
         print("serving; Ctrl-C to stop", flush=True)
         while server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
