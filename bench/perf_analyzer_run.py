@@ -33,6 +33,14 @@ from bench.perf_analyzer_tool import PerfAnalyzer, locate, version_of
 from bench.server_stats import scrape
 from builders.tritonserver import REPO_ROOT
 
+# A shared, noisy machine rarely gives perf_analyzer three windows within its default 10%: keep its
+# numbers (reported with their spread) instead of failing the run.
+STABILITY_PERCENT = 1000
+# perf_analyzer 2.41's shared memory refuses a model with an optional input the data leaves out:
+# ``llm`` declares ``image_embeds``/``image_grid_thw`` (by-value embeddings), which an image request
+# cannot also carry. ``epd`` declares only what the data has.
+SHM_MODELS = ("epd",)
+
 
 def counters(metrics_url: str, model: str) -> dict[str, float]:
     snapshot = scrape(metrics_url)
@@ -53,7 +61,8 @@ def perf_analyzer_command(
     command = [
         str(tool.binary), "-m", model, "-i", "grpc", "-u", url, "--streaming", "--input-data", str(inputs),
         "--concurrency-range", str(concurrency), "--measurement-mode", "count_windows",
-        "--measurement-request-count", str(count), "--max-trials", "5", "--stability-percentage", "50",
+        "--measurement-request-count", str(count), "--max-trials", "3",
+        "--stability-percentage", str(STABILITY_PERCENT),
         "-f", str(out / "report.csv"), "--profile-export-file", str(out / "profile.json"),
     ]  # fmt: skip
     if shared_memory:  # BYTES outputs have no fixed size: a region size per output
@@ -129,7 +138,9 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [
         "# perf_analyzer against triton-epd", "", f"Command: `{summary['command']}`", "",
         f"perf_analyzer: {summary['perf_analyzer']} (`make tools`); gRPC streaming, count windows of "
-        f"{summary['window_requests']} requests; inputs: {summary['inputs']}.", "",
+        f"{summary['window_requests']} requests (stability check off: shared 2-core machine); inputs: "
+        f"{summary['inputs']}. `llm` is not run with `--shared-memory system`: perf_analyzer 2.41 refuses "
+        "shared memory for a model with an optional input the data leaves out (`image_embeds`).", "",
         "| model | c | shm | exit | infer/s | p50 latency ms | recorded | no response | server ok | server failed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -165,12 +176,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "latest" / "perf-analyzer")
     parser.add_argument("--count", type=int, default=8, help="data entries (perf_analyzer plays them round robin)")
     parser.add_argument("--runs", nargs="+", default=["llm:1", "llm:2", "epd:1", "epd:2", "epd:4"],
-                        help="MODEL:CONCURRENCY, each with and without system shared memory")  # fmt: skip
+                        help="MODEL:CONCURRENCY, also with system shared memory where perf_analyzer can")  # fmt: skip
     parser.add_argument("--window-requests", type=int, default=16)
     parser.add_argument("--compare-model", default="llm")
     parser.add_argument("--harness-reps", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=600)
-    parser.add_argument("--tokenizer", type=Path)
     _workload_arguments(parser)
     args = parser.parse_args(argv)
     args.metrics_url = args.metrics_url or f"http://{args.url.rpartition(':')[0]}:8002/metrics"
@@ -194,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     for run in args.runs:
         model, concurrency = run.split(":")
-        for shm in (False, True):
+        for shm in (False, True) if model in SHM_MODELS else (False,):
             print(f"[perf_analyzer] {model} c={concurrency} shm={shm}", file=sys.stderr, flush=True)
             inputs = args.out / "inputs" / f"{model}.json"
             runs.append(run_perf_analyzer(tool, args, model, inputs, int(concurrency), shm))

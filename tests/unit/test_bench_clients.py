@@ -4,6 +4,7 @@ command and results table (the runs themselves: tests/server/test_perf_analyzer.
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -75,3 +76,22 @@ def test_summary_rows_carry_ratios_to_vllm_serve():
     assert not any(key.endswith("_vs_vllm") for key in baseline)
     table = markdown(rows, "t", "cmd")
     assert "| epd | 1 | 8 | 0 | 3.00 (1.50x) |" in table
+
+
+def test_perf_analyzer_run_reads_its_csv_and_export(tmp_path: Path):
+    from bench.perf_analyzer_run import read_run
+
+    (tmp_path / "report.csv").write_text(
+        "Concurrency,Inferences/Second,p50 latency\n2,1.5,976295\n"
+    )
+    ms = 1_000_000  # export timestamps are nanoseconds
+    requests = [
+        {"timestamp": 0, "response_timestamps": [100 * ms, 300 * ms]},
+        {"timestamp": 0, "response_timestamps": [200 * ms, 500 * ms]},
+        {"timestamp": 0, "response_timestamps": []},
+    ]
+    (tmp_path / "profile.json").write_text(json.dumps({"experiments": [{"requests": requests}]}))
+    run = read_run(tmp_path)
+    assert run["infer_per_s"] == 1.5 and run["p50_latency_ms"] == pytest.approx(976.295)
+    assert run["requests_recorded"] == 3 and run["requests_without_response"] == 1
+    assert run["export_first_response_p50_ms"] == 150 and run["export_last_response_p50_ms"] == 400
