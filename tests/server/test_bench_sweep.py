@@ -1,23 +1,17 @@
-"""The benchmark harness end to end against the real server: a tiny sweep through the
-CLI, and perf_analyzer on our generated inputs where its wheel can run (glibc >= 2.38)."""
+"""The benchmark harness end to end against the real server: a tiny sweep through the CLI.
+(perf_analyzer on our generated inputs: tests/server/test_perf_analyzer.py.)"""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.cli import main
-from bench.machine import glibc_version
 from builders.tritonserver import TritonServer
 
 pytestmark = pytest.mark.server
-
-PERF_ANALYZER_GLIBC = (2, 38)
 
 
 def test_tiny_sweep_end_to_end(server: TritonServer, tmp_path: Path):
@@ -56,30 +50,3 @@ def test_tiny_sweep_end_to_end(server: TritonServer, tmp_path: Path):
     assert cost["server_cpu_ms_per_request"] > 0 and cost["client_cpu_ms_per_request"] > 0
     for name in ("raw.json", "results.csv", "results.md", "latency_vs_concurrency.png", "throughput_vs_rate.png"):
         assert (out / name).stat().st_size > 0
-
-
-def _glibc_text() -> str:
-    version = glibc_version()
-    return "no glibc" if version is None else f"glibc {version[0]}.{version[1]}"
-
-
-@pytest.mark.skipif(
-    (glibc_version() or (0, 0)) < PERF_ANALYZER_GLIBC,
-    reason=f"perf_analyzer's PyPI wheel needs glibc >= 2.38; this machine has {_glibc_text()}",
-)
-def test_perf_analyzer_streams_generated_inputs(server: TritonServer, tmp_path: Path):
-    binary = shutil.which("perf_analyzer") or shutil.which("perf_analyzer", path=str(Path(sys.executable).parent))
-    if binary is None:
-        pytest.skip("perf_analyzer is not installed: pip install perf-analyzer==2.60.0")
-    assert main([
-        "perf-analyzer-inputs", "--out", str(tmp_path), "--models", "llm", "--count", "2",
-        "--output-tokens", "8", "--image-size", "128x96", "--url", server.grpc_url,
-    ]) == 0
-    base = [binary, "-m", "llm", "-i", "grpc", "-u", server.grpc_url, "--streaming",
-            "--input-data", str(tmp_path / "llm.json"), "--concurrency-range", "1",
-            "--measurement-interval", "2000", "--max-trials", "3", "--stability-percentage", "100"]
-    shared_memory = ["--shared-memory", "system", "--output-shared-memory-size", "1048576"]
-    for extra in ([], shared_memory):
-        done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        assert "Throughput" in done.stdout
