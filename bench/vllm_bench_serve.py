@@ -184,6 +184,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--targets", nargs="+", default=[*OUR_MODELS, BASELINE], choices=[*OUR_MODELS, BASELINE])
     parser.add_argument("--openai-url", help="use this running OpenAI server of ours instead of starting one")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per vllm bench serve run")
+    parser.add_argument(
+        "--keep-raw",
+        action="store_true",
+        help="also table the other targets' results already in OUT/raw (a run split in two invocations, "
+        "e.g. ours from --openai-url, then vllm serve after ours is stopped)",
+    )
     return parser.parse_args(argv)
 
 
@@ -226,6 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with vllm_serve(model_dir, out / "logs") as (url, served):
             sweep(url, BASELINE, served)
 
+    if args.keep_raw:
+        for path in sorted(raw.glob("*-c*.json")):
+            target, _, level = path.stem.rpartition("-c")
+            if target in (*OUR_MODELS, BASELINE) and level.isdigit():
+                results.setdefault(target, {}).setdefault(int(level), json.loads(path.read_text()))
+    results = {t: results[t] for t in (*OUR_MODELS, BASELINE) if t in results}
     rows = summarize(results)
     command = "python -m bench.vllm_bench_serve " + shlex.join(argv)
     from bench.machine import describe_machine
@@ -242,10 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     title = "vllm bench serve: our OpenAI API (epd, llm) vs vllm serve"
     (out / "results.md").write_text(markdown(rows, title, command))
+    previous = (out / "COMMAND.md").read_text() if args.keep_raw and (out / "COMMAND.md").is_file() else ""
     (out / "COMMAND.md").write_text(
-        f"# Reproduce\n\n```bash\n{command}\n```\n\nEach `vllm bench serve` run:\n\n```bash\n"
+        previous
+        + f"# Reproduce\n\n```bash\n{command}\n```\n\nEach `vllm bench serve` run:\n\n```bash\n"
         + "\n".join(commands)
-        + "\n```\n"
+        + "\n```\n\n"
     )
     print((out / "results.md").read_text())
     return 0 if all(row["failed"] == 0 for row in rows) else 1
