@@ -51,7 +51,7 @@ from builders.targets import (
     resolved_target,
 )
 from python_backends import contract
-from python_backends.contract import DALI_FILE, ONNX_FILE, CachePolicy
+from python_backends.contract import DALI_FILE, DISAGGREGATED_PATH, ONNX_FILE, CachePolicy
 
 # What callers of this module (the launcher, benchmarks, tests) import from it.
 __all__ = [
@@ -129,10 +129,14 @@ def write_repository(
     files of the others; the encoder artefacts stay, as ``epd`` keys images by their digest.
     ``gpus``: the gpu target's number of GPUs (``Target.with_gpus``).
     ``remote_encoders``: epd's remote encoder servers (``python_backends/scaleout/endpoints.py``).
-    ``path_policy``: epd's path policy (``PdServing.path_policy``; None: the target's)."""
+    ``path_policy``: epd's path policy (``PdServing.path_policy``; None: the target's, except
+    that a ``pd`` role server with remote encoders is ``disaggregated``: its encoders are what
+    it scales out, and the colocated path would run a fourth engine that encodes in place)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if remote_encoders:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, remote_encoders=remote_encoders))
+    if path_policy is None and role == "pd" and remote_encoders:
+        path_policy = DISAGGREGATED_PATH
     if path_policy is not None:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, path_policy=path_policy))
     model_dir = Path(model_dir).resolve()

@@ -102,6 +102,10 @@ def test_launcher_role_and_node_id_reach_the_configs(tmp_path: Path, model_dir: 
     write_repository("cpu", model_dir, out, tmp_path / "stamps", cache=policy, role=args.role)
     epd = (out / "epd" / "config.pbtxt").read_text()
     assert 'key: "node_id"' in epd and 'string_value: "node-b"' in epd
+    write_repository("cpu", model_dir, out, tmp_path / "stamps", cache=policy, role="pd", remote_encoders="e:8001")
+    epd = (out / "epd" / "config.pbtxt").read_text()
+    # A pd server with remote encoders runs no colocated engine: every image goes to the encoders.
+    assert 'string_value: "e:8001"' in epd and 'string_value: "disaggregated"' in epd
     assert launcher.cache_policy(launcher.parse_args([])) is None  # defaults: the target's own policy
     assert launcher.parse_args([]).role == "all"
     with pytest.raises(SystemExit):
