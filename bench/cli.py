@@ -409,8 +409,16 @@ def command_perf_analyzer_inputs(args: argparse.Namespace) -> int:
     return 0
 
 
+# ``python -m bench crash|soak ...``: stage crashes under load, and the long mixed-load soak.
+SEPARATE_COMMANDS = {"crash": "bench.crash", "soak": "bench.soak"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SEPARATE_COMMANDS:  # experiments with their own argument parser
+        import importlib
+
+        return int(importlib.import_module(SEPARATE_COMMANDS[argv[0]]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in the results: the exact command that produced them
     handlers = {

@@ -19,6 +19,7 @@ from typing import Any
 
 from builders.processes import ProcessGroup, http_ok, wait_until_ready
 from builders.roles import ROLES, Role, load_model_args
+from builders.stage_watch import StageWatch
 from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 
@@ -223,7 +224,11 @@ def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup
         if demo:
             return run_demo(server, openai_url)
         print("serving; Ctrl-C to stop", flush=True)
+        watch = StageWatch(server.process.pid) if server.process is not None else None
         while server.process is not None and server.process.poll() is None:
+            lost = watch.lost() if watch is not None else []
+            if lost:
+                return stop_after_stage_crash(server, lost)
             time.sleep(0.5)
         return server.process.returncode if server.process else 1
     except KeyboardInterrupt:
@@ -234,6 +239,21 @@ def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup
             openai.stop(timeout_s=10)
         server.stop()  # never leave tritonserver behind, whatever failed
         raise
+
+
+# Exit code of a launcher whose server lost a stage (a stub or a vLLM engine core died).
+STAGE_CRASHED = 3
+# A dead stub's model never unloads: Triton would wait its whole exit timeout for it.
+STOP_AFTER_CRASH_S = 15.0
+
+
+def stop_after_stage_crash(server: TritonServer, lost: list[str]) -> int:
+    """A stage died: Triton cannot recover it (builders/stage_watch.py says why), so stop the
+    server at once; health checks then fail and the orchestrator starts it again on the same store."""
+    print(f"stage crashed: {', '.join(sorted(set(lost)))} died; stopping tritonserver so that its health "
+          "checks fail and an orchestrator restarts it (the embedding store is reused)", flush=True)
+    server.stop(timeout_s=STOP_AFTER_CRASH_S)
+    return STAGE_CRASHED
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""The processes of one running tritonserver, found by role, and what each one holds.
+
+Used by the launcher (:class:`StageWatch`: stop the server when a stage died), the crash
+harness (``bench.crash``: which pid to SIGKILL) and the soak
+(``bench.soak``: RSS, open fds and threads of every process over time). Roles:
+
+``tritonserver``       the server itself;
+``stub:<model>``       the python-backend stub of ``<model>`` (one per instance; the first);
+``engine:<model>``     the vLLM engine-core process under that model's stub (V1: a child process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+STUB_BINARY = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class ServerProcess:
+    role: str
+    pid: int
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def stub_model(process: psutil.Process) -> str | None:
+    """The model a stub process serves (from its ``<repo>/<model>/1/model.py`` argument), else None."""
+    args = _cmdline(process)
+    if not args or not args[0].endswith(STUB_BINARY) or len(args) < 2:
+        return None
+    parts = args[1].split("/")
+    return parts[-3] if len(parts) >= 3 else None
+
+
+def _is_engine_core(process: psutil.Process) -> bool:
+    # vLLM names its engine-core process "VLLM::EngineCore" (setproctitle); older builds keep python's name.
+    try:
+        name = process.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return "EngineCore" in name or any("EngineCore" in arg for arg in _cmdline(process))
+
+
+def server_processes(server_pid: int) -> list[ServerProcess]:
+    """tritonserver, each model's stub(s) and each vLLM engine core under a stub, by role."""
+    found = [ServerProcess("tritonserver", server_pid)]
+    try:
+        children = psutil.Process(server_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    for child in children:
+        model = stub_model(child)
+        if model is None:
+            continue
+        found.append(ServerProcess(f"stub:{model}", child.pid))
+        try:
+            descendants = child.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for grandchild in descendants:
+            if _is_engine_core(grandchild):
+                found.append(ServerProcess(f"engine:{model}", grandchild.pid))
+    return found
+
+
+def find_role(server_pid: int, role: str) -> int:
+    """The pid of ``role`` (the first, when a model has several instances); LookupError if none."""
+    for process in server_processes(server_pid):
+        if process.role == role:
+            return process.pid
+    roles = sorted({p.role for p in server_processes(server_pid)})
+    raise LookupError(f"no process {role!r} under tritonserver {server_pid}; found {roles}")
+
+
+def sample_process(pid: int) -> dict[str, Any] | None:
+    """RSS (bytes), open fds and threads of one process, or None once it is gone."""
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            return {"rss": process.memory_info().rss, "fds": process.num_fds(), "threads": process.num_threads()}
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+class StageWatch:
+    """Notices a stage of a running tritonserver dying: a stub or a vLLM engine core that was
+    there when the server became ready and is gone (or a zombie) now.
+
+    Why the launcher needs it: Triton 2.51's python backend neither restarts a dead stub nor
+    marks its model not-ready; every later request to that model fails ("Stub process ... is not
+    healthy") or waits forever, while ``/v2/health/ready`` still answers 200. A crashed stage
+    is only recovered by restarting the server, so the launcher stops tritonserver and exits
+    non-zero: health checks then fail and an orchestrator restarts it on the same store.
+    """
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.watched = {p.role + f"#{p.pid}": p.pid for p in server_processes(server_pid) if p.role != "tritonserver"}
+
+    def lost(self) -> list[str]:
+        """The roles (``stub:<model>``, ``engine:<model>``) whose process died since the start."""
+        return [role.split("#")[0] for role, pid in self.watched.items() if not _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
