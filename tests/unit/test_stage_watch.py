@@ -43,13 +43,14 @@ def fake_stubs(tmp_path: Path):
     while len([p for p in server_processes(os.getpid()) if p.role.startswith("engine:")]) < 2:
         assert time.monotonic() < deadline, server_processes(os.getpid())
         time.sleep(0.05)
+    engines = [psutil.Process(p.pid) for p in server_processes(os.getpid()) if p.role.startswith("engine:")]
     yield started
     for process in started:
-        with contextlib.suppress(psutil.NoSuchProcess):  # a test may have killed it already
-            for child in psutil.Process(process.pid).children(recursive=True):
-                child.kill()
         process.kill()
         process.wait(10)
+    for engine in engines:  # orphans once their stub is gone
+        with contextlib.suppress(psutil.NoSuchProcess):
+            engine.kill()
 
 
 def test_roles_are_found_and_a_killed_stub_or_engine_is_lost(fake_stubs):
