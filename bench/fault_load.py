@@ -54,6 +54,8 @@ def classify(kind: str, started: float, seconds: float, error: Exception | None,
         return Outcome(kind, started, seconds, "hang" if seconds > deadline_s else "success")
     message = str(error)[:300]
     code = getattr(error, "status", None) or ""
+    if callable(code):  # tritonclient's InferenceServerException has a status() method
+        code = code() or ""
     if HANG_MARK in message or seconds > deadline_s:
         return Outcome(kind, started, seconds, "hang", code, message)
     return Outcome(kind, started, seconds, "error", str(code), message)

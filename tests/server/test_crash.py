@@ -8,11 +8,21 @@ before the crash is a hit, and no lease of the dead processes is left."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+import pytest
 
 from bench.crash import Paths, run_case
 from builders.launcher import STAGE_CRASHED
 from tests.server.conftest import LOG_DIR, SERVER_REPOSITORY, copy_model_code
+
+pytestmark = [
+    pytest.mark.server,
+    # Two launcher starts (~2 x 60-100 s on a quiet 2-core machine) plus the load: past what CI's
+    # budget leaves for this issue next to test_soak.py. Run with `make test-crash`.
+    pytest.mark.skipif(not os.environ.get("TRITON_EPD_CRASH_TESTS"), reason="run with `make test-crash`"),
+]
 
 
 def test_killing_an_encoder_stub_under_load_ends_requests_and_the_server_recovers(node_dir: Path) -> None:
@@ -26,7 +36,9 @@ def test_killing_an_encoder_stub_under_load_ends_requests_and_the_server_recover
                                         "recovered_at_s", "store_serves_again", "store_idle", "stop")}
     assert case["warm"], summary
     assert case["counts_all"]["hang"] == 0, summary
-    assert [exit["exit_code"] for exit in case["launcher_exits"]] == [STAGE_CRASHED], summary
+    # The launcher noticed the dead stub and exited STAGE_CRASHED (a later exit: a restart that
+    # failed on its own, e.g. no memory for a KV cache on a crowded machine, and was retried).
+    assert case["launcher_exits"] and case["launcher_exits"][0]["exit_code"] == STAGE_CRASHED, summary
     killed = case["killed_at_s"]
     assert any(not change["server_ready"] for change in case["readiness"] if change["t_s"] >= killed), case["readiness"]
     assert case["recovered_at_s"] is not None, summary
