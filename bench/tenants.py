@@ -40,6 +40,7 @@ WORK_DIR = REPO_ROOT / "build" / "bench-tenants"
 STORE_PATH = "/dev/shm/triton-epd-bench-tenants"
 SAMPLING = {"max_tokens": 2, "temperature": 0.0}  # TTFT is the point
 KINDS = ("a_first", "a_hit", "b_same", "b_new")
+MODELS = ("preprocess", "vit_encoder", "encode", "encoder_0", "encoder_1", "prefill", "decode", "epd")
 
 
 def _encodes(metrics_url: str) -> float:
@@ -115,7 +116,8 @@ def _own_server(rounds: int) -> list[dict[str, Any]]:
     shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__", "encoder_*"))
     prepare("cpu", None, repo, dataclasses.replace(TARGETS["cpu"].cache, path=STORE_PATH))
     shutil.rmtree(STORE_PATH, ignore_errors=True)
-    options = ServerOptions(repo, Ports.free(), exit_timeout_s=120)
+    args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in MODELS))  # no llm, no ensemble
+    options = ServerOptions(repo, Ports.free(), extra_args=args, exit_timeout_s=120)
     with TritonServer(options, WORK_DIR / "server.log") as server:
         server.wait_ready(timeout_s=1200)
         return measure(server.grpc_url, server.metrics_url, rounds)
