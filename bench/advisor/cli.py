@@ -2,8 +2,8 @@
 
 Simulates every candidate layout (colocated and disaggregated, on the same number of devices)
 over a concurrency sweep with a hardware profile, then prints the recommended layout at the
-target load, the path policy for ``epd`` (always colocated, always disaggregated, or adaptive
-with a switch point), the crossover concurrency, and writes a plot of predicted TTFT/e2e.
+target load, the ``path_policy`` for ``epd`` (``colocated``, ``disaggregated``, or ``adaptive``
+with the switch point), the crossover concurrency, and writes a plot of predicted TTFT/e2e.
 """
 
 from __future__ import annotations
@@ -35,35 +35,39 @@ def candidate_layouts(profile: Profile, devices: int | None) -> list[Layout]:
     return layouts
 
 
+METRICS = ("e2e", "ttft")
+
+
 @dataclass(frozen=True)
 class Advice:
     metric: str
+    margin: float
     target_concurrency: int
     recommended: str
     policy: str
-    crossover: int | None
+    # Per metric: the lowest concurrency where the best disaggregated layout beats colocated by the margin.
+    crossover: dict[str, int | None]
+    disaggregated_wins: dict[str, list[int]]
     best_by_concurrency: dict[int, str]
     sweep: dict[str, list[dict[str, Any]]]
 
     def text(self) -> str:
-        crossover = (
-            f"c={self.crossover} (disaggregated {self.metric} p50 beats colocated from here on)"
-            if self.crossover is not None
-            else "none in the sweep"
-        )
         lines = [
             f"recommended layout at c={self.target_concurrency}: {self.recommended}",
             f"path policy: {self.policy}",
-            f"crossover concurrency ({self.metric} p50): {crossover}",
-            "",
-            "predicted p50 ms (TTFT / e2e) per layout:",
         ]
+        for metric in METRICS:
+            wins = self.disaggregated_wins[metric]
+            where = f" (disaggregated ahead at c={','.join(map(str, wins))})" if wins else ""
+            found = f"c={self.crossover[metric]}" if self.crossover[metric] is not None else "none in the sweep"
+            lines.append(f"crossover concurrency, {metric} p50 (>= {self.margin:.0%} better): {found}{where}")
+        lines += ["", "predicted p50 ms (TTFT / e2e) per layout:"]
         loads = sorted(self.best_by_concurrency)
         lines.append("layout".ljust(14) + "".join(f"c={c}".rjust(16) for c in loads))
         for layout, rows in self.sweep.items():
             cells = {r["concurrency"]: f"{r['ttft_ms']['p50']:.0f} / {r['e2e_ms']['p50']:.0f}" for r in rows}
             lines.append(layout.ljust(14) + "".join(cells.get(c, "-").rjust(16) for c in loads))
-        lines.append("best".ljust(14) + "".join(self.best_by_concurrency[c].rjust(16) for c in loads))
+        lines.append(f"best ({self.metric})".ljust(14) + "".join(self.best_by_concurrency[c].rjust(16) for c in loads))
         return "\n".join(lines)
 
 
@@ -74,38 +78,45 @@ def advise(
     concurrency: Sequence[int],
     metric: str = "e2e",
     target: int | None = None,
+    margin: float = 0.05,
 ) -> Advice:
-    key = f"{metric}_ms"
     sweep: dict[str, list[dict[str, Any]]] = {}
     for layout in layouts:
         rows = []
         for c in concurrency:
-            point = simulate(profile, layout, Workload(**{**workload.__dict__, "concurrency": c, "request_rate": None}))
+            # Enough requests per client that the closed loop reaches a steady state at every load.
+            steady = {"requests": max(workload.requests, 3 * c), "warmup": max(workload.warmup, c)}
+            point = simulate(
+                profile, layout, Workload(**{**workload.__dict__, "concurrency": c, "request_rate": None, **steady})
+            )
             rows.append({"concurrency": c, **point.summary()})
         sweep[layout.label] = rows
     colocated = next(label for label in sweep if label.startswith("colocated"))
     best_by_c: dict[int, str] = {}
-    disaggregated_wins: dict[int, bool] = {}
+    wins: dict[str, list[int]] = {m: [] for m in METRICS}
     for i, c in enumerate(concurrency):
-        values = {label: rows[i][key]["p50"] for label, rows in sweep.items()}
-        best_by_c[c] = min(values, key=lambda label: values[label])
-        best_split = min(v for label, v in values.items() if label != colocated)
-        disaggregated_wins[c] = best_split < values[colocated]
-    # The crossover: the lowest concurrency from which a disaggregated layout wins at every higher point.
-    crossover = None
-    for c in sorted(concurrency, reverse=True):
-        if not disaggregated_wins[c]:
-            break
-        crossover = c
+        for m in METRICS:
+            values = {label: rows[i][f"{m}_ms"]["p50"] for label, rows in sweep.items()}
+            if m == metric:
+                best_by_c[c] = min(values, key=lambda label: values[label])
+            # Disaggregation costs more moving parts: it counts as better only by the margin.
+            if min(v for label, v in values.items() if label != colocated) < (1 - margin) * values[colocated]:
+                wins[m].append(c)
+    crossover = {m: (min(wins[m]) if wins[m] else None) for m in METRICS}
     target = target or max(concurrency)
-    recommended = min(sweep, key=lambda label: _at(sweep[label], target, key))
-    if crossover is None:
-        policy = "colocated (disaggregation does not pay in this sweep)"
-    elif crossover == min(concurrency):
-        policy = "disaggregated (wins at every load in the sweep)"
+    recommended = min(sweep, key=lambda label: _at(sweep[label], target, f"{metric}_ms"))
+    # Values of epd's ``path_policy`` (python_backends/contract: colocated, disaggregated, adaptive).
+    won = wins[metric]
+    if not won:
+        policy = "colocated (disaggregation does not pay anywhere in this sweep)"
+    elif len(won) == len(concurrency):
+        policy = "disaggregated (it wins at every load in this sweep)"
     else:
-        policy = f"adaptive: colocated below {crossover} requests in flight, disaggregated from {crossover}"
-    return Advice(metric, target, recommended, policy, crossover, best_by_c, sweep)
+        policy = (
+            f"adaptive (colocated below ~{min(won)} requests in flight; disaggregated ahead at "
+            f"c={','.join(map(str, won))})"
+        )
+    return Advice(metric, margin, target, recommended, policy, crossover, wins, best_by_c, sweep)
 
 
 def _at(rows: list[dict[str, Any]], c: int, key: str) -> float:
@@ -128,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layouts", nargs="+", help="layouts to compare, e.g. colocated:4 1E+3PD 1E+1P+2D")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY))
     parser.add_argument("--target", type=int, help="operating concurrency to recommend for (default: the largest)")
-    parser.add_argument("--metric", choices=("e2e", "ttft"), default="e2e", help="what 'better' means (p50)")
+    parser.add_argument("--metric", choices=METRICS, default="e2e", help="what 'better' means (p50)")
+    parser.add_argument(
+        "--margin", type=float, default=0.05, help="how much better disaggregated must be to count (0.05 = 5%%)"
+    )
     parser.add_argument("--images-per-request", type=int, default=1)
     parser.add_argument("--image-size", type=_size, help="WIDTHxHEIGHT (default: the profile's workload)")
     parser.add_argument("--prompt-tokens", type=int, help="text tokens incl. the chat template (default: profile's)")
@@ -171,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not any(layout.is_colocated for layout in layouts):
         layouts.insert(0, Layout(colocated=max(1, layouts[0].instances if profile.shared_cpu_slots is None else 1)))
-    advice = advise(profile, workload, layouts, sorted(set(args.concurrency)), args.metric, args.target)
+    advice = advise(profile, workload, layouts, sorted(set(args.concurrency)), args.metric, args.target, args.margin)
     print(f"profile {profile.name}: {profile.description}")
     print(
         f"workload: {workload.images_per_request} image(s) {workload.image_size[0]}x{workload.image_size[1]}, "
@@ -183,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plot = layouts_plot(
         advice.sweep,
-        advice.crossover,
+        advice.crossover[advice.metric],
         f"{profile.name}: predicted p50 per layout ({workload.images_per_request} image, "
         f"{workload.prompt_tokens}+{workload.output_tokens} tokens, hit {workload.hit_ratio:g})",
         args.out / f"advise-{profile.name}.png",
@@ -196,7 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "recommended": advice.recommended,
                 "policy": advice.policy,
                 "crossover_concurrency": advice.crossover,
+                "disaggregated_wins": advice.disaggregated_wins,
                 "metric": advice.metric,
+                "margin": advice.margin,
                 "best_by_concurrency": advice.best_by_concurrency,
                 "sweep": advice.sweep,
                 "command": "triton-epd-advise " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -46,6 +46,12 @@ FIT_PARAMETERS: tuple[tuple[str, float, float], ...] = (
     ("decode_engine.prefill_ms_per_token", 0.0005, 1.0),
     ("disaggregated_frontend.relay_ms_per_token", 0.01, 20.0),
     ("disaggregated_frontend.request_ms", 0.1, 50.0),
+    ("colocated_frontend.relay_ms_per_step", 0.01, 20.0),
+    ("disaggregated_frontend.relay_ms_per_step", 0.01, 20.0),
+    ("colocated_engine.spin_ms_per_step", 0.01, 50.0),
+    ("prefill_engine.spin_ms_per_step", 0.01, 50.0),
+    ("decode_engine.spin_ms_per_step", 0.01, 50.0),
+    ("encoder.spin_ms", 0.1, 500.0),
 )
 
 
@@ -61,10 +67,19 @@ class MeasuredPoint:
     image_size: tuple[int, int]
     images_per_request: int
     other_cpu_share: float | None
+    cpu_ms_per_request: float | None = None  # the server's process-tree CPU per request (/proc)
 
     @property
     def key(self) -> str:
-        return f"{self.mode} c={self.concurrency}"
+        return f"{self.mode}@{self.concurrency}"
+
+
+def in_training(point: MeasuredPoint | dict[str, Any], train: Sequence[str]) -> bool:
+    """``train`` entries: ``C`` (every mode at concurrency C) or ``MODE@C`` (one point)."""
+    mode, c = (
+        (point.mode, point.concurrency) if isinstance(point, MeasuredPoint) else (point["mode"], point["concurrency"])
+    )
+    return str(c) in train or f"{mode}@{c}" in train
 
 
 def load_points(summary_path: Path, modes: Iterable[str] = MODE_SETUPS) -> list[MeasuredPoint]:
@@ -90,6 +105,7 @@ def load_points(summary_path: Path, modes: Iterable[str] = MODE_SETUPS) -> list[
                 image_size=(width, height),
                 images_per_request=int(workload["images_per_request"]),
                 other_cpu_share=(s.get("cpu") or {}).get("other_processes_cpu_share"),
+                cpu_ms_per_request=(s.get("cpu") or {}).get("server_cpu_ms_per_request"),
             )
         )
     return sorted(points, key=lambda p: (list(MODE_SETUPS).index(p.mode), p.concurrency))
@@ -134,13 +150,15 @@ def predict(
                 "ttft_error": pred.ttft_ms["p50"] / point.ttft_p50_ms - 1.0,
                 "measured_stages_ms": point.stages_ms,
                 "predicted_stages_ms": pred.stages_ms,
+                "measured_cpu_ms_per_request": point.cpu_ms_per_request,
+                "predicted_cpu_ms_per_request": pred.cpu_ms_per_request,
             }
         )
     return rows
 
 
 def loss(rows: Sequence[dict[str, Any]]) -> float:
-    """Mean squared log error: e2e p50 (weight 1), TTFT p50 (0.5), epd stage means (0.25 each)."""
+    """Mean squared log error: e2e p50 (weight 1), TTFT p50 (0.5), epd stage means and CPU per request (0.25)."""
     total, weight = 0.0, 0.0
     for row in rows:
         terms = [(row["predicted_e2e_p50_ms"], row["measured_e2e_p50_ms"], 1.0)]
@@ -148,6 +166,8 @@ def loss(rows: Sequence[dict[str, Any]]) -> float:
         for stage, measured in row["measured_stages_ms"].items():
             if stage in row["predicted_stages_ms"] and measured > 1.0:
                 terms.append((row["predicted_stages_ms"][stage], measured, 0.25))
+        if row.get("measured_cpu_ms_per_request") and row.get("predicted_cpu_ms_per_request"):
+            terms.append((row["predicted_cpu_ms_per_request"], row["measured_cpu_ms_per_request"], 0.25))
         for predicted, measured, w in terms:
             total += w * math.log(max(predicted, 1e-3) / measured) ** 2
             weight += w
@@ -171,6 +191,7 @@ def fit(
     rounds: int = 6,
     requests: int = 48,
     log: Any = None,
+    checkpoint: Any = None,
 ) -> tuple[Profile, float]:
     """Coordinate pattern search in log space (deterministic: fixed seed, fixed order)."""
     best = loss(predict(profile, points, requests))
@@ -190,19 +211,21 @@ def fit(
                     break
         if log:
             log(f"[fit] round {round_no + 1}/{rounds}: loss {best:.4f} (step {step:.2f})")
+        if checkpoint:
+            checkpoint(profile)
         if not improved:
             step /= 2
     return profile, best
 
 
-def _markdown(rows: Sequence[dict[str, Any]], train: set[int], tolerance: float) -> str:
+def _markdown(rows: Sequence[dict[str, Any]], train: Sequence[str], tolerance: float) -> str:
     lines = [
         "| mode | c | set | measured e2e p50 ms | predicted | error | within +-20% "
         "| measured TTFT p50 | predicted | error |",
         "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
-        used = "fit" if r["concurrency"] in train else "check"
+        used = "fit" if in_training(r, train) else "check"
         ok = "yes" if abs(r["e2e_error"]) <= tolerance else "**no**"
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {used} | {r['measured_e2e_p50_ms']:.0f} | "
@@ -213,15 +236,18 @@ def _markdown(rows: Sequence[dict[str, Any]], train: set[int], tolerance: float)
 
 
 def validity_report(
-    rows: list[dict[str, Any]], train: set[int], out: Path, tolerance: float = TOLERANCE
+    rows: list[dict[str, Any]], train: Sequence[str], out: Path, measured: Path, tolerance: float = TOLERANCE
 ) -> dict[str, Any]:
     from bench.advisor.plots import validity_plot
 
     out.mkdir(parents=True, exist_ok=True)
-    checks = [r for r in rows if r["concurrency"] not in train]
+    for r in rows:
+        r["used_for_fit"] = in_training(r, train)
+    checks = [r for r in rows if not r["used_for_fit"]]
     within = [r for r in checks if abs(r["e2e_error"]) <= tolerance]
     report = {
-        "train_concurrency": sorted(train),
+        "measured": str(measured),
+        "train": list(train),
         "tolerance": tolerance,
         "checked_points": len(checks),
         "within_tolerance": len(within),
@@ -229,7 +255,7 @@ def validity_report(
     }
     (out / "validity.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "validity.md").write_text(
-        f"Fitted on c={sorted(train)}; {len(within)} of {len(checks)} other points within "
+        f"Fitted on {' '.join(train)}; {len(within)} of {len(checks)} other points within "
         f"+-{tolerance:.0%} on e2e p50.\n\n" + _markdown(rows, train, tolerance) + "\n"
     )
     validity_plot(rows, train, out / "validity.png")
@@ -239,7 +265,9 @@ def validity_report(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.advisor.fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--measured", type=Path, required=True, help="summary.json of a `python -m bench run`")
-    parser.add_argument("--train", type=int, nargs="+", default=[1, 2], help="concurrencies the fit may use")
+    parser.add_argument(
+        "--train", nargs="+", default=["1", "2"], help="points the fit may use: C (all modes) or MODE@C"
+    )
     parser.add_argument("--profile", default="cpu-2core", help="starting profile (name or JSON path)")
     parser.add_argument("--out-profile", type=Path, help="write the fitted profile here")
     parser.add_argument("--report", type=Path, required=True, help="folder for validity.{json,md,png}")
@@ -249,19 +277,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     points = load_points(args.measured)
     profile = load_profile(args.profile)
-    train = set(args.train)
+    train = list(args.train)
     if not args.no_fit:
-        training = [p for p in points if p.concurrency in train]
-        profile, score = fit(profile, training, rounds=args.rounds, log=lambda m: print(m, file=sys.stderr))
+        training = [p for p in points if in_training(p, train)]
+        keep = (lambda p: save_profile(p, args.out_profile)) if args.out_profile else None
+        profile, score = fit(
+            profile, training, rounds=args.rounds, log=lambda m: print(m, file=sys.stderr), checkpoint=keep
+        )
         sources = dict(profile.sources)
         sources["fit"] = (
-            f"python -m bench.advisor.fit --measured {args.measured} --train {' '.join(map(str, args.train))} "
+            f"python -m bench.advisor.fit --measured {args.measured} --train {' '.join(train)} "
             f"(training loss {score:.4f}, {len(training)} points)"
         )
         profile = profile.replace(sources=sources)
         if args.out_profile:
             save_profile(profile, args.out_profile)
-    report = validity_report(predict(profile, points), train, args.report)
+    report = validity_report(predict(profile, points), train, args.report, args.measured)
     print((args.report / "validity.md").read_text())
     return 0 if report["within_tolerance"] >= min(6, report["checked_points"]) else 1
 

@@ -44,7 +44,7 @@ def layouts_plot(sweep: dict[str, list[dict[str, Any]]], crossover: float | None
     return path
 
 
-def validity_plot(rows: Sequence[dict[str, Any]], train: set[int], path: Path) -> Path:
+def validity_plot(rows: Sequence[dict[str, Any]], train: Sequence[str], path: Path) -> Path:
     """Left: measured (dots) and predicted (lines) e2e p50 per mode; right: predicted vs measured."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     by_mode: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -58,7 +58,7 @@ def validity_plot(rows: Sequence[dict[str, Any]], train: set[int], path: Path) -
         left.plot(x, [r["predicted_e2e_p50_ms"] for r in mode_rows], "-", color=color, label=f"{mode} predicted")
         left.plot(x, [r["measured_e2e_p50_ms"] for r in mode_rows], "o", color=color, label=f"{mode} measured")
         for r in mode_rows:
-            marker = "s" if r["concurrency"] in train else "o"
+            marker = "s" if r.get("used_for_fit") else "o"
             right.plot(r["measured_e2e_p50_ms"], r["predicted_e2e_p50_ms"], marker, color=color)
         right.plot([], [], "o", color=color, label=mode)
     _concurrency_axis(left, sorted({r["concurrency"] for r in rows}))
@@ -72,7 +72,7 @@ def validity_plot(rows: Sequence[dict[str, Any]], train: set[int], path: Path) -
     right.set_ylim(0, top)
     right.set_xlabel("measured e2e p50, ms")
     right.set_ylabel("predicted e2e p50, ms")
-    right.set_title(f"squares: fitted (c={sorted(train)}), dots: predicted")
+    right.set_title(f"squares: used by the fit ({' '.join(train)}), dots: predicted")
     right.legend(fontsize=7)
     right.grid(True, alpha=0.3)
     fig.tight_layout()

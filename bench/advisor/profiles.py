@@ -62,6 +62,8 @@ class EngineCosts:
     decode_ms_per_seq: float
     vit_ms_per_patch: float = 0.0
     max_batched_tokens: int = 8192
+    # CPU its idle worker threads burn after each step (OpenMP spin-wait): off the path, but it competes.
+    spin_ms_per_step: float = 0.0
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, vit_patches: int = 0) -> float:
         return (
@@ -79,6 +81,8 @@ class EncoderCosts:
     base_ms: float
     ms_per_patch: float
     threads: int = 1
+    # CPU each of its threads burns spinning after an image (ONNX Runtime / DALI thread pools).
+    spin_ms: float = 0.0
 
     def image_ms(self, patches: int) -> float:
         return self.base_ms + self.ms_per_patch * patches
@@ -89,12 +93,14 @@ class FrontendCosts:
     """The serving model's Python side (colocated ``llm`` or the ``epd`` BLS), one request at a time.
 
     ``request_ms``: per request (hash, lookup, hops, input parsing); ``media_ms_per_patch``: media
-    preprocessing done here before the engine (colocated: the HF image processor); ``relay_ms_per_token``:
-    forwarding each streamed token to the client; ``hit_ms``: a store or cache lookup that hits.
+    preprocessing done here before the engine (colocated: the HF image processor); ``relay_ms_per_step``
+    + ``relay_ms_per_token``: forwarding one engine step's tokens to the clients; ``hit_ms``: a store or
+    cache lookup that hits.
     """
 
     request_ms: float
     relay_ms_per_token: float
+    relay_ms_per_step: float = 0.0
     media_base_ms: float = 0.0
     media_ms_per_patch: float = 0.0
     hit_ms: float = 0.0
@@ -118,6 +124,9 @@ class Profile:
     hit_skips_image_prefill: bool = True
     shared_cpu_slots: int | None = None
     time_slice_ms: float = 2.0
+    # True: spinning threads (OpenMP, encoder thread pools) only take cores nobody waits for, so spin
+    # fades as load grows; False: they compete like any other work.
+    spin_yields: bool = False
     # Coefficient of variation of every service time (lognormal, mean 1): spreads p50 from p90.
     service_cv: float = 0.0
     # GPU profiles: how many devices the advisor lays out by default (one instance per device).

@@ -28,7 +28,7 @@ from typing import Any
 
 import simpy
 
-from bench.advisor.profiles import EngineCosts, Profile
+from bench.advisor.profiles import EngineCosts, FrontendCosts, Profile
 
 Proc = Generator[Any, Any, Any]
 
@@ -89,11 +89,21 @@ class Workload:
 
 
 @dataclass
+class _Sink:
+    """Where a job's tokens go: relayed by ``frontend``; stamps TTFT and fires ``done`` on the last."""
+
+    frontend: _Serial
+    times: RequestTimes
+    done: simpy.Event
+    count_first: bool = True
+
+
+@dataclass
 class _Job:
     prefill_tokens: int
     vit_patches: int
     tokens: int  # tokens this engine generates for the job
-    on_tokens: Any  # callable(n_new, first: bool, last: bool) -> None
+    sink: _Sink
     generated: int = 0
 
 
@@ -112,6 +122,7 @@ class Prediction:
     ttft_ms: dict[str, float]
     e2e_ms: dict[str, float]
     request_throughput: float
+    cpu_ms_per_request: float | None = None  # shared-CPU profiles: busy core-ms per request, spin included
     stages_ms: dict[str, float] = field(default_factory=dict)  # disaggregated: mean encode/prefill/decode
     records: list[RequestTimes] = field(default_factory=list, repr=False)
 
@@ -121,6 +132,7 @@ class Prediction:
             "ttft_ms": self.ttft_ms,
             "e2e_ms": self.e2e_ms,
             "request_throughput": self.request_throughput,
+            "cpu_ms_per_request": self.cpu_ms_per_request,
             "stages_ms": self.stages_ms,
         }
 
@@ -131,10 +143,30 @@ class _Machine:
     def __init__(self, env: simpy.Environment, profile: Profile, seed: int) -> None:
         self.env = env
         self.slice_ms = profile.time_slice_ms
-        self.cpu = simpy.Resource(env, capacity=profile.shared_cpu_slots) if profile.shared_cpu_slots else None
+        slots = profile.shared_cpu_slots
+        self.cpu = simpy.Resource(env, capacity=slots) if slots else None
+        self.spin_yields = profile.spin_yields
         # Service times vary (lognormal with mean 1 and coefficient of variation service_cv).
         self.rng = random.Random(seed + 2)
         self.sigma = math.sqrt(math.log1p(profile.service_cv**2))
+        self.busy_ms = 0.0
+
+    def spin(self, ms: float) -> None:
+        """CPU burnt off the request's path (idle worker threads spinning): competes, delays nobody directly."""
+        if self.cpu is not None and ms > 0:
+            self.env.process(self._idle_spin(ms) if self.spin_yields else self._sliced(ms))
+
+    def _idle_spin(self, ms: float) -> Proc:
+        """Spin only on cores nobody else wants: stop as soon as work queues for the CPU."""
+        assert self.cpu is not None
+        left = ms
+        while left > 1e-9 and self.cpu.count < self.cpu.capacity and not self.cpu.queue:
+            with self.cpu.request() as slot:
+                yield slot
+                run = min(self.slice_ms, left)
+                yield self.env.timeout(run)
+                left -= run
+                self.busy_ms += run
 
     def work(self, ms: float, threads: int = 1) -> Proc:
         if ms <= 0:
@@ -159,13 +191,14 @@ class _Machine:
                 run = min(self.slice_ms, left)
                 yield self.env.timeout(run)
                 left -= run
+                self.busy_ms += run
 
 
 class _Serial:
     """One-at-a-time server (a Python frontend under its GIL, an encoder instance)."""
 
-    def __init__(self, env: simpy.Environment, machine: _Machine, threads: int = 1) -> None:
-        self.env, self.machine, self.threads = env, machine, threads
+    def __init__(self, env: simpy.Environment, machine: _Machine, threads: int = 1, spin_ms: float = 0.0) -> None:
+        self.env, self.machine, self.threads, self.spin_ms = env, machine, threads, spin_ms
         self.lock = simpy.Resource(env, capacity=1)
 
     @property
@@ -176,13 +209,19 @@ class _Serial:
         with self.lock.request() as turn:
             yield turn
             yield from self.machine.work(ms, self.threads)
+        self.machine.spin(self.spin_ms * self.threads)
 
 
 class _Engine:
     """Continuous batching: each step prefills what fits and decodes one token for every running job."""
 
-    def __init__(self, env: simpy.Environment, machine: _Machine, costs: EngineCosts) -> None:
-        self.env, self.machine, self.costs = env, machine, costs
+    def __init__(
+        self, env: simpy.Environment, machine: _Machine, costs: EngineCosts, relay: FrontendCosts, own_stub: bool
+    ) -> None:
+        self.env, self.machine, self.costs, self.relay = env, machine, costs, relay
+        # Disaggregated engines live in their own Python model (prefill, decode): that process handles each
+        # step's output before the epd BLS forwards the tokens, so the two relay halves overlap.
+        self.stub = _Serial(env, machine) if own_stub else None
         self.waiting: deque[_Job] = deque()
         self.running: list[_Job] = []
         self.wake = env.event()
@@ -211,14 +250,32 @@ class _Engine:
                 new.append(job)
             ms = self.costs.step_ms(sum(j.prefill_tokens for j in new), len(decoding), sum(j.vit_patches for j in new))
             yield from self.machine.work(ms)
+            self.machine.spin(self.costs.spin_ms_per_step)
+            by_frontend: dict[int, list[tuple[_Job, bool, bool]]] = {}
             for job in new + decoding:
                 job.generated += 1
                 last = job.generated >= job.tokens
-                job.on_tokens(1, job.generated == 1, last)
+                by_frontend.setdefault(id(job.sink.frontend), []).append((job, job.generated == 1, last))
                 if job in self.running and last:
                     self.running.remove(job)
                 elif job in new and not last:
                     self.running.append(job)
+            for batch in by_frontend.values():
+                self.env.process(self._relay(batch))
+
+    def _relay(self, batch: list[tuple[_Job, bool, bool]]) -> Proc:
+        """The frontend forwards one step's tokens (per step + per token), then the client has them."""
+        frontend = batch[0][0].sink.frontend
+        if self.stub is not None:
+            yield from self.stub.run(self.relay.relay_ms_per_step)
+            yield from frontend.run(self.relay.relay_ms_per_token * len(batch))
+        else:
+            yield from frontend.run(self.relay.relay_ms_per_step + self.relay.relay_ms_per_token * len(batch))
+        for job, first, last in batch:
+            if first and job.sink.count_first:
+                job.sink.times.first = self.env.now
+            if last:
+                job.sink.done.succeed()
 
 
 def _least_loaded(pool: list[Any]) -> Any:
@@ -240,34 +297,20 @@ class _Server:
         self.env, self.profile, self.layout = env, profile, layout
         machine = _Machine(env, profile, seed)
         self.machine = machine
+        p = profile
         if layout.is_colocated:
-            self.engines = [_Engine(env, machine, profile.colocated_engine) for _ in range(layout.colocated)]
+            relay = p.colocated_frontend
+            self.engines = [_Engine(env, machine, p.colocated_engine, relay, False) for _ in range(layout.colocated)]
             self.frontends = [_Serial(env, machine) for _ in range(layout.colocated)]
         else:
+            relay = p.disaggregated_frontend
             self.frontends = [_Serial(env, machine)]
-            self.encoders = [_Serial(env, machine, profile.encoder.threads) for _ in range(layout.encoders)]
-            self.prefills = [_Engine(env, machine, profile.prefill_engine) for _ in range(layout.prefills)]
-            self.decodes = [_Engine(env, machine, profile.decode_engine) for _ in range(layout.decodes)]
-            pd_costs = dataclasses.replace(profile.colocated_engine, vit_ms_per_patch=0.0)
-            self.pds = [_Engine(env, machine, pd_costs) for _ in range(layout.pds)]
-
-    def _relayed(self, frontend: _Serial, times: RequestTimes, done: simpy.Event, count_first: bool = True) -> Any:
-        """Token callback: relay each token through the frontend, stamp TTFT and completion."""
-        relay_ms = (
-            self.profile.colocated_frontend if self.layout.is_colocated else self.profile.disaggregated_frontend
-        ).relay_ms_per_token
-
-        def on_tokens(n: int, first: bool, last: bool) -> None:
-            def relay() -> Proc:
-                yield from frontend.run(relay_ms * n)
-                if first and count_first:
-                    times.first = self.env.now
-                if last:
-                    done.succeed()
-
-            self.env.process(relay())
-
-        return on_tokens
+            enc = p.encoder
+            self.encoders = [_Serial(env, machine, enc.threads, enc.spin_ms) for _ in range(layout.encoders)]
+            self.prefills = [_Engine(env, machine, p.prefill_engine, relay, True) for _ in range(layout.prefills)]
+            self.decodes = [_Engine(env, machine, p.decode_engine, relay, True) for _ in range(layout.decodes)]
+            pd_costs = dataclasses.replace(p.colocated_engine, vit_ms_per_patch=0.0)
+            self.pds = [_Engine(env, machine, pd_costs, relay, True) for _ in range(layout.pds)]
 
     def request(self, workload: Workload, rng: random.Random, times: RequestTimes) -> Proc:
         size = workload.image_size
@@ -289,7 +332,7 @@ class _Server:
         media_ms = misses * (costs.media_base_ms + costs.media_ms_per_patch * patches) + hits.count(True) * costs.hit_ms
         yield from frontend.run(costs.request_ms + media_ms)
         done = self.env.event()
-        engine.submit(_Job(prefill, misses * patches, w.output_tokens, self._relayed(frontend, times, done)))
+        engine.submit(_Job(prefill, misses * patches, w.output_tokens, _Sink(frontend, times, done)))
         yield done
 
     def _disaggregated(
@@ -306,20 +349,20 @@ class _Server:
         yield self.env.timeout(p.embedding_transfer_ms_per_token * encoded_tokens)
         if self.pds:
             done = self.env.event()
-            job = _Job(prompt - cached, 0, w.output_tokens, self._relayed(frontend, times, done))
+            job = _Job(prompt - cached, 0, w.output_tokens, _Sink(frontend, times, done))
             _least_loaded(self.pds).submit(job)
             yield done
             return
         first = self.env.event()
-        _least_loaded(self.prefills).submit(_Job(prompt - cached, 0, 1, self._relayed(frontend, times, first)))
+        _least_loaded(self.prefills).submit(_Job(prompt - cached, 0, 1, _Sink(frontend, times, first)))
         yield first
         if w.output_tokens <= 1:
             return
         yield self.env.timeout(p.kv_transfer_ms_per_token * prompt)
         done = self.env.event()
         # The decode engine loads the transferred KV (its prefill cost per token is the load cost).
-        relay = self._relayed(frontend, times, done, count_first=False)
-        _least_loaded(self.decodes).submit(_Job(prompt, 0, w.output_tokens - 1, relay))
+        sink = _Sink(frontend, times, done, count_first=False)
+        _least_loaded(self.decodes).submit(_Job(prompt, 0, w.output_tokens - 1, sink))
         yield done
 
     def _encode(self, patches: int) -> Proc:
@@ -380,5 +423,6 @@ def simulate(profile: Profile, layout: Layout | str, workload: Workload) -> Pred
         e2e_ms=_percentiles([r.done - r.sent for r in measured]),
         request_throughput=len(measured) / (window_ms / 1000.0) if window_ms > 0 else float("nan"),
         stages_ms=stages,
+        cpu_ms_per_request=server.machine.busy_ms / total if server.machine.cpu is not None else None,
         records=measured,
     )
