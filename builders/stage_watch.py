@@ -96,8 +96,9 @@ class StageWatch:
     there when the server became ready and is gone (or a zombie) now.
 
     Why the launcher needs it: Triton 2.51's python backend neither restarts a dead stub nor
-    marks its model not-ready; every later request to that model fails ("Stub process ... is not
-    healthy") or waits forever, while ``/v2/health/ready`` still answers 200. A crashed stage
+    marks its model not-ready; measured (results/2026-12-01/crash/triton-alone/): every later
+    request to that model failed ("Stub process ... is not healthy") while ``/v2/health/ready``
+    and the model's ready endpoint still answered 200. A crashed stage
     is only recovered by restarting the server, so the launcher stops tritonserver and exits
     non-zero: health checks then fail and an orchestrator restarts it on the same store.
     """
