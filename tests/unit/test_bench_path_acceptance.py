@@ -1,0 +1,40 @@
+"""The issue-14 acceptance table (bench/path_acceptance.py) from a hand-made run summary."""
+
+from __future__ import annotations
+
+from bench.path_acceptance import acceptance_rows, markdown, token_agreement
+
+
+def point(mode: str, load: str, e2e: float, ttft: float, paths: dict[str, int] | None = None) -> dict:
+    summary = {"e2e_ms": {"p50": e2e}, "ttft_ms": {"p50": ttft}, "errors": 0, "serving_paths": paths}
+    return {"mode": mode, "load_label": load, "status": "ran", "summary": summary}
+
+
+def test_ratios_goals_and_agreement() -> None:
+    points = [
+        point("llm:unique", "c=1", 100, 40),
+        point("epd:adaptive:unique", "c=1", 104, 41, {"colocated": 16}),
+        point("epd:disaggregated:unique", "c=1", 190, 80),
+        point("epd:colocated:unique", "c=1", 103, 40),
+        point("llm:repeated", "c=1", 100, 40),
+        point("epd:adaptive:repeated", "c=1", 90, 42, {"colocated": 15, "disaggregated": 1}),
+        point("epd:disaggregated:repeated", "c=1", 150, 35),
+    ]
+    raw = [
+        {"mode": "llm:unique", "load_label": "c=1", "key": "k1", "output_token_ids": [1, 2], "error": None},
+        {"mode": "epd:adaptive:unique", "load_label": "c=1", "key": "k1", "output_token_ids": [1, 2], "error": None},
+        {"mode": "epd:colocated:unique", "load_label": "c=1", "key": "k1", "output_token_ids": [9], "error": None},
+        {"mode": "llm:repeated", "load_label": "c=1", "key": "k1", "output_token_ids": [3], "error": None},
+        {"mode": "epd:adaptive:repeated", "load_label": "c=1", "key": "k1", "output_token_ids": [4], "error": None},
+    ]
+    agreement = token_agreement(raw)
+    # colocated:unique has its own images (another namespace): not compared with llm's.
+    assert agreement == {"epd:adaptive:unique c=1": 1.0, "epd:adaptive:repeated c=1": 0.0}
+    unique, repeated = acceptance_rows({"points": points}, agreement)
+    assert unique["e2e_ms_adaptive_vs_llm"] == 1.04 and unique["goals"]["adaptive_vs_llm_e2e"]["met"]
+    assert unique["adaptive_paths"] == {"colocated": 16}
+    assert repeated["ttft_ms_adaptive_vs_llm"] == 42 / 40 and not repeated["goals"]["adaptive_vs_llm_ttft"]["met"]
+    # The better fixed policy on e2e is llm (100), on TTFT disaggregated (35).
+    assert repeated["e2e_ms_adaptive_vs_best_fixed"] == 0.9 and repeated["ttft_ms_adaptive_vs_best_fixed"] == 1.2
+    text = markdown([unique, repeated], {"meta": {"command": "python -m bench run ..."}})
+    assert "Goals met: 3 of 4." in text and "adaptive_vs_llm_ttft NO (1.05)" in text
