@@ -1,0 +1,113 @@
+"""Every kind of bad input in tests/server/bad_input_cases.py, sent to ``epd`` on the session
+server: each gets its coded error with a message that names the problem, nothing is INTERNAL,
+no traceback reaches the client, the server keeps serving, and the README's "Bad input" table is
+exactly what the server said (regenerate it with ``UPDATE_README=1``).
+
+How the code is read: a gRPC stream carries a model's error as a message only, so the requests ask
+for errors in the ``error`` output (``errors_as_outputs``: JSON code + message). Triton rejects some
+requests itself before the model runs (a tensor of the wrong datatype or shape, an unknown input):
+those reach a stream as a message only (and a plain ``ModelInfer`` is refused for a decoupled model
+before any input check), so their code is Triton core's for input checks, INVALID_ARG, and the
+table says Triton answered them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from builders.tritonserver import REPO_ROOT, TritonServer
+from client.epd_client import GrpcClient, chat_prompt
+from tests.server.bad_input_cases import CASES, GOOD, BadInput, readme_table, render_table
+
+pytestmark = [
+    pytest.mark.server,
+    # Written for issue 17 but never run to the end: on 2026-12-01 the shared machine's session
+    # servers did not become ready (overload, a stub lock_exception, a stuck start). Run it once
+    # (UPDATE_README=1 for test_bad_inputs.py fills the README table), fix what it finds, drop this.
+    pytest.mark.skip(reason="not yet run on a real server (issue 17): run it, fix, then remove this skip"),
+]
+
+README = REPO_ROOT / "README.md"
+# Triton core's code for every request it refuses on its own input checks (datatype, shape, names).
+TRITON_INPUT_CHECK = "INVALID_ARG"
+
+
+def _inputs(tensors: dict[str, tuple[str, np.ndarray]], errors_as_outputs: bool) -> list[grpcclient.InferInput]:
+    items = dict(tensors)
+    if errors_as_outputs:
+        items["errors_as_outputs"] = ("BOOL", np.array([True]))
+    inputs = []
+    for name, (dtype, array) in items.items():
+        item = grpcclient.InferInput(name, list(array.shape), dtype)
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    return inputs
+
+
+def send(server: TritonServer, case: BadInput) -> tuple[str, str, str]:
+    """(code, message, who answered: "epd" or "triton") for one bad request."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(
+            "epd", _inputs(case.tensors(), True), parameters=case.parameters or None, enable_empty_final_response=True
+        )
+        result, error = answers.get(timeout=300)
+        if error is not None:  # Triton's own refusal, before the model: a message without its code
+            return TRITON_INPUT_CHECK, error.message(), "Triton"
+        payload = result.as_numpy("error")
+        if payload is None:  # accepted: the first test names it (one such case must not stop the rest)
+            return "none", "(accepted: no error)", "epd"
+        fields = json.loads(payload.reshape(-1)[0])
+        return fields["code"], fields["message"], "epd"
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def answers(server: TritonServer) -> dict[str, tuple[str, str, str]]:
+    return {case.kind: send(server, case) for case in CASES}
+
+
+def test_every_bad_input_gets_its_code_and_a_message_that_names_the_problem(server, answers):
+    assert len(CASES) >= 30 and len({case.kind for case in CASES}) == len(CASES)
+    wrong = [
+        (case.kind, answers[case.kind])
+        for case in CASES
+        if answers[case.kind][0] != case.code or case.fragment not in answers[case.kind][1]
+    ]
+    assert not wrong, "\n".join(f"{kind}: got {answer}" for kind, answer in wrong)
+    for code, message, _ in answers.values():
+        assert "Traceback" not in message and code != "INTERNAL", message
+    # Still serving, with the same flag a client that wants codes sends.
+    client = GrpcClient(server.grpc_url, "epd")
+    try:
+        done = client.generate(chat_prompt("Still there?", 1), [GOOD], {"max_tokens": 2, "temperature": 0})
+    finally:
+        client.close()
+    assert done.num_output_tokens == 2
+
+
+def test_readme_table_is_what_the_server_says(answers):
+    rows = [(case.kind, *answers[case.kind]) for case in CASES]
+    table = render_table(rows)
+    readme = README.read_text()
+    current = readme_table(readme)
+    if current is None:
+        pytest.fail(f"README.md has no bad-input table: put the two marker lines of tests/server/bad_input_cases.py "
+                    f"in its 'Bad input' section, then rerun with UPDATE_README=1. Table:\n{table}")
+    if os.environ.get("UPDATE_README") == "1" and current is not None:
+        README.write_text(readme.replace(current, table))
+        current = table
+    assert current == table, (
+        "README.md's bad-input table differs from what the server answers; rerun with UPDATE_README=1 "
+        f"to regenerate it. Expected:\n{table}"
+    )
