@@ -152,7 +152,8 @@ class EpdPipeline:
         path: str | None = None,
         on_decision: Callable[[Decision, PathCostModel], None] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Serve one request (``encoder``: pin its images' encodes to that encoder model;
+        """Serve one request (``encoder``: pin its images' encodes to that encoder model, which
+        takes the disaggregated path unless ``path`` says otherwise;
         ``tenant``: the checked tenant whose key space its images and ``mm_hash`` references use,
         under the ``isolated`` policy; ``path``: force that path; ``on_decision``: told the
         decision, e.g. for /metrics). The last chunk carries the timings, cache counts and the
@@ -166,7 +167,10 @@ class EpdPipeline:
             start = time.perf_counter()
             self.references.lookup(request.images, leased, timings, tenant)
             shape = self.shape(request, leased)
-            decision = self.decide(shape, path)
+            if path is None and encoder is not None:  # only the disaggregated path calls encoders
+                decision = Decision(contract.DISAGGREGATED_PATH, "encoder pinned")
+            else:
+                decision = self.decide(shape, path)
             timings["lookup"] += ms_since(start) - timings["lookup"] - timings["hash"]  # the decision is lookup's
             encodes = len(leased.missing)
             load = self.cost.started(decision.path, probe=decision.reason == "probe")

@@ -84,7 +84,7 @@ class Ewma:
 @dataclass(frozen=True)
 class Decision:
     path: str
-    reason: str  # "predicted", "probe", "forced", "policy", "only"
+    reason: str  # "predicted", "probe", "forced", "policy", "only", "encoder pinned"
     predicted_ms: dict[str, float | None] = field(default_factory=dict)
 
 

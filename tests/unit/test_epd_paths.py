@@ -106,6 +106,19 @@ def test_forcing_disaggregated_under_adaptive_is_obeyed(store):
     assert engine.prompts == []
 
 
+@pytest.mark.parametrize("policy", ["adaptive", COLOCATED_PATH])
+def test_a_pinned_encoder_takes_the_disaggregated_path_unless_a_path_is_forced(store, policy):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine, policy=policy)
+
+    async def go(path: str | None):
+        return [c async for c in p.run(request([PHOTO]), "r1", encoder=ENCODERS[1], path=path)]
+
+    assert asyncio.run(go(None))[-1].serving_path == DISAGGREGATED_PATH  # only that path calls encoders
+    assert engine.prompts == [] and len(stages.encoded) == 1
+    assert asyncio.run(go(COLOCATED_PATH))[-1].serving_path == COLOCATED_PATH  # a forced path still wins
+
+
 def test_a_forced_path_that_is_not_served_is_a_clear_error(store):
     stages = FakeStages(store)
     with pytest.raises(EpdError) as info:
