@@ -35,6 +35,11 @@ from client.epd_client import GrpcClient, HttpClient
 from python_backends.store import EmbeddingStore, StoreConfig
 from tests.server import stop_dump
 
+# Request parameters of tests about the disaggregated path's store and encoders: under the
+# default `adaptive` policy a request may take the colocated path, which sends new media to epd's
+# own engine (no encode, no store entry).
+DISAGGREGATED = {"path": "disaggregated"}
+
 SLOTS = 16
 SHM = Path("/dev/shm")  # tmpfs, like the served defaults
 

@@ -9,6 +9,7 @@ depends on nothing an earlier test or server session left in the node's store.""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import secrets
 import threading
 import time
@@ -21,7 +22,7 @@ from builders.tritonserver import TritonServer
 from client.epd_client import ClientError, GrpcClient, chat_prompt
 from python_backends.store import EmbeddingStore
 from tests.images import synthetic_image, with_note
-from tests.server.conftest import CACHE_POLICY, open_node_store
+from tests.server.conftest import CACHE_POLICY, DISAGGREGATED, open_node_store
 from tests.server.test_epd import _prefill_error
 
 pytestmark = pytest.mark.server
@@ -103,7 +104,10 @@ def test_thirty_two_concurrent_requests_with_one_new_image_encode_it_once(server
     clients = [GrpcClient(server.grpc_url, "epd") for _ in range(32)]
     try:
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(lambda c: c.generate(prompt, [image], GREEDY, timeout_s=600), clients))
+            def ask(c: GrpcClient):
+                return c.generate(prompt, [image], GREEDY, parameters=DISAGGREGATED, timeout_s=600)
+
+            results = list(pool.map(ask, clients))
     finally:
         for client in clients:
             client.close()
@@ -214,7 +218,8 @@ def test_a_store_smaller_than_the_working_set_evicts_but_every_answer_stays_righ
         def run_lane(lane: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
             client = GrpcClient(server.grpc_url, "epd")
             try:
-                return [(n, client.generate(prompt, [images[i]], GREEDY).token_ids) for n, i in lane]
+                ask = functools.partial(client.generate, prompt, sampling=GREEDY, parameters=DISAGGREGATED)
+                return [(n, ask([images[i]]).token_ids) for n, i in lane]
             finally:
                 client.close()
 

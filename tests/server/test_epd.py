@@ -17,7 +17,7 @@ from client.epd_client import ClientError, HttpClient, chat_prompt
 from python_backends.pd.transfer import TransferParams
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 from tests.images import synthetic_image
-from tests.server.conftest import open_node_store
+from tests.server.conftest import DISAGGREGATED, open_node_store
 from tests.store_helpers import store_directory
 
 pytestmark = pytest.mark.server
@@ -71,7 +71,7 @@ def test_greedy_tokens_equal_llm_over_grpc_streaming(epd, llm):
 def test_repeated_image_is_a_cache_hit_without_a_second_encode(server, epd):
     image = synthetic_image(320, 240, seed=4242)
     prompt = chat_prompt("Once more.", 1)
-    first = epd.generate(prompt, [image], GREEDY)
+    first = epd.generate(prompt, [image], GREEDY, parameters=DISAGGREGATED)  # stores it
     encodes = _metric(server, "nv_inference_request_success", model="encode")
     hits = _metric(server, "epd_cache_hits", model="epd")
     second = epd.generate(prompt, [image], GREEDY)
@@ -84,7 +84,7 @@ def test_only_references_cross_from_encode_to_prefill(server, epd):
     before_bytes = _metric(server, "epd_prefill_input_bytes", kind="reference")
     before_refs = _metric(server, "epd_prefill_references")
     images = [synthetic_image(800, 600, seed=77), synthetic_image(96, 96, seed=78)]
-    epd.generate(chat_prompt("Two images.", 2), images, GREEDY)
+    epd.generate(chat_prompt("Two images.", 2), images, GREEDY, parameters=DISAGGREGATED)
     sent = _metric(server, "epd_prefill_input_bytes", kind="reference") - before_bytes
     refs = _metric(server, "epd_prefill_references") - before_refs
     assert refs == 2

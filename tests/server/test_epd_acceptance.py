@@ -52,6 +52,7 @@ from client.epd_client import (
     build_inputs,
     chat_prompt,
 )
+from python_backends.contract import DISAGGREGATED_PATH
 from python_backends.pd.transfer import list_transfers
 from tests.images import flat_png, rotated_jpeg, synthetic_image, with_note
 from tests.server.conftest import SERVER_REPOSITORY, open_node_store
@@ -397,7 +398,8 @@ def test_dali_vs_transformers_divergence_is_the_pixels_alone(server, model_dir):
     finally:
         raw.close()
     llm = tokens_of(server, "llm", prompt, [image]).result.token_ids
-    epd = tokens_of(server, "epd", prompt, [image]).result.token_ids
+    # the DALI side is the disaggregated path (colocated media go through transformers' processor)
+    epd = tokens_of(server, "epd", prompt, [image], path=DISAGGREGATED_PATH).result.token_ids
     ensemble = tokens_of(server, "ensemble", prompt, [image]).result.token_ids
     report = f"{pixels}\nllm {llm}\nLM on transformers' pixels {on_transformers}\nepd {epd}\n" \
              f"ensemble {ensemble}\nLM on DALI's pixels {on_dali}"
@@ -492,6 +494,7 @@ def test_64_concurrent_good_and_bad_requests(server, note):
         return stream_generate(
             server.grpc_url, "epd", job.prompt, list(job.images), job.sampling,
             before_send=lambda: barrier.wait(timeout=120),  # every stream open, then all send
+            parameters={"path": DISAGGREGATED_PATH},  # the single-flight count below is the encoders'
         )
 
     pool = ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="acceptance")
