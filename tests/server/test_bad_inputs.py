@@ -27,10 +27,6 @@ from tests.server.bad_input_cases import CASES, GOOD, BadInput, readme_table, re
 
 pytestmark = [
     pytest.mark.server,
-    # Written for issue 17 but never run to the end: on 2026-12-01 the shared machine's session
-    # servers did not become ready (overload, a stub lock_exception, a stuck start). Run it once
-    # (UPDATE_README=1 for test_bad_inputs.py fills the README table), fix what it finds, drop this.
-    pytest.mark.skip(reason="not yet run on a real server (issue 17): run it, fix, then remove this skip"),
 ]
 
 README = REPO_ROOT / "README.md"

@@ -20,16 +20,12 @@ from builders.tritonserver import TritonServer
 from client.epd_client import GrpcClient, chat_prompt
 from tests.images import synthetic_image, with_note
 from tests.server.bad_input_cases import UNKNOWN_HASH, BadInput
-from tests.server.conftest import CACHE_POLICY, LOG_DIR, open_node_store
+from tests.server.conftest import CACHE_POLICY, DISAGGREGATED, LOG_DIR, open_node_store
 from tests.server.test_bad_inputs import send
 from tests.server.test_cache import _counters
 
 pytestmark = [
     pytest.mark.server,
-    # Written for issue 17 but never run to the end: on 2026-12-01 the shared machine's session
-    # servers did not become ready (overload, a stub lock_exception, a stuck start). Run it once
-    # (UPDATE_README=1 for test_bad_inputs.py fills the README table), fix what it finds, drop this.
-    pytest.mark.skip(reason="not yet run on a real server (issue 17): run it, fix, then remove this skip"),
 ]
 
 GREEDY = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
@@ -50,9 +46,8 @@ def generate(server: TritonServer, images: list[bytes], tenant: str | None) -> t
     client = GrpcClient(server.grpc_url, "epd")
     before = encodes(server)
     try:
-        result = client.generate(
-            chat_prompt("Whose is it?", len(images)), images, GREEDY, parameters={"tenant": tenant} if tenant else None
-        )
+        parameters = {**DISAGGREGATED, "tenant": tenant} if tenant else DISAGGREGATED
+        result = client.generate(chat_prompt("Whose is it?", len(images)), images, GREEDY, parameters=parameters)
     finally:
         client.close()
     return result.cache_hits, encodes(server) - before
