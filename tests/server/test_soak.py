@@ -7,9 +7,20 @@ is for the 10-minute results file (results/2026-12-01/soak/), too noisy to asser
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from bench.soak import run_soak
 from builders.tritonserver import TritonServer
 from tests.server.conftest import CACHE_POLICY
+
+# Kept out of `make test` until issue 17's open crash is fixed: in two full runs on 2026-12-01
+# epd's stub died under this mixed load ("double free or corruption (fasttop)" in the server log),
+# after which every later epd test of the session fails. `make test-soak` runs it.
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("TRITON_EPD_SOAK_TESTS"), reason="issue 17: epd stub crash under soak load; `make test-soak`"
+)
 
 STUB_FD_SLACK = 4  # an fd or two may be opened lazily by a library on first use
 
