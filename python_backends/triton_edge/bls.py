@@ -76,44 +76,15 @@ class BlsCaller:
         self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         """A decoupled stage's non-empty responses (the empty final one is not yielded).
-        ``parameters``: Triton request parameters for the stage (e.g. the tenant).
-
-        One pool thread reads the stage's response iterator to its final response, whether or not
-        the caller is still listening (a cancelled ``epd`` request stops listening to ``decode``
-        and then aborts it). Why: Triton 2.51's stub keeps every BLS response iterator that has
-        not reached its final response in a map, and at unload it destroys them while holding that
-        map's lock; each destructor queues a cleanup message, which the stub's messaging thread
-        handles by taking that lock, so with two or more such iterators left the stub deadlocks
-        and the model never unloads (issue 17: "Exit timeout expired" after cancelled streams).
-        """
+        ``parameters``: Triton request parameters for the stage (e.g. the tenant)."""
         flag = tensor(contract.ERRORS_AS_OUTPUTS, [True], bool)
         extra = {"parameters": dict(parameters)} if parameters else {}
         request = pb_utils.InferenceRequest(
             model_name=model, inputs=[*inputs, flag], requested_output_names=[], **extra
         )
-        loop = asyncio.get_running_loop()
-        received: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-
-        def deliver(item: tuple[Any, BaseException | None]) -> None:
-            try:
-                loop.call_soon_threadsafe(received.put_nowait, item)
-            except RuntimeError:  # the event loop is closed (the model is unloading): nobody listens
-                pass
-
-        def read_to_final() -> None:
-            try:
-                for response in request.exec(decoupled=True):
-                    deliver((response, None))
-            except Exception as exc:  # handed to the listener, raised there
-                deliver((None, exc))
-            else:
-                deliver((None, None))
-
-        self._pool.submit(read_to_final)
+        iterator = await self._call(lambda: iter(request.exec(decoupled=True)))
         while True:
-            response, error = await received.get()
-            if error is not None:
-                raise error
+            response = await self._call(next, iterator, None)
             if response is None:
                 return
             out = _outputs(response)
