@@ -136,6 +136,12 @@ def _sweep_arguments(
         help="warm-up of modes with reuse starts with one request per pool image, so their measured "
         "requests find all their repeated media cached",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run point by point (every mode at a load point, then the next point) instead of mode by mode: "
+        "on a machine whose load drifts, the modes compared at a point then run minutes apart, not a sweep apart",
+    )
     parser.add_argument("--slo-ttft-ms", type=float)
     parser.add_argument("--slo-tpot-ms", type=float)
     parser.add_argument("--slo-e2e-ms", type=float)
@@ -297,6 +303,7 @@ def _sweep_config(args: argparse.Namespace) -> Any:
         max_seconds_per_point=args.max_seconds_per_point,
         request_timeout_s=args.request_timeout,
         time_budget_s=args.time_budget,
+        interleave=args.interleave,
         slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
         baseline=args.baseline,
         max_inflight=args.max_inflight,

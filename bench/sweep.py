@@ -8,6 +8,10 @@ prompt), and for ``epd`` an optional serving path (``epd:adaptive``, ``epd:disag
 loaded is reported as skipped.
 For each (mode, point): warm-up requests (excluded), then ``reps`` measured runs whose
 summaries are reduced to their median; /metrics and CPU time are read around each run.
+Modes run one after the other (every point of a mode, then the next mode), or with
+``interleave`` point by point (every mode at the first point, then every mode at the next), so
+that on a shared machine whose load drifts over minutes the modes compared at one point ran
+minutes apart at most, not a whole sweep apart.
 """
 
 from __future__ import annotations
@@ -126,6 +130,8 @@ class SweepConfig:
     noise_retries: int = 2
     # Warm-up of modes with reuse starts with one request per pool image (WorkloadBuilder.pool_primers).
     prime_pool: bool = False
+    # Point by point (every mode at a point before the next point) instead of mode by mode.
+    interleave: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -145,6 +151,7 @@ class SweepConfig:
             "max_noise": self.max_noise,
             "noise_retries": self.noise_retries,
             "prime_pool": self.prime_pool,
+            "interleave": self.interleave,
         }
 
 
@@ -207,10 +214,15 @@ class Sweep:
                         }
                     )
                     continue
-                self._start_mode_clock(len(runnable) - runnable.index(mode))
-                mode_entry, mode_points = await self._run_mode(target, mode)
-                modes.append(mode_entry)
-                points.extend(mode_points)
+                if not self.config.interleave:
+                    self._start_mode_clock(len(runnable) - runnable.index(mode))
+                    mode_entry, mode_points = await self._run_mode(target, mode)
+                    modes.append(mode_entry)
+                    points.extend(mode_points)
+            if self.config.interleave:
+                interleaved_modes, points = await self._run_interleaved(target, runnable)
+                order = {label: i for i, label in enumerate(m.label for m in self.config.modes)}
+                modes = sorted(modes + interleaved_modes, key=lambda m: order[m["label"]])
         finally:
             await target.close()
         summary = {
@@ -225,23 +237,45 @@ class Sweep:
         }
         return SweepOutput(summary, self.raw)
 
-    async def _run_mode(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    async def _mode_entry(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], ModeLayout]:
         entry: dict[str, Any] = {"label": mode.label, "model": mode.model, "media": mode.media}
         layout = await discover_layout(target.client, mode.model)
         entry.update(status="ran", reuse_ratio=mode.reuse_ratio(self.config.workload), layout=layout.to_json())
+        return entry, layout
+
+    async def _point_or_skip(
+        self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint, share: str
+    ) -> dict[str, Any]:
+        if self._over_budget():
+            _log(f"[bench] time budget spent: {mode.label} {point.label} not run")
+            return {"mode": mode.label, "load_label": point.label, "status": f"not run: {share} was spent"}
+        return await self._run_point(target, mode, layout, index, point)
+
+    async def _run_mode(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        entry, layout = await self._mode_entry(target, mode)
         points = []
         for index, point in enumerate(self.config.points):
-            if self._over_budget():
-                _log(f"[bench] time budget spent: {mode.label} {point.label} not run")
-                points.append(
-                    {
-                        "mode": mode.label,
-                        "load_label": point.label,
-                        "status": "not run: this mode's share of --time-budget was spent",
-                    }
-                )
-                continue
-            points.append(await self._run_point(target, mode, layout, index, point))
+            share = "this mode's share of --time-budget"
+            points.append(await self._point_or_skip(target, mode, layout, index, point, share))
+        self._read(entry, mode, points)
+        return entry, points
+
+    async def _run_interleaved(
+        self, target: Any, modes: Sequence[ModeSpec]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Every mode at one point before the next point; the time budget is the sweep's."""
+        budget = self.config.time_budget_s
+        self.mode_deadline = None if budget is None else self.started + budget
+        entries = [await self._mode_entry(target, mode) for mode in modes]
+        per_mode: list[list[dict[str, Any]]] = [[] for _ in modes]
+        for index, point in enumerate(self.config.points):
+            for mode, (_, layout), mode_points in zip(modes, entries, per_mode, strict=True):
+                mode_points.append(await self._point_or_skip(target, mode, layout, index, point, "--time-budget"))
+        for mode, (entry, _), mode_points in zip(modes, entries, per_mode, strict=True):
+            self._read(entry, mode, mode_points)
+        return [entry for entry, _ in entries], [p for mode_points in per_mode for p in mode_points]
+
+    def _read(self, entry: dict[str, Any], mode: ModeSpec, points: Sequence[dict[str, Any]]) -> None:
         ran = [p for p in points if p.get("status") == "ran"]
         if ran:
             # Read at the highest closed-loop concurrency: that is where splitting stages
@@ -251,7 +285,6 @@ class Sweep:
             entry["reading"] = disaggregation_reading(
                 mode.label, top["load_label"], top["stages"], top["load"] if closed else None
             )
-        return entry, points
 
     async def _run_point(
         self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint

@@ -187,3 +187,44 @@ def test_time_budget_reports_points_it_could_not_run(tmp_path):
     ]
     write_outputs(tmp_path, output.summary, output.raw)
     assert "`llm` c=1: not run" in (tmp_path / "results.md").read_text()
+
+
+def test_interleave_runs_every_mode_at_a_point_before_the_next_point():
+    config = SweepConfig(
+        modes=[ModeSpec.parse(m) for m in ("llm", "ensemble", "epd")],
+        points=[LoadPoint("concurrency", 1), LoadPoint("concurrency", 2)],
+        workload=WorkloadSpec(image_sizes=((32, 32),), output_tokens=LengthDist.parse("2", minimum=1)),
+        requests_per_point=3,
+        warmup_requests=1,
+        interleave=True,
+        progress=False,
+    )
+    target = FakeTarget()
+    output = asyncio.run(Sweep(config, "fake:1", None, None).run(target))
+    # keys are "<phase>/<point index>/<rep>/<i>": the sends go point by point, each point llm then epd
+    order = [(model, key.split("/")[1]) for model, key in target.sent]
+    runs = [pair for i, pair in enumerate(order) if i == 0 or order[i - 1] != pair]
+    assert runs == [("llm", "0"), ("epd", "0"), ("llm", "1"), ("epd", "1")]
+    summary = output.summary
+    assert [m["label"] for m in summary["modes"]] == ["llm", "ensemble", "epd"]  # the order asked for
+    assert [m["status"] for m in summary["modes"]] == ["ran", "skipped", "ran"]
+    assert [(p["mode"], p["load_label"]) for p in summary["points"]] == [
+        ("llm", "c=1"), ("llm", "c=2"), ("epd", "c=1"), ("epd", "c=2")
+    ]
+    assert summary["config"]["interleave"] is True
+    assert [r["mode"] for r in summary["ratios_vs_baseline"]] == ["epd", "epd"]
+    assert all("reading" in m for m in summary["modes"] if m["status"] == "ran")
+
+
+def test_interleave_shares_the_time_budget_over_the_sweep(tmp_path):
+    config = SweepConfig(
+        modes=[ModeSpec.parse("llm"), ModeSpec.parse("epd")],
+        points=[LoadPoint("concurrency", 1)],
+        workload=WorkloadSpec(image_sizes=((32, 32),)),
+        requests_per_point=2,
+        time_budget_s=0.0,
+        interleave=True,
+        progress=False,
+    )
+    output = asyncio.run(Sweep(config, "fake:1", None, None).run(FakeTarget()))
+    assert [p["status"] for p in output.summary["points"]] == ["not run: --time-budget was spent"] * 2
