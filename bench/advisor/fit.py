@@ -1,7 +1,8 @@
 """Fit a profile's stage costs on some measured bench points, then check it predicts the others.
 
 ``python -m bench.advisor.fit --measured SUMMARY.json --train 1 2 --profile cpu-2core --out-profile P``
-reads a ``python -m bench run`` summary (modes llm, llm:repeated, epd, epd:repeated), fits the
+reads a ``python -m bench run`` summary (modes llm, llm:repeated, epd, epd:repeated, or the path
+benchmark's names for them, ``MODE_ALIASES``), fits the
 profile's free parameters on the training concurrencies (a deterministic pattern search in log
 space over e2e p50, TTFT p50 and, for epd, the encode/prefill/decode stage means), and writes the
 validity report: predicted vs measured e2e p50 on every point, as JSON, markdown and a plot.
@@ -28,6 +29,13 @@ MODE_SETUPS: dict[str, tuple[str, float]] = {
     "llm:repeated": ("colocated", 1.0),
     "epd": ("1E+1P+1D", 0.0),
     "epd:repeated": ("1E+1P+1D", 1.0),
+}
+# The same modes as issue 14's path benchmark names them (``MODEL[:PATH][:MEDIA]``): llm with
+# unique images is plain ``llm``; epd forced onto its disaggregated path is the ``epd`` above.
+MODE_ALIASES: dict[str, str] = {
+    "llm:unique": "llm",
+    "epd:disaggregated:unique": "epd",
+    "epd:disaggregated:repeated": "epd:repeated",
 }
 TOLERANCE = 0.20  # the issue's acceptance: predictions within +-20% on e2e p50
 
@@ -90,12 +98,13 @@ def load_points(summary_path: Path, modes: Iterable[str] = MODE_SETUPS) -> list[
     wanted = set(modes)
     points = []
     for point in summary["points"]:
-        if point.get("status") != "ran" or point["load_kind"] != "concurrency" or point["mode"] not in wanted:
+        mode = MODE_ALIASES.get(point["mode"], point["mode"])
+        if point.get("status") != "ran" or point["load_kind"] != "concurrency" or mode not in wanted:
             continue
         s = point["summary"]
         points.append(
             MeasuredPoint(
-                mode=point["mode"],
+                mode=mode,
                 concurrency=int(point["load"]),
                 e2e_p50_ms=s["e2e_ms"]["p50"],
                 ttft_p50_ms=s["ttft_ms"]["p50"],
