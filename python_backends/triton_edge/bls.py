@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -83,13 +83,47 @@ class BlsCaller:
             model_name=model, inputs=[*inputs, flag], requested_output_names=[], **extra
         )
         iterator = await self._call(lambda: iter(request.exec(decoupled=True)))
-        while True:
-            response = await self._call(next, iterator, None)
-            if response is None:
-                return
-            out = _outputs(response)
-            if out:
-                yield out
+        reading: Future[Any] | None = None
+        finished = False
+        try:
+            while True:
+                reading = self._pool.submit(next, iterator, None)
+                response = await asyncio.wrap_future(reading)
+                if response is None:
+                    finished = True
+                    return
+                out = _outputs(response)
+                if out:
+                    yield out
+        finally:
+            if not finished:
+                self._read_to_final_after(reading, iterator)
+
+    def _read_to_final_after(self, reading: Future[Any] | None, iterator: Any) -> None:
+        """Read a stream its caller left (a cancel, a stage error) to its final response, on the pool,
+        once the read in flight (if any) has returned: one thread reads an iterator at a time.
+
+        Why: Triton 2.51's stub keeps every BLS response iterator that has not reached its final
+        response in a map, and at unload destroys them while holding that map's lock; each destructor
+        queues a cleanup message whose sender thread takes the same lock, so two or more left-over
+        iterators deadlock the stub and the model never unloads (issue 19: "Exit timeout expired"
+        after cancelled ``epd`` streams). The stage ends the stream soon: ``epd`` aborts ``decode``.
+        """
+
+        def read_to_final() -> None:
+            while next(iterator, None) is not None:
+                pass
+
+        def submit(_: object = None) -> None:
+            try:
+                self._pool.submit(read_to_final)
+            except RuntimeError:  # the pool is shut down: the model is unloading
+                pass
+
+        if reading is None or reading.done():
+            submit()
+        else:
+            reading.add_done_callback(submit)
 
     async def _last(
         self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None

@@ -22,7 +22,6 @@ import dataclasses
 import fcntl
 import gc
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -94,34 +93,15 @@ def unclean_stop(report: StopReport | None) -> str | None:
     return f"the server did not stop cleanly: {report.describe()}"
 
 
-EXIT_TIMEOUT_LINES = ("Exit timeout expired", "failed to stop server")
-
-
-def only_exit_timeout(report: StopReport) -> bool:
-    """The stop's one problem is Triton's exit timeout: not killed, no stub crash."""
-    return (
-        not report.killed
-        and bool(report.problems)
-        and all(any(marker in line for marker in EXIT_TIMEOUT_LINES) for line in report.problems)
-    )
-
-
-def check_stop(report: StopReport | None, known_exit_timeout: str = "") -> None:
-    """Fail on an unclean stop. ``known_exit_timeout`` names an open issue under which an exit
-    timeout alone is reported as a warning instead (a SIGKILL or a stub crash still fails)."""
+def check_stop(report: StopReport | None) -> None:
+    """Fail on an unclean stop (SIGKILL, a stub crash, or Triton's exit timeout)."""
     problem = unclean_stop(report)
-    if not problem:
-        return
-    if known_exit_timeout and report is not None and only_exit_timeout(report):
-        warnings.warn(f"{known_exit_timeout}: {problem}", stacklevel=2)
-        return
-    pytest.fail(problem, pytrace=False)
+    if problem:
+        pytest.fail(problem, pytrace=False)
 
 
 @contextlib.contextmanager
-def serving(
-    options: ServerOptions, log_path: Path, timeout_s: float = 900, known_exit_timeout: str = ""
-) -> Iterator[TritonServer]:
+def serving(options: ServerOptions, log_path: Path, timeout_s: float = 900) -> Iterator[TritonServer]:
     """A ready server for the ``with`` body; stopped afterwards and failed if it stopped badly.
     When the body raised, that error is the one reported (the server is stopped all the same)."""
     server = TritonServer(options, log_path).start()
@@ -137,7 +117,7 @@ def serving(
     # process that had finished with its clients would have.
     gc.collect()
     report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
-    check_stop(report, known_exit_timeout)
+    check_stop(report)
 
 
 @pytest.fixture(scope="session")
@@ -166,17 +146,14 @@ def server_repository(model_dir: Path, node_dir: Path) -> Path:
 
 # Triton's exit timeout for test servers. vLLM-backed models take 15-30 s to unload on a busy
 # 2-core machine (mostly their stub's interpreter teardown), close to Triton's default 30 s; a model
-# that never unloads (issue 17: a stuck cancelled request) still fails the stop check, later.
+# that never unloads still fails the stop check, later.
 TEST_EXIT_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="session")
 def server(server_repository: Path) -> Iterator[TritonServer]:
     options = ServerOptions(server_repository, Ports.free(), exit_timeout_s=TEST_EXIT_TIMEOUT_S)
-    # Known, intermittent (issue 17): after the whole suite, llm/epd sometimes do not unload within
-    # the exit timeout; cause not yet found. Reported as a warning for this server only.
-    known = "issue 17: session server outlived Triton's exit timeout"
-    with serving(options, LOG_DIR / "server.log", known_exit_timeout=known) as running:
+    with serving(options, LOG_DIR / "server.log") as running:
         yield running
 
 

@@ -10,11 +10,16 @@ alive when the stub's interpreter finalizes write to shared memory that is gone.
 from __future__ import annotations
 
 import json
+import queue
+import re
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from builders.tritonserver import Ports, ServerOptions, TritonServer
 from client.epd_client import ClientError, HttpClient
@@ -169,4 +174,135 @@ def test_an_http_error_answer_leaves_no_connection_that_holds_up_the_stop(tmp_pa
         with pytest.raises(ClientError, match="missing required input"):
             client.generate("no such input")  # tiny takes "x", not text_input
         client.close()
+    assert server.stop_report is not None and server.stop_report.clean
+
+
+# Issue 19's root cause, in miniature: ``relay`` streams ``ticker``'s tokens over BLS with the real
+# DecoupledModel and BlsCaller, as ``epd`` streams ``decode``'s, and stops listening when its client
+# cancels (then aborts ``ticker``, as ``epd`` aborts ``decode``).
+TICKER = textwrap.dedent('''
+    import asyncio
+
+    from python_backends.generation import GenerationChunk, text_of
+    from python_backends.triton_edge.decoupled import DecoupledModel
+
+
+    class TritonPythonModel(DecoupledModel):
+        INPUTS = ("text_input", "request_id", "abort")
+
+        def setup(self, args):
+            pass
+
+        def parse(self, inputs, request):
+            request_id = text_of(inputs.get("request_id"))
+            if "abort" in inputs and bool(inputs["abort"].reshape(-1)[0]):
+                self.cancel_running(request_id)
+                return None
+            return request_id, int(text_of(inputs.get("text_input")))
+
+        def request_id(self, parsed):
+            return parsed[0] or super().request_id(parsed)
+
+        async def serve(self, parsed, request_id):
+            count = parsed[1]
+            for i in range(count):
+                await asyncio.sleep(0.05)
+                yield GenerationChunk(text="t", token_ids=[i], finished=i == count - 1)
+''')
+
+RELAY = textwrap.dedent('''
+    from python_backends.generation import chunk_from_outputs, text_of
+    from python_backends.triton_edge.bls import BlsCaller
+    from python_backends.triton_edge.decoupled import DecoupledModel
+    from python_backends.triton_edge.responses import bytes_tensor, tensor
+
+
+    class Ticker(BlsCaller):
+        async def ticks(self, request_id, count):
+            inputs = [bytes_tensor("text_input", [str(count)]), bytes_tensor("request_id", [request_id])]
+            async for out in self._stream("ticker", inputs):
+                yield chunk_from_outputs(out)
+
+        async def abort(self, request_id):
+            inputs = [bytes_tensor("request_id", [request_id]), tensor("abort", [True], bool)]
+            async for _ in self._stream("ticker", inputs):
+                pass
+
+
+    class TritonPythonModel(DecoupledModel):
+        INPUTS = ("text_input",)
+
+        def setup(self, args):
+            self.engine = Ticker()
+
+        def parse(self, inputs, request):
+            return int(text_of(inputs.get("text_input")))
+
+        async def serve(self, parsed, request_id):
+            try:
+                async for chunk in self.engine.ticks(request_id, parsed):
+                    yield chunk
+            finally:
+                await self.engine.abort(request_id)
+''')
+
+STREAMING_CONFIG = '''
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+  {{ name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true }},
+  {{ name: "request_id", data_type: TYPE_STRING, dims: [ 1 ], optional: true }},
+  {{ name: "abort", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }},
+  {{ name: "errors_as_outputs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }}
+]
+output [
+  {{ name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }},
+  {{ name: "output_token_ids", data_type: TYPE_INT64, dims: [ -1 ] }},
+  {{ name: "error", data_type: TYPE_STRING, dims: [ -1 ] }}
+]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+'''
+
+
+def relay_repository(root: Path) -> Path:
+    for name, code in (("ticker", TICKER), ("relay", RELAY)):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(STREAMING_CONFIG.format(name=name))
+        (root / name / "1" / "model.py").write_text(code)
+    return root
+
+
+def running_requests(server: TritonServer) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    found = re.findall(r'^epd_(\w+)_running_requests\{model="\w+"\} (\S+)$', text, re.M)
+    return {model: float(value) for model, value in found}
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_cancelled_streams_relayed_over_bls_leave_nothing_that_holds_up_the_stop(tmp_path: Path, attempt: int) -> None:
+    """A client cancels its stream with two relayed requests in flight. Before the fix, ``relay``
+    stopped reading ``ticker``'s BLS response iterators; Triton 2.51's stub destroys leftover
+    iterators at unload under a lock its messaging thread also needs, deadlocks, and ``relay``
+    never unloads ("Exit timeout expired"). A race: with verbose logging it hit 6 of 6, then 6 of
+    9 stops on a quiet machine, so three servers (~10 s each) make a regression near-certain to show."""
+    options = ServerOptions(relay_repository(tmp_path / "repo"), Ports.free(), log_verbose=1, exit_timeout_s=10)
+    with serving(options, tmp_path / "relay.log", timeout_s=120) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        count = grpcclient.InferInput("text_input", [1], "BYTES")
+        count.set_data_from_numpy(np.array([b"400"], dtype=np.object_))  # 20 s of tokens each
+        for _ in range(2):
+            client.async_stream_infer("relay", [count], enable_empty_final_response=True)
+        for _ in range(6):  # both are streaming
+            _, error = responses.get(timeout=60)
+            assert error is None, error
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        deadline = time.monotonic() + 30
+        while running_requests(server) != {"relay": 0, "ticker": 0} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running_requests(server) == {"relay": 0, "ticker": 0}
     assert server.stop_report is not None and server.stop_report.clean

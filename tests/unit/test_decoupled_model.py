@@ -200,3 +200,25 @@ def test_a_batched_model_answers_each_request_and_a_failed_batch_with_one_coded_
     assert [r.error.message() for r in failed] == ["internal error: KeyError"] * 3
     toy.finalize()
     assert _Metric.alive == metrics
+
+
+def test_running_requests_gauge_counts_requests_until_they_end_even_cancelled():
+    toy = model()
+    gauge = toy._running_gauge.key
+
+    def running() -> float:
+        return toy.metrics.live(gauge).value
+
+    hanging = Sender()
+    toy.execute([Request(hanging, text_input=text("hang"))])
+    deadline = time.monotonic() + 5
+    while not hanging.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert running() == 1
+    (request_id,) = toy._running
+    toy.cancel_running(request_id)
+    hanging.wait_final()
+    assert running() == 0
+    run(toy, Sender(), text_input=text("hi"))
+    assert running() == 0
+    toy.finalize()

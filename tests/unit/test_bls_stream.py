@@ -1,0 +1,151 @@
+"""BlsCaller._stream reads a stage's BLS response iterator to its final response even when its
+caller stops listening (issue 19: half-read iterators deadlock Triton 2.51's stub at unload), and
+never from two threads at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import triton_python_backend_utils as pb_utils
+
+from python_backends.triton_edge.bls import BlsCaller
+
+
+class Output:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class Response:
+    def __init__(self, index: int | None) -> None:  # None: the empty final response
+        self.outputs = [] if index is None else [Output("output_token_ids", np.array([index]))]
+
+    def has_error(self) -> bool:
+        return False
+
+    def output_tensors(self) -> list[Output]:
+        return self.outputs
+
+
+class Stage:
+    """A decoupled stage's BLS response iterator: ``count`` responses, ``delay_s`` apart, then the
+    empty final. Counts how many threads read it at once (the stub's iterator is not thread-safe)."""
+
+    def __init__(self, count: int, delay_s: float = 0.0) -> None:
+        self.count = count
+        self.delay_s = delay_s
+        self.read = 0
+        self.finished = threading.Event()
+        self.readers = 0
+        self.most_readers = 0
+        self._lock = threading.Lock()
+
+    def exec(self, decoupled: bool = False) -> Any:
+        assert decoupled
+        return Iterator(self)
+
+
+class Iterator:
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.index = 0
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Response:
+        stage = self.stage
+        with stage._lock:
+            stage.readers += 1
+            stage.most_readers = max(stage.most_readers, stage.readers)
+        try:
+            time.sleep(stage.delay_s)
+            if self.index > stage.count:
+                raise StopIteration
+            self.index += 1
+            if self.index > stage.count:
+                stage.finished.set()
+                return Response(None)
+            stage.read += 1
+            return Response(self.index - 1)
+        finally:
+            with stage._lock:
+                stage.readers -= 1
+
+
+def bls_request_to(stage: Stage, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pb_utils, "InferenceRequest", lambda **kwargs: stage, raising=False)
+
+
+def test_every_response_is_yielded_then_the_stream_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    stage = Stage(5)
+    bls_request_to(stage, monkeypatch)
+    caller = BlsCaller()
+
+    async def read_all() -> list[int]:
+        return [int(out["output_token_ids"][0]) async for out in caller._stream("decode", [])]
+
+    assert asyncio.run(read_all()) == [0, 1, 2, 3, 4]
+    caller.shutdown()
+
+
+def test_a_caller_that_stops_listening_still_has_the_iterator_read_to_its_final_response(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stage = Stage(200)
+    bls_request_to(stage, monkeypatch)
+    caller = BlsCaller()
+
+    async def listen_to_two() -> None:
+        stream = caller._stream("decode", [])
+        async for out in stream:
+            if int(out["output_token_ids"][0]) == 1:
+                break
+        await stream.aclose()  # the client cancelled: epd closes its decode stream
+
+    asyncio.run(listen_to_two())
+    assert stage.finished.wait(timeout=10), f"the iterator was left after {stage.read} of 200 responses"
+    assert stage.read == 200
+    caller.shutdown()
+
+
+def test_a_caller_cancelled_while_a_read_is_in_flight_leaves_the_reading_to_one_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stage = Stage(20, delay_s=0.05)
+    bls_request_to(stage, monkeypatch)
+    caller = BlsCaller()
+
+    async def cancel_mid_read() -> None:
+        first = asyncio.Event()
+
+        async def listen() -> None:
+            async for _ in caller._stream("decode", []):
+                first.set()
+
+        task = asyncio.create_task(listen())
+        await first.wait()
+        await asyncio.sleep(0.02)  # the next read is in flight on a pool thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_mid_read())
+    assert stage.finished.wait(timeout=10), f"the iterator was left after {stage.read} of 20 responses"
+    assert stage.read == 20
+    assert stage.most_readers == 1
+    caller.shutdown()
