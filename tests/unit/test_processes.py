@@ -40,7 +40,10 @@ def test_a_child_that_exits_on_the_signal_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_sigint_to_the_leader_only_and_a_zero_exit_is_clean(tmp_path: Path) -> None:
-    code = READY + "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    sys.exit(0)"
+    # "up" is printed inside the try: a SIGINT right after it must land in the handler (under load
+    # it once came before the try and the child died of KeyboardInterrupt, exit code 1).
+    code = "import sys, time\ntry:\n    print('up', flush=True)\n    time.sleep(60)\n"
+    code += "except KeyboardInterrupt:\n    sys.exit(0)"
     group = python(code, tmp_path / "c.log", stop_signal=signal.SIGINT, signal_group=False).start()
     wait_for_line(tmp_path / "c.log", "up")
     report = group.stop(timeout_s=10)
@@ -65,8 +68,8 @@ import subprocess, sys, time
 child = "import os, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print(os.getpid(), flush=True); "
 child += "time.sleep(60)"
 subprocess.Popen([sys.executable, "-c", child])
-print("up", flush=True)
 try:
+    print("up", flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     sys.exit(0)
