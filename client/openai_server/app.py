@@ -33,7 +33,7 @@ from client.openai_server.schemas import (
     ResponseMessage,
     Usage,
 )
-from client.openai_server.triton_backend import ChatBackend, Chunk
+from client.openai_server.triton_backend import ChatBackend, ChatRequest, Chunk
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
@@ -115,7 +115,7 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
         tenant = request_tenant(request.headers.get(TENANT_HEADER), body.user)
         parameters = {"tenant": tenant} if tenant else None
         chunks = backend.generate(
-            body.model, chat.prompt, chat.images, body.sampling_parameters(), request_id, parameters
+            ChatRequest(body.model, chat.prompt, chat.images, body.sampling_parameters(), request_id, parameters)
         )
         first = await _first_chunk(chunks)
         if body.stream:

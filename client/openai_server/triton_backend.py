@@ -20,6 +20,19 @@ CHAT_MODELS = ("epd", "llm")
 log = logging.getLogger("openai_server")
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat as Triton gets it: the model, the rendered prompt, the images in message order,
+    the sampling parameters, the request id and the Triton request parameters (the tenant)."""
+
+    model: str
+    prompt: str
+    images: Sequence[bytes]
+    sampling: dict[str, Any]
+    request_id: str
+    parameters: dict[str, Any] | None = None
+
+
 @dataclass
 class Chunk:
     """One Triton response: new text and, on the last one, the counts and the finish reason."""
@@ -38,17 +51,7 @@ class ChatBackend(Protocol):
 
     async def ready_models(self) -> list[str]: ...
 
-    def generate(
-        self,
-        model: str,
-        prompt: str,
-        images: Sequence[bytes],
-        sampling: dict[str, Any],
-        request_id: str,
-        parameters: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Chunk]:
-        """``parameters``: Triton request parameters (the tenant)."""
-        ...
+    def generate(self, request: ChatRequest) -> AsyncIterator[Chunk]: ...
 
     async def close(self) -> None: ...
 
@@ -117,19 +120,16 @@ class TritonChatBackend:
     async def ready_models(self) -> list[str]:
         return [model for model in self.models if await self.model_state(model)]
 
-    async def generate(
-        self,
-        model: str,
-        prompt: str,
-        images: Sequence[bytes],
-        sampling: dict[str, Any],
-        request_id: str,
-        parameters: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Chunk]:
-        inputs = build_inputs(self._grpc, prompt, images, True, sampling, None)
+    async def generate(self, request: ChatRequest) -> AsyncIterator[Chunk]:
+        inputs = build_inputs(self._grpc, request.prompt, request.images, True, request.sampling, None)
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": model, "inputs": inputs, "request_id": request_id, "parameters": parameters}
+            yield {
+                "model_name": request.model,
+                "inputs": inputs,
+                "request_id": request.request_id,
+                "parameters": request.parameters,
+            }
 
         try:
             responses = self.client.stream_infer(one_request())
@@ -146,7 +146,7 @@ class TritonChatBackend:
                 except OpenAIError:
                     raise
                 except Exception as exc:  # the stream itself failed (Triton gone, stopping)
-                    raise not_ready(f"Triton stream to '{model}' failed: {exc}") from None
+                    raise not_ready(f"Triton stream to '{request.model}' failed: {exc}") from None
                 if error is not None:
                     finished = True
                     raise from_triton_message(error.message() if hasattr(error, "message") else str(error))

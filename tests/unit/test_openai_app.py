@@ -22,16 +22,8 @@ from client.epd_client import chat_prompt
 from client.openai_server.app import _sse, create_app
 from client.openai_server.errors import from_triton_message
 from client.openai_server.prompt import ChatRenderer, MediaPolicy
-from client.openai_server.triton_backend import Chunk
+from client.openai_server.triton_backend import ChatRequest, Chunk
 from tests.images import synthetic_image
-
-
-@dataclass
-class Call:
-    model: str
-    prompt: str
-    images: list[bytes]
-    sampling: dict[str, Any]
 
 
 @dataclass
@@ -43,12 +35,11 @@ class FakeBackend:
     ready: dict[str, bool] = field(default_factory=lambda: {"epd": True, "llm": True})
     error: str | None = None
     fail_after: int = 0
-    calls: list[Call] = field(default_factory=list)
+    calls: list[ChatRequest] = field(default_factory=list)
     finished: int = 0
     closed_early: int = 0
 
     serve_any_model: bool = False  # the fuzzer's random model names reach the renderer too
-    parameters: list[dict[str, Any] | None] = field(default_factory=list)  # Triton request parameters per call
 
     async def model_state(self, model: str) -> bool | None:
         return True if self.serve_any_model else self.ready.get(model)
@@ -56,17 +47,8 @@ class FakeBackend:
     async def ready_models(self) -> list[str]:
         return [model for model, ready in self.ready.items() if ready]
 
-    async def generate(
-        self,
-        model: str,
-        prompt: str,
-        images: Sequence[bytes],
-        sampling: dict[str, Any],
-        request_id: str,
-        parameters: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Chunk]:
-        self.calls.append(Call(model, prompt, list(images), sampling))
-        self.parameters.append(parameters)
+    async def generate(self, request: ChatRequest) -> AsyncIterator[Chunk]:
+        self.calls.append(request)
         done = False
         try:
             for index, piece in enumerate(self.pieces):
@@ -279,7 +261,7 @@ def test_closing_the_stream_early_closes_the_triton_request():
     backend = FakeBackend(pieces=["a"] * 10)
 
     async def run() -> None:
-        chunks = backend.generate("llm", "p", [], {}, "id")
+        chunks = backend.generate(ChatRequest("llm", "p", [], {}, "id"))
         first = await chunks.__anext__()
         events = _sse(chunks, first, "id", "llm", include_usage=True)
         assert "assistant" in await events.__anext__()

@@ -31,4 +31,4 @@ def test_tenant_reaches_triton_as_a_request_parameter(renderer, headers, body, p
     backend = FakeBackend()
     with TestClient(create_app(backend, renderer), raise_server_exceptions=False) as http:
         assert http.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
-    assert backend.parameters == [parameters]
+    assert [call.parameters for call in backend.calls] == [parameters]
