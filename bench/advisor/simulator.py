@@ -154,19 +154,7 @@ class _Machine:
     def spin(self, ms: float) -> None:
         """CPU burnt off the request's path (idle worker threads spinning): competes, delays nobody directly."""
         if self.cpu is not None and ms > 0:
-            self.env.process(self._idle_spin(ms) if self.spin_yields else self._sliced(ms))
-
-    def _idle_spin(self, ms: float) -> Proc:
-        """Spin only on cores nobody else wants: stop as soon as work queues for the CPU."""
-        assert self.cpu is not None
-        left = ms
-        while left > 1e-9 and self.cpu.count < self.cpu.capacity and not self.cpu.queue:
-            with self.cpu.request() as slot:
-                yield slot
-                run = min(self.slice_ms, left)
-                yield self.env.timeout(run)
-                left -= run
-                self.busy_ms += run
+            self.env.process(self._sliced(ms, idle_only=self.spin_yields))
 
     def work(self, ms: float, threads: int = 1) -> Proc:
         if ms <= 0:
@@ -182,11 +170,14 @@ class _Machine:
         parts = [self.env.process(self._sliced(ms / threads)) for _ in range(threads)]
         yield self.env.all_of(parts)
 
-    def _sliced(self, ms: float) -> Proc:
+    def _sliced(self, ms: float, idle_only: bool = False) -> Proc:
+        """``ms`` of CPU in time slices. ``idle_only`` (spinning that yields): only on cores nobody
+        else wants, stopping as soon as work queues for the CPU."""
         assert self.cpu is not None
+        cpu = self.cpu
         left = ms
-        while left > 1e-9:
-            with self.cpu.request() as slot:
+        while left > 1e-9 and not (idle_only and (cpu.count >= cpu.capacity or cpu.queue)):
+            with cpu.request() as slot:
                 yield slot
                 run = min(self.slice_ms, left)
                 yield self.env.timeout(run)
