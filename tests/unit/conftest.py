@@ -1,6 +1,7 @@
-"""The one shared stub of ``triton_python_backend_utils`` for unit tests.
+"""The one shared stub of ``triton_python_backend_utils`` for unit tests, and the fixtures
+several unit test modules share.
 
-Only the modules of ``python_backends/triton_edge/`` import it; the stub records what the
+Only the modules of ``python_backends/triton_edge/`` import the stub; it records what the
 edge builds so tests can check names, dtypes, error codes and metric lifetimes without a server.
 """
 
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 
 class _TritonError(Exception):
@@ -110,3 +113,23 @@ stub.MetricFamily = _MetricFamily
 stub.Logger = _Logger
 stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 sys.modules.setdefault("triton_python_backend_utils", stub)
+
+
+# Fixtures of the tests that build: imports inside, so that a run of other tests does not pay them.
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    """The tiny default checkpoint (built once, then reused)."""
+    from builders.default_model import build_default_model
+
+    return build_default_model()
+
+
+@pytest.fixture
+def fast_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_repository`` without the ONNX export and the TensorRT build (placeholders instead,
+    ``tests/unit/repository_helpers.py``); the rest is the real build."""
+    from tests.unit.repository_helpers import fake_artifact_builds
+
+    fake_artifact_builds(monkeypatch)

@@ -10,15 +10,9 @@ from pathlib import Path
 import pytest
 
 from builders.artifacts import build_dali_artifact, ensure_artifact, safetensors_tensor_bytes
-from builders.default_model import build_default_model
 from builders.targets import TARGETS
 
 PATCH_DIM = 1176  # the default model's 3 * 2 * 14 * 14
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return build_default_model()
 
 
 def test_artifact_is_built_once_and_rebuilt_when_stale(tmp_path: Path) -> None:

@@ -21,12 +21,11 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from builders import repository
 from builders.default_model import build_default_model
 from builders.repository import TARGETS, write_repository
 from python_backends import contract
 from python_backends.model_params import ModelParameters
-from tests.unit.test_repository import FACTS
+from tests.unit.repository_helpers import FACTS, fake_artifact_builds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DataType = model_config_pb2.DataType
@@ -38,14 +37,8 @@ def repositories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ONNX export (tested in test_encoder_export.py) and the TensorRT build are replaced."""
     model_dir = build_default_model()
 
-    def fake_onnx(model_dir: Path, version_dir: Path, stamp_dir: Path):
-        version_dir.mkdir(parents=True, exist_ok=True)
-        (version_dir / contract.ONNX_FILE).write_bytes(b"onnx")
-        return FACTS, {"parity_max_abs": 0.0}, True
-
     patch = pytest.MonkeyPatch()
-    patch.setattr(repository, "build_onnx_artifact", fake_onnx)
-    patch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)
+    fake_artifact_builds(patch)
     try:
         out = {}
         for target in sorted(TARGETS):

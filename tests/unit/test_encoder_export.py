@@ -14,7 +14,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
-from builders.default_model import build_default_model
 from builders.encoder import (
     PARITY_TOLERANCE,
     VALIDATION_GRIDS,
@@ -39,11 +38,6 @@ from python_backends.vit_onnx import (
 )
 
 GRIDS_FOR_IDS = [[[1, 2, 2]], [[1, 4, 6]], [[2, 4, 4]], [[1, 26, 36], [1, 2, 40], [3, 6, 2]]]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return build_default_model()
 
 
 @pytest.fixture(scope="module")

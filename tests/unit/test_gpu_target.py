@@ -15,7 +15,7 @@ from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS,
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes
 from python_backends.contract import DECODE_MODEL
 from python_backends.pd.engines import NIXL_CONNECTOR, check_engine_args, pd_engine_args
-from tests.unit.test_repository import FACTS
+from tests.unit.repository_helpers import FACTS
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = TARGETS["gpu"]

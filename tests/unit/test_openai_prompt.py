@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from builders.default_model import build_default_model
 from client.epd_client import chat_prompt
 from client.openai_server.errors import OpenAIError
 from client.openai_server.prompt import ChatRenderer, MediaPolicy, template_takes_parts
@@ -29,11 +28,6 @@ def image_part(data: bytes) -> dict:
 
 def messages(raw: list[dict]) -> list[Message]:
     return ChatCompletionRequest(model="llm", messages=raw).messages
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return build_default_model()
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from builders import repository
-from builders.default_model import build_default_model
 from builders.repository import (
     TARGETS,
     CachePolicy,
-    EncoderFacts,
     render_template,
     repository_files,
     write_repository,
@@ -27,23 +25,10 @@ from python_backends.contract import ContractError
 from python_backends.vit_onnx import INPUT_NAMES as VIT_INPUT_NAMES
 from python_backends.vit_onnx import OUTPUT_NAME as VIT_OUTPUT_NAME
 from python_backends.vit_onnx import encoder_inputs
+from tests.unit.repository_helpers import FACTS
 
-FACTS = EncoderFacts(
-    patch_dim=1176,
-    hidden_size=128,
-    merge_size=2,
-    vision_shards=1,
-    checkpoint_shards=2,
-    vision_weight_bytes=3_502_592,
-    checkpoint_weight_bytes=5_800_960,
-)
 Config = model_config_pb2.ModelConfig
 DataType = model_config_pb2.DataType
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return build_default_model()
 
 
 def configs(target: str, model_dir: Path) -> dict[str, Config]:
@@ -341,20 +326,7 @@ def test_every_real_template_needs_its_values(model_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_write_repository_switches_targets_cleanly(
-    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The ONNX export (seconds, tested in test_encoder_export.py and by the server session) is
-    # replaced here; everything else is the real build.
-    def fake_onnx(model_dir: Path, version_dir: Path, stamp_dir: Path):
-        version_dir.mkdir(parents=True, exist_ok=True)
-        built = not (version_dir / "model.onnx").exists()
-        if built:
-            (version_dir / "model.onnx").write_bytes(b"onnx")
-        return FACTS, {"parity_max_abs": 0.0}, built
-
-    monkeypatch.setattr(repository, "build_onnx_artifact", fake_onnx)
-    monkeypatch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)
+def test_write_repository_switches_targets_cleanly(tmp_path: Path, model_dir: Path, fast_build: None) -> None:
     out, stamps = tmp_path / "repo", tmp_path / "stamps"
     write_repository("gpu", model_dir, out, stamps)
     assert (out / "vit_positions" / "1" / "model.py").is_file()

@@ -7,39 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from builders import launcher, repository
-from builders.default_model import build_default_model
-from builders.repository import TARGETS, CachePolicy, EncoderFacts, write_repository
+from builders import launcher
+from builders.repository import TARGETS, CachePolicy, write_repository
 from builders.roles import load_model_args, role_models
 from python_backends import contract
-
-FACTS = EncoderFacts(
-    patch_dim=1176,
-    hidden_size=128,
-    merge_size=2,
-    vision_shards=1,
-    checkpoint_shards=2,
-    vision_weight_bytes=3_502_592,
-    checkpoint_weight_bytes=5_800_960,
-)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return build_default_model()
-
-
-@pytest.fixture
-def fast_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ONNX export (tested in test_encoder_export.py) replaced; the rest is the real build."""
-
-    def fake_onnx(model_dir: Path, version_dir: Path, stamp_dir: Path):
-        version_dir.mkdir(parents=True, exist_ok=True)
-        (version_dir / contract.ONNX_FILE).write_bytes(b"onnx")
-        return FACTS, {"parity_max_abs": 0.0}, True
-
-    monkeypatch.setattr(repository, "build_onnx_artifact", fake_onnx)
-    monkeypatch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)
 
 
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
