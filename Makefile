@@ -16,6 +16,7 @@ help:
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
 	@echo "make test-scaleout     2 encoder servers + 1 PD server on loopback (scale-out acceptance, ~5 min)"
 	@echo "make test-crash        SIGKILL encoder_0's stub under load; launcher stops, restarts, same store (~4 min)"
+	@echo "make test-soak         the 60 s soak test (out of make test while issue 17's epd stub crash under load is open)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
