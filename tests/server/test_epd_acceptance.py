@@ -301,13 +301,17 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
     rows = []
     mismatches = 0
     adaptive_paths: dict[str | None, int] = {}
+    adaptive_new_paths: dict[str | None, int] = {}
     for index, (name, prompt_of, specs) in enumerate(EQUALITY_CASES):
         images = _case_images(index, specs, note)
         prompt = prompt_of(len(images))
         llm = tokens_of(server, "llm", prompt, images).result
-        # Every path of epd (issue 14): colocated with new media (its engine encodes them),
-        # disaggregated (the encoders store them), colocated with store hits (embeddings), and
-        # whatever the adaptive rule picks (hits now).
+        # Every path of epd (issue 14): whatever the adaptive rule picks for images new to the
+        # store (the same pixels, other bytes: a note of their own), colocated with new media
+        # (its engine encodes them), disaggregated (the encoders store them), colocated with
+        # store hits (embeddings), and whatever the adaptive rule picks for hits.
+        adaptive_new = tokens_of(server, "epd", prompt, _case_images(index, specs, note + b" adaptive"))
+        adaptive_new_paths[adaptive_new.serving_path] = adaptive_new_paths.get(adaptive_new.serving_path, 0) + 1
         colocated_media = tokens_of(server, "epd", prompt, images, path="colocated").result
         epd = tokens_of(server, "epd", prompt, images, path="disaggregated")
         colocated_hits = tokens_of(server, "epd", prompt, images, path="colocated").result
@@ -319,6 +323,7 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
             and colocated_media.token_ids == llm.token_ids
             and colocated_hits.token_ids == llm.token_ids
             and epd_again.result.token_ids == llm.token_ids
+            and adaptive_new.result.token_ids == llm.token_ids
             and (ensemble is None or ensemble.token_ids == llm.token_ids)
             and epd.result.num_input_tokens == llm.num_input_tokens
             and len(llm.token_ids) > 0
@@ -338,13 +343,14 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
                 f"\n      colocated(media) {colocated_media.token_ids}"
                 f"\n      colocated(hits)  {colocated_hits.token_ids}"
                 f"\n      epd(hit, {epd_again.serving_path}) {epd_again.result.token_ids}"
+                f"\n      epd(new, {adaptive_new.serving_path}) {adaptive_new.result.token_ids}"
                 f"\n      ensemble {ensemble.token_ids if ensemble is not None else '-'}"
             )
         rows.append(row)
     assert sum(len(specs) == 1 for _, _, specs in EQUALITY_CASES) >= 6
     assert mismatches == 0, f"{mismatches} of {len(rows)} prompts differ:\n" + "\n".join(rows)
-    assert set(adaptive_paths) <= {"colocated", "disaggregated"}, adaptive_paths
-    print(f"adaptive epd served the 18 prompts (store hits) on: {adaptive_paths}")
+    assert set(adaptive_paths) | set(adaptive_new_paths) <= {"colocated", "disaggregated"}
+    print(f"adaptive epd served the 18 prompts on: new images {adaptive_new_paths}, store hits {adaptive_paths}")
 
 
 def test_dali_vs_transformers_divergence_is_the_pixels_alone(server, model_dir):
