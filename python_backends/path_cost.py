@@ -10,22 +10,39 @@ images, how many the store lacks, their size bucket, output tokens) and asks
 - ``disaggregated``: missing images through the encoders, then prefill, KV transfer, decode.
   predicted = misses * encode[bucket] + prefill[bucket] + (tokens - 1) * token_ms
 
-Each term is an EWMA of the stages' own timings (what each path measured on requests it
-served, per image-size bucket), kept *per unit of load*: a sample taken while ``n`` requests
+Each term is an estimate of the stages' own timings (what each path measured on requests it
+served, per image-size bucket): the median of its last ``window`` samples (:class:`Estimate`),
+kept *per unit of load*: a sample taken while ``n`` requests
 were running on the engines it used counts ``time / n``, and a prediction multiplies by the
 load now plus one (processor sharing: an engine that runs n requests at once gives each about
 1/n of itself). ``shared_compute`` says the two paths' engines share the same processors (the
 cpu target: two cores for everything): then a path's load is every request in flight, not only
 its own, and the paths compete for the same cores.
 
-A path with no sample yet, or whose estimate is older than ``probe_interval_s``, gets one
-request (a probe, one at a time) so that its estimate stays live; forced requests feed the
-estimates too. Everything here runs on epd's event loop thread (no locking).
+A path with fewer than ``min_samples`` samples of a term, or whose estimate is older than
+``probe_interval_s``, gets one request (a probe, one at a time) so that its estimate stays live;
+forced requests feed the estimates too. Everything here runs on epd's event loop thread (no
+locking).
+
+Why a windowed median and not an EWMA (what this module first used): in the path benchmark of
+2026-12-01 the first request epd's colocated engine ever served took 1052 ms to its first token
+and 122 ms per token (a cold engine), against ~150 ms and ~10-20 ms warm. As an EWMA's first
+sample that one request *was* the estimate; adaptive then sent every request to the slower
+disaggregated path, and the colocated estimate, refreshed only by one probe per 30 s at
+alpha 0.2, needed minutes to come down (25 of 28 requests at c=1 on the wrong path, e2e p50
+3x llm's). On a shared machine single samples also spike several-fold when other processes
+run. A median of the last few samples ignores such an outlier as soon as two normal samples
+follow, and still follows a lasting change within half a window. The probe interval is 10 s
+(it was 30 s): on a machine whose load drifts, an estimate minutes old is compared with a fresh
+one of the other path; a probe is one request on the slower path, a few percent of requests at
+the loads measured here.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -68,17 +85,22 @@ class RequestShape:
         return "embeds" if self.misses == 0 else "media"
 
 
-@dataclass
-class Ewma:
-    alpha: float
-    value: float = 0.0
-    samples: int = 0
-    updated_at: float = 0.0
+class Estimate:
+    """One stage's service time: the median of its last ``window`` samples (module docstring)."""
+
+    def __init__(self, window: int) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+        self.samples = 0  # every sample ever added
+        self.updated_at = 0.0
 
     def add(self, sample: float, now: float) -> None:
-        self.value = sample if self.samples == 0 else self.alpha * sample + (1 - self.alpha) * self.value
+        self.recent.append(sample)
         self.samples += 1
         self.updated_at = now
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 @dataclass(frozen=True)
@@ -100,18 +122,20 @@ class PathCostModel:
     def __init__(
         self,
         *,
-        alpha: float = 0.2,
-        probe_interval_s: float = 30.0,
+        window: int = 8,
+        min_samples: int = 3,
+        probe_interval_s: float = 10.0,
         shared_compute: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
+        self.window = window
+        self.min_samples = min_samples
         self.probe_interval_s = probe_interval_s
         self.shared_compute = shared_compute
         self.clock = clock
-        self.estimates: dict[tuple[str, str, str], Ewma] = {}  # (path, stage, bucket) -> ms per unit of load
+        self.estimates: dict[tuple[str, str, str], Estimate] = {}  # (path, stage, bucket) -> ms per unit of load
         self.in_flight = dict.fromkeys(contract.SERVING_PATHS, 0)
         self._probing: str | None = None
         self.last: Decision | None = None
@@ -140,7 +164,7 @@ class PathCostModel:
         per_unit = ms / max(load, 1)
         now = self.clock()
         for key in ((path, stage, bucket), (path, stage, ANY_BUCKET)):
-            self.estimates.setdefault(key, Ewma(self.alpha)).add(per_unit, now)
+            self.estimates.setdefault(key, Estimate(self.window)).add(per_unit, now)
 
     def observe_colocated(self, shape: RequestShape, first_ms: float, decode_ms: float, tokens: int, load: int) -> None:
         """A colocated request finished: time to its first token and to the rest."""
@@ -162,10 +186,10 @@ class PathCostModel:
 
     # ------------------------------------------------------------------ predictions
 
-    def _estimate(self, path: str, stage: str, bucket: str) -> Ewma | None:
+    def _estimate(self, path: str, stage: str, bucket: str) -> Estimate | None:
         return self.estimates.get((path, stage, bucket)) or self.estimates.get((path, stage, ANY_BUCKET))
 
-    def _terms(self, path: str, shape: RequestShape) -> list[tuple[Ewma | None, float]] | None:
+    def _terms(self, path: str, shape: RequestShape) -> list[tuple[Estimate | None, float]] | None:
         """(estimate, multiplier) per term of ``path``'s prediction for ``shape``."""
         tokens_after_first = max(shape.output_tokens - 1, 0)
         if path == contract.COLOCATED_PATH:
@@ -190,7 +214,11 @@ class PathCostModel:
     def _stale(self, path: str, shape: RequestShape) -> bool:
         terms = self._terms(path, shape) or []
         now = self.clock()
-        return any(est is None or now - est.updated_at > self.probe_interval_s for est, times in terms if times)
+        return any(
+            est is None or est.samples < self.min_samples or now - est.updated_at > self.probe_interval_s
+            for est, times in terms
+            if times
+        )
 
     def choose(self, shape: RequestShape, available: Iterable[str]) -> Decision:
         """The path for ``shape`` among ``available`` ones (the rule of the module docstring)."""

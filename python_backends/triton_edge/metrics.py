@@ -149,7 +149,8 @@ class PathMetrics:
     - ``epd_path_last_decision{path}``: 1 for the path of the latest decision, 0 for the other;
     - ``epd_path_predicted_ms{path}``: the latest adaptive decision's predictions (-1: unknown);
     - ``epd_path_in_flight{path}``: requests running on each path now;
-    - ``epd_path_estimate_ms{path, stage, bucket}``: each EWMA, ms per unit of load.
+    - ``epd_path_estimate_ms{path, stage, bucket}``: each stage estimate (median of its recent
+      samples), ms per unit of load.
     """
 
     def __init__(self, metrics: ModelMetrics, paths: Any) -> None:

@@ -150,7 +150,7 @@ def test_fixed_policies(store):
 
 def test_adaptive_probes_both_paths_then_follows_the_cost_model(store):
     stages, engine = FakeStages(store), FakeEngine()
-    cost = PathCostModel()
+    cost = PathCostModel(min_samples=1)  # one sample makes a path known (the default asks for more)
     p = pipeline(stages, engine, cost_model=cost)
     decisions = []
 

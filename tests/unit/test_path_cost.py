@@ -22,9 +22,10 @@ class Clock:
 def trained(colocated_first: float, colocated_token: float, encode: float, prefill: float, token: float,
             clock: Clock | None = None, shared: bool = True) -> PathCostModel:
     model = PathCostModel(clock=clock or Clock(), shared_compute=shared)
-    for shape in (UNIQUE, HIT):
-        model.observe_colocated(shape, colocated_first, colocated_token * 32, 33, load=1)
-        model.observe_disaggregated(shape, {"encode": encode, "prefill": prefill, "decode": token * 32}, 33, 1, 1)
+    for _ in range(model.min_samples):  # enough samples of every term to be trusted
+        for shape in (UNIQUE, HIT):
+            model.observe_colocated(shape, colocated_first, colocated_token * 32, 33, load=1)
+            model.observe_disaggregated(shape, {"encode": encode, "prefill": prefill, "decode": token * 32}, 33, 1, 1)
     return model
 
 
@@ -52,7 +53,6 @@ def test_store_hits_change_the_decision() -> None:
     # Encoding is what makes disaggregated lose here; with the image stored it wins.
     model = trained(colocated_first=120, colocated_token=4, encode=200, prefill=20, token=4)
     assert model.choose(UNIQUE, SERVING_PATHS).path == COLOCATED_PATH
-    model.observe_colocated(HIT, 120, 4 * 32, 33, load=1)
     assert model.choose(HIT, SERVING_PATHS).path == DISAGGREGATED_PATH
 
 
@@ -95,11 +95,43 @@ def test_unknown_paths_are_probed_one_at_a_time_then_refreshed_when_stale() -> N
     assert (decision.path, decision.reason) == (DISAGGREGATED_PATH, "probe")
 
 
-def test_ewma_follows_recent_samples() -> None:
-    model = PathCostModel(alpha=0.5)
+def test_estimates_follow_recent_samples() -> None:
+    model = PathCostModel(window=4)
     for ms in (100, 100, 20, 20, 20):
         model.observe_colocated(HIT, ms, 0, 1, load=1)
-    assert model.estimates[(COLOCATED_PATH, "first_token/embeds", "medium")].value == pytest.approx(30)
+    assert model.estimates[(COLOCATED_PATH, "first_token/embeds", "medium")].value == pytest.approx(20)
+
+
+def test_a_cold_first_sample_does_not_decide_once_warm_samples_follow() -> None:
+    """What the 2026-12-01 benchmark showed: the colocated engine's first request was ~7x slower
+    than the next ones (a cold engine). It must not keep adaptive on the slower path."""
+    model = PathCostModel()
+    cold, warm = 1050.0, 150.0
+    for first in (cold, warm, warm):
+        model.observe_colocated(UNIQUE, first, 20.0 * 32, 33, load=1)
+    for _ in range(3):
+        model.observe_disaggregated(UNIQUE, {"encode": 150, "prefill": 150, "decode": 40.0 * 32}, 33, 1, 1)
+    assert model.predict(COLOCATED_PATH, UNIQUE) == pytest.approx(warm + 32 * 20)
+    assert model.choose(UNIQUE, SERVING_PATHS).path == COLOCATED_PATH
+
+
+def test_a_path_with_too_few_samples_is_probed_before_it_is_trusted() -> None:
+    model = PathCostModel(min_samples=3)
+    for _ in range(3):
+        model.observe_colocated(UNIQUE, 150, 20.0 * 32, 33, load=1)
+    slow = {"encode": 500, "prefill": 500, "decode": 80.0 * 32}
+    model.observe_disaggregated(UNIQUE, slow, 33, 1, 1)  # one (perhaps unlucky) sample
+    decision = model.choose(UNIQUE, SERVING_PATHS)
+    assert (decision.path, decision.reason) == (DISAGGREGATED_PATH, "probe")
+    model.observe_disaggregated(UNIQUE, slow, 33, 1, 1)
+    model.observe_disaggregated(UNIQUE, slow, 33, 1, 1)
+    decision = model.choose(UNIQUE, SERVING_PATHS)
+    assert (decision.path, decision.reason) == (COLOCATED_PATH, "predicted")
+
+
+def test_window_and_min_samples_are_checked() -> None:
+    with pytest.raises(ValueError, match="min_samples"):
+        PathCostModel(window=2, min_samples=3)
 
 
 def test_one_available_path_is_the_answer() -> None:
