@@ -168,6 +168,30 @@ def build_dali_artifact(
     return ensure_artifact(version_dir, "dali", inputs, build, stamp_dir)
 
 
+def build_video_dali_artifact(
+    target: Target, model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
+) -> tuple[dict[str, Any], bool]:
+    """``video.dali`` beside ``model.dali``: the video pipeline for the target's decoder (cpu,
+    or mixed/NVDEC on gpu), from the checkpoint's video processor config."""
+    from python_backends.dali_video import VideoTransformConfig, write_video_pipeline
+
+    serving = target.encode
+    config = VideoTransformConfig.from_file(model_dir)
+    inputs = {
+        "transform": asdict(config),
+        "device": serving.device,
+        "dali": _version("nvidia-dali-cuda120"),
+        "source": _source_digest("python_backends/dali_video.py", "python_backends/dali_pipeline.py"),
+    }
+
+    def build(scratch: Path) -> dict[str, Any]:
+        path = write_video_pipeline(scratch / contract.VIDEO_DALI_FILE, config, serving.device)
+        LOGGER.info("serialized the DALI video pipeline for %s (%d bytes)", serving.device, path.stat().st_size)
+        return {"device": serving.device, "bytes": path.stat().st_size}
+
+    return ensure_artifact(version_dir, "dali-video", inputs, build, stamp_dir)
+
+
 def build_onnx_artifact(
     model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
 ) -> tuple[EncoderFacts, dict[str, Any], bool]:

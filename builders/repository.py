@@ -33,6 +33,7 @@ from builders.artifacts import (
     build_dali_artifact,
     build_onnx_artifact,
     build_plan_artifact,
+    build_video_dali_artifact,
     ensure_artifact,
     safetensors_tensor_bytes,
 )
@@ -51,7 +52,7 @@ from builders.targets import (
     resolved_target,
 )
 from python_backends import contract
-from python_backends.contract import DALI_FILE, DISAGGREGATED_PATH, ONNX_FILE, CachePolicy
+from python_backends.contract import DALI_FILE, DISAGGREGATED_PATH, ONNX_FILE, VIDEO_DALI_FILE, CachePolicy
 
 # What callers of this module (the launcher, benchmarks, tests) import from it.
 __all__ = [
@@ -144,6 +145,7 @@ def write_repository(
     _prune_other_targets(target, out)
 
     _, dali_built = build_dali_artifact(target, model_dir, out / "preprocess" / "1", stamp_dir)
+    build_video_dali_artifact(target, model_dir, out / "preprocess" / "1", stamp_dir)
     facts, onnx_report, onnx_built = build_onnx_artifact(model_dir, out / "vit_encoder" / "1", stamp_dir)
     LOGGER.info(
         "%s: %s; %s", target.name,
@@ -153,7 +155,11 @@ def write_repository(
     if target.encode.device == "gpu":
         build_plan_artifact(target, facts, out / "vit_encoder" / "1", onnx_report, stamp_dir)
 
-    written = [out / "preprocess" / "1" / DALI_FILE, out / "vit_encoder" / "1" / ONNX_FILE]
+    written = [
+        out / "preprocess" / "1" / DALI_FILE,
+        out / "preprocess" / "1" / VIDEO_DALI_FILE,
+        out / "vit_encoder" / "1" / ONNX_FILE,
+    ]
     served = role_models(target, role)
     for model in served:  # an ensemble needs its (empty) version folder too
         (out / model / "1").mkdir(parents=True, exist_ok=True)

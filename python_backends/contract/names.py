@@ -150,5 +150,7 @@ PROFILE_MAX_IMAGES = "profile_max_images"
 
 # Artefact files in a model's version folder.
 DALI_FILE = "model.dali"
+# The video pipeline (python_backends/dali_video.py), beside the image one in preprocess/1.
+VIDEO_DALI_FILE = "video.dali"
 ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"

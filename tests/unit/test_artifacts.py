@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from builders.artifacts import build_dali_artifact, ensure_artifact, safetensors_tensor_bytes
+from builders.artifacts import (
+    build_dali_artifact,
+    build_video_dali_artifact,
+    ensure_artifact,
+    safetensors_tensor_bytes,
+)
 from builders.targets import TARGETS
 
 PATCH_DIM = 1176  # the default model's 3 * 2 * 14 * 14
@@ -54,6 +59,28 @@ def test_dali_artifact_per_target(tmp_path: Path, model_dir: Path) -> None:
     assert not build_dali_artifact(TARGETS["cpu"], model_dir, version_dir, stamps)[1]
     assert build_dali_artifact(TARGETS["gpu"], model_dir, version_dir, stamps)[1]  # another device
     gpu_bytes = (version_dir / "model.dali").read_bytes()
+    assert b"mixed" in gpu_bytes and b"mixed" not in cpu_bytes
+
+
+def test_video_dali_artifact_per_target_and_it_runs(tmp_path: Path, model_dir: Path) -> None:
+    """video.dali beside model.dali: built once per target, and the cpu one serves a clip
+    exactly as the pipeline serialized in process does."""
+    from python_backends.dali_video import VideoTransformConfig
+    from python_backends.video_preprocess import DaliVideoPreprocessor
+    from tests.videos import ClipSpec, make_clip
+
+    version_dir, stamps = tmp_path / "preprocess" / "1", tmp_path / "stamps"
+    report, built = build_video_dali_artifact(TARGETS["cpu"], model_dir, version_dir, stamps)
+    assert built and report["device"] == "cpu"
+    cpu_bytes = (version_dir / "video.dali").read_bytes()
+    assert not build_video_dali_artifact(TARGETS["cpu"], model_dir, version_dir, stamps)[1]
+    transform = VideoTransformConfig.from_file(model_dir)
+    clip = make_clip(ClipSpec("vp9", 96, 64, 10, 1))
+    from_file = DaliVideoPreprocessor(cpu_bytes, transform).preprocess([clip])
+    in_process = DaliVideoPreprocessor.for_config(transform).preprocess([clip])
+    assert (from_file.pixel_values_videos == in_process.pixel_values_videos).all()
+    assert build_video_dali_artifact(TARGETS["gpu"], model_dir, version_dir, stamps)[1]  # another device
+    gpu_bytes = (version_dir / "video.dali").read_bytes()
     assert b"mixed" in gpu_bytes and b"mixed" not in cpu_bytes
 
 
