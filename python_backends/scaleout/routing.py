@@ -57,6 +57,7 @@ class CircuitBreaker:
     opened_at: float | None = None
     current_backoff_s: float = 0.0
     probing: bool = False
+    opens: int = 0  # times it opened (at the threshold or after a failed probe), for a metric
 
     def __post_init__(self) -> None:
         if self.fail_threshold < 1 or self.backoff_s <= 0 or self.max_backoff_s < self.backoff_s:
@@ -87,8 +88,10 @@ class CircuitBreaker:
         if self.probing:  # a failed probe: out again, for longer
             self.current_backoff_s = min(self.current_backoff_s * 2, self.max_backoff_s)
             self.opened_at, self.probing = self.clock(), False
+            self.opens += 1
         elif self.opened_at is None and self.failures_in_a_row >= self.fail_threshold:
             self.opened_at, self.current_backoff_s = self.clock(), self.backoff_s
+            self.opens += 1
 
 
 @dataclass

@@ -120,8 +120,9 @@ def test_breaker_opens_after_failures_in_a_row_then_probes_back_in() -> None:
         breaker.failed()
     assert breaker.state == BreakerState.CLOSED and breaker.allows()
     breaker.failed()
-    assert breaker.state == BreakerState.OPEN and not breaker.allows()
+    assert breaker.state == BreakerState.OPEN and not breaker.allows() and breaker.opens == 1
     breaker.failed()  # a call started before it opened fails late: the back-off is unchanged
+    assert breaker.opens == 1
     clock.now += 2.0
     assert breaker.state == BreakerState.HALF_OPEN and breaker.allows()
     breaker.started()  # the probe
@@ -129,7 +130,7 @@ def test_breaker_opens_after_failures_in_a_row_then_probes_back_in() -> None:
     breaker.failed()
     assert breaker.state == BreakerState.OPEN
     clock.now += 3.9
-    assert breaker.state == BreakerState.OPEN  # the back-off doubled to 4 s
+    assert breaker.state == BreakerState.OPEN and breaker.opens == 2  # the back-off doubled to 4 s
     clock.now += 0.1
     breaker.started()
     breaker.failed()
