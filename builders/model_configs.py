@@ -300,6 +300,7 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
         contract.PREFILL_MODEL_KEY: contract.PREFILL_MODEL,
         contract.DECODE_MODEL_KEY: contract.DECODE_MODEL,
         contract.REMOTE_ENCODERS_KEY: target.pd.remote_encoders,
+        contract.REMOTE_LOCAL_FALLBACK: target.pd.remote_local_fallback,
         contract.PATH_POLICY: target.pd.path_policy,
         **target.role_environment(contract.EPD_MODEL),
     }

@@ -131,12 +131,15 @@ def write_repository(
     ``gpus``: the gpu target's number of GPUs (``Target.with_gpus``).
     ``remote_encoders``: epd's remote encoder servers (``python_backends/scaleout/endpoints.py``).
     ``path_policy``: epd's path policy (``PdServing.path_policy``; None: the target's, except
-    that a ``pd`` role server with remote encoders is ``disaggregated``: its encoders are what
-    it scales out, and the colocated path would run a fourth engine that encodes in place)."""
+    that a server with remote encoders is ``disaggregated``: its encoders are what it scales
+    out, and the colocated path would run a fourth engine that encodes in place)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if remote_encoders:
-        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, remote_encoders=remote_encoders))
-    if path_policy is None and role == "pd" and remote_encoders:
+        # An ``all`` server serves its own encoder models: epd falls back to them when no remote
+        # encoder is left; a ``pd`` server has none and answers UNAVAILABLE instead.
+        pd = dataclasses.replace(target.pd, remote_encoders=remote_encoders, remote_local_fallback=role == "all")
+        target = dataclasses.replace(target, pd=pd)
+    if path_policy is None and remote_encoders:
         path_policy = DISAGGREGATED_PATH
     if path_policy is not None:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, path_policy=path_policy))

@@ -77,6 +77,9 @@ class PdServing:
     kv_connector: str = "TransferIdConnector"
     # Scale-out (``--role pd``): epd's remote encoders; "local": the server's own encoder models.
     remote_encoders: str = contract.LOCAL_ENCODERS
+    # With remote encoders: encode on this server's own encoder models when none is left (set by
+    # the repository builder for an ``all`` server; a ``pd`` server serves no encoder models).
+    remote_local_fallback: bool = False
     # epd's path policy (python_backends/epd_pipeline.py): ``adaptive`` (the cost model picks per
     # request), ``disaggregated`` (epd then starts no colocated engine) or ``colocated``.
     path_policy: str = contract.ADAPTIVE_POLICY

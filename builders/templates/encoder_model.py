@@ -6,14 +6,23 @@ the `encode` ensemble and write the store) -> references out. Embeddings never l
 process through Triton; `epd` and `prefill` get references. Called by `epd` for the images it
 did not find, and by clients that pre-encode media (then `mm_hash` is what they send later).
 
+With the request parameter ``by_value`` (one image; a ``pd`` server on another node asks it) the
+answer also carries the stored embedding and its digest (python_backends.scaleout.digest): the
+image is encoded once on this node and the PD node verifies what crossed the network.
+
 The logic is python_backends.cached_encoder.CachedEncoder; the request/error/cancel policy is
 python_backends.triton_edge.decoupled's. This file only wires them.
 """
 
+import os
 from pathlib import Path
+
+import numpy as np
 
 from python_backends import contract
 from python_backends.cached_encoder import CachedEncoder, cache_namespace, parse_encoder_inputs
+from python_backends.errors import invalid_arg
+from python_backends.scaleout.digest import by_value_answer
 from python_backends.store import EmbeddingStore, KeyConfig
 from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsEncode
@@ -42,17 +51,31 @@ class TritonPythonModel(DecoupledModel):
 
     def parse(self, inputs, request):
         images, lease_owner = parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
-        return images, lease_owner, request_tenant(request_parameters(request.parameters()))
+        parameters = request_parameters(request.parameters())
+        by_value = parameters.get(contract.BY_VALUE) is True
+        if by_value and (len(images) != 1 or lease_owner is not None):
+            raise invalid_arg(f"'{contract.BY_VALUE}' takes one image and no lease_owner")
+        return images, lease_owner, request_tenant(parameters), by_value
 
     async def serve(self, parsed, request_id):
-        answers = await self.encoder.references(*parsed)
+        images, lease_owner, tenant, by_value = parsed
+        answers = await self.encoder.references(images, os.getpid() if by_value else lease_owner, tenant)
         for answer in answers:
             self.cache_metrics.count(answer.outcome.value)
-        yield answers
+        yield answers, by_value_answer(self.store, answers[0].reference) if by_value else None
 
-    def respond(self, answers):
-        return response([
+    def respond(self, item):
+        answers, value = item
+        tensors = [
             bytes_tensor(contract.REFERENCES, [a.reference.to_bytes() for a in answers]),
             bytes_tensor(contract.MM_HASH, [a.client_mm_hash for a in answers]),
             tensor(contract.CACHE_HIT, [a.cache_hit for a in answers], bool),
-        ]), True
+        ]
+        if value is not None:
+            embeds, grid, digest = value
+            tensors += [
+                tensor(contract.IMAGE_EMBEDS, embeds, np.float32),
+                tensor(contract.IMAGE_GRID_THW, grid, np.int64),
+                bytes_tensor(contract.EMBEDDING_DIGEST, [digest]),
+            ]
+        return response(tensors), True

@@ -173,6 +173,7 @@ EPD = ModelInterface(
         n.PATH_POLICY,
         n.REMOTE_ENCODERS_KEY,
         n.REMOTE_ENCODE_DEADLINE_S,
+        n.REMOTE_LOCAL_FALLBACK,
     ),
     vllm_env=True,
 )
@@ -239,6 +240,10 @@ ENCODER = ModelInterface(
         _tensor(n.MM_HASH, "TYPE_STRING", -1),
         _tensor(n.CACHE_HIT, "TYPE_BOOL", -1),
         _ERROR,
+        # With the request parameter ``by_value`` (one image): the stored embedding and its digest.
+        _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, -1, -1),
+        _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3),
+        _tensor(n.EMBEDDING_DIGEST, "TYPE_STRING", -1),
     ),
     (*_STORE_USER, *_CONTENT_KEYS, n.ENCODE_MODEL_KEY, n.MAX_IMAGE_BYTES, n.MAX_IMAGES_PER_REQUEST),
 )

@@ -119,12 +119,19 @@ NODE_ID = "node_id"
 REMOTE_ENCODERS_KEY = "remote_encoders"
 LOCAL_ENCODERS = "local"
 REMOTE_ENCODE_DEADLINE_S = "remote_encode_deadline_s"
+# Whether epd, with remote encoders, may encode on this server's own encoder models when no remote
+# encoder is left (true on an ``all`` server given ``--remote-encoders``; a ``pd`` server has none).
+REMOTE_LOCAL_FALLBACK = "remote_local_fallback"
 TENANT_POLICY = "tenant_policy"  # isolated | shared: whether cache entries cross tenants
 STORE_KEYS = (
     STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE, NODE_ID, TENANT_POLICY
 )
 # Triton request parameters (not tensors): the tenant that scopes cache keys and mm_hash references.
 TENANT = "tenant"
+# Request parameter of an encoder model (a ``pd`` server on another node asks it): answer the
+# stored embedding by value too, with its digest (``python_backends/scaleout/digest.py``).
+BY_VALUE = "by_value"
+EMBEDDING_DIGEST = "embedding_digest"
 # preprocess (cpu): the serialized DALI pipeline.
 PIPELINE_FILE = "pipeline_file"
 DALI_NUM_THREADS = "dali_num_threads"

@@ -53,6 +53,7 @@ from python_backends.contract.names import (
     PROFILE_OPT_PATCHES,
     REMOTE_ENCODE_DEADLINE_S,
     REMOTE_ENCODERS_KEY,
+    REMOTE_LOCAL_FALLBACK,
     SPATIAL_MERGE_SIZE,
     STORE_CAPACITY_BYTES,
     STORE_DEVICE,
@@ -121,6 +122,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(TENANT_POLICY, "isolated"),  # requests that name a tenant never share entries
         Parameter(REMOTE_ENCODERS_KEY, LOCAL_ENCODERS),
         Parameter(REMOTE_ENCODE_DEADLINE_S, 20.0, minimum=0.1),
+        Parameter(REMOTE_LOCAL_FALLBACK, False),
         Parameter(PIPELINE_FILE, DALI_FILE),
         Parameter(DALI_NUM_THREADS, 2, minimum=1),
         Parameter(ONNX_FILE_KEY, ONNX_FILE),

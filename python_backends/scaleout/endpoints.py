@@ -4,8 +4,9 @@ Who calls what: ``RemoteEncoders`` (``scaleout/remote.py``) asks :meth:`Endpoint
 every few seconds and gives the answer to the router. A DNS name is resolved each time (a
 Kubernetes headless Service answers one A record per ready pod), a file is read each time (one
 address per line or comma-separated, ``#`` comments), so encoders join and leave without a
-restart. A lookup that fails answers no encoders (logged), never an exception: the server keeps
-serving, and requests get one clear UNAVAILABLE error until encoders are back.
+restart. A lookup that fails answers no encoders (logged, and kept in ``problem`` for the error
+requests get), never an exception: the server keeps serving, and requests get one clear
+UNAVAILABLE error until encoders are back.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +44,11 @@ class EndpointSource(Protocol):
     @property
     def description(self) -> str: ...
 
+    @property
+    def problem(self) -> str:
+        """Why the last lookup found no encoders ("" when it found some or cannot fail)."""
+        ...
+
     async def current(self) -> list[str]:
         """The encoder addresses now (``HOST:PORT``)."""
         ...
@@ -51,6 +57,7 @@ class EndpointSource(Protocol):
 @dataclass
 class StaticEndpoints:
     addresses: list[str]
+    problem: str = ""
 
     @property
     def description(self) -> str:
@@ -68,6 +75,7 @@ class DnsEndpoints:
     name: str
     port: int
     resolve: Resolver | None = None  # default: the event loop's getaddrinfo
+    problem: str = field(default="", compare=False)
 
     @property
     def description(self) -> str:
@@ -78,15 +86,20 @@ class DnsEndpoints:
         try:
             answers = await resolve(self.name, self.port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
-            log.warning("encoders: %s resolves to nothing (%s)", self.description, exc)
+            problem = f"{self.description} resolves to nothing ({exc})"
+            if problem != self.problem:
+                log.warning("encoders: %s", problem)
+            self.problem = problem
             return []
         hosts = sorted({str(sockaddr[0]) for *_, sockaddr in answers})
+        self.problem = "" if hosts else f"{self.description} resolves to no address"
         return [f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}" for host in hosts]
 
 
 @dataclass
 class FileEndpoints:
     path: Path
+    problem: str = field(default="", compare=False)
 
     @property
     def description(self) -> str:
@@ -94,15 +107,15 @@ class FileEndpoints:
 
     async def current(self) -> list[str]:
         try:
-            text = self.path.read_text()
-        except OSError as exc:
-            log.warning("encoders: cannot read %s (%s)", self.path, exc)
+            addresses = parse_addresses(self.path.read_text())
+        except (OSError, EndpointSpecError) as exc:
+            problem = f"{self.description}: {exc}"
+            if problem != self.problem:
+                log.warning("encoders: %s", problem)
+            self.problem = problem
             return []
-        try:
-            return parse_addresses(text)
-        except EndpointSpecError as exc:
-            log.warning("encoders: %s: %s", self.path, exc)
-            return []
+        self.problem = "" if addresses else f"{self.description} lists no encoder"
+        return addresses
 
 
 def endpoint_source(spec: str) -> EndpointSource:

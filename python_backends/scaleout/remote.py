@@ -12,9 +12,11 @@ Per image: the router (``routing.py``) picks the key's home (or a less loaded en
   ``encoder_0`` config): its ``encoder_0`` claims the key in the shared store, encodes if needed
   and answers a reference leased for this process: zero-copy, as on one server;
 - an encoder on **another node**: the key is claimed in this node's store (single-flight across
-  its processes), the encoder's ``encode`` model answers the embedding by value, it is checked
-  (dtype, rank, token count against the grid, finite) and written here; later requests on this
-  node are local hits, so it crosses the network once per (image, node).
+  its processes), the encoder's ``encoder_0`` answers the embedding by value (``by_value``: it
+  is encoded once on that node and kept in that node's store) with its ``mm_hash`` and digest;
+  it is checked (dtype, rank, token count against the grid, finite, the key, the digest) and
+  written here; later requests on this node are local hits, so it crosses the network once per
+  (image, node).
 
 A call that fails (server gone, deadline, bad answer) counts against the encoder's breaker and
 is retried on another encoder within the request's deadline; with none left the request gets
@@ -30,7 +32,7 @@ import logging
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from python_backends import contract
 from python_backends.cached_encoder import CachedEncoder, EncodedImage
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.generation import GenerationChunk
+from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import EndpointSource
 from python_backends.scaleout.routing import NoEncoderAvailable, Router
 from python_backends.store import EmbeddingStore, KeyConfig
@@ -87,6 +90,7 @@ class ScaleoutStats:
 
     endpoints: dict[str, EndpointStats] = field(default_factory=dict)
     local_hits: int = 0  # cross-node path: another request of this node had stored it meanwhile
+    local_fallbacks: int = 0  # encoded on this server's own encoder models: no remote encoder left
     cross_node_bytes: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
@@ -101,10 +105,28 @@ class EncoderServer:
     shares_store: bool
 
 
+# gRPC's reconnect back-off grows to 120 s by default: an encoder restarted after a minute down
+# would wait that long to be seen. Capped near the readiness poll, it rejoins within seconds.
+RECONNECT_BACKOFF_MS = (500, 2000)  # initial, max
+
+
 def _connect(address: str) -> Any:
     from tritonclient.grpc import aio as grpc_aio  # imported on the serving side only
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
 
-    return grpc_aio.InferenceServerClient(address)
+    keepalive = KeepAliveOptions()
+    options = [  # tritonclient's defaults, plus the reconnect back-off
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ]
+    return grpc_aio.InferenceServerClient(address, channel_args=options)
 
 
 def _status(exc: BaseException) -> str:
@@ -118,15 +140,6 @@ def _status(exc: BaseException) -> str:
     status = getattr(exc, "status", None)  # tritonclient's InferenceServerException
     value = status() if callable(status) else None
     return "" if value is None else str(value).removeprefix("StatusCode.")
-
-
-def _image_input(image: bytes) -> Any:
-    from tritonclient.grpc import InferInput
-
-    data = np.frombuffer(image, dtype=np.uint8).reshape(1, -1)
-    tensor = InferInput(contract.IMAGE, list(data.shape), "UINT8")
-    tensor.set_data_from_numpy(data)
-    return tensor
 
 
 async def _stream_one(client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None,
@@ -173,6 +186,19 @@ def checked_embedding(embeds: Any, grid: Any, merge_size: int) -> EncodedImage:
     return EncodedImage(np.ascontiguousarray(embeds[0]), (t, h, w))
 
 
+def verify_answer(result: Any, encoded: EncodedImage, key: str) -> None:
+    """An encoder's by-value answer is for this image (its ``mm_hash`` is our key) and arrived
+    as it left (its digest, recomputed here over the checked embedding); ValueError if not."""
+    theirs = result.as_numpy(contract.MM_HASH)
+    if theirs is None or str(theirs.reshape(-1)[0], "utf-8") != key:
+        raise ValueError("the answer is for another key than this image's")
+    sent = result.as_numpy(contract.EMBEDDING_DIGEST)
+    if sent is None:
+        raise ValueError("the answer carries no embedding digest")
+    if str(sent.reshape(-1)[0], "utf-8") != embedding_digest(encoded.embeds, encoded.grid_thw):
+        raise ValueError("the embedding's digest does not match what arrived")
+
+
 class RemoteEncoders:
     def __init__(
         self,
@@ -185,6 +211,7 @@ class RemoteEncoders:
         merge_size: int,
         deadline_s: float = 20.0,
         refresh_s: float = 2.0,
+        refused_retry_s: float = 30.0,
         tenant_policy: str = "isolated",
         router: Router | None = None,
         connect: Callable[[str], Any] = _connect,
@@ -195,6 +222,9 @@ class RemoteEncoders:
         self.router = router or Router()
         self.connect = connect
         self.servers: dict[str, EncoderServer] = {}
+        self.unreachable: dict[str, str] = {}  # address -> why it is not admitted yet (tried each refresh)
+        self.refused_until: dict[str, float] = {}  # a refused address is checked again after refused_retry_s
+        self.refused_retry_s = refused_retry_s
         self.stats = ScaleoutStats()
         self._exported: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
@@ -206,13 +236,16 @@ class RemoteEncoders:
         try:
             if not await client.is_server_ready(client_timeout=2.0):
                 await client.close()
+                self.unreachable[address] = "not ready"
                 return None
             config = await client.get_model_config(ENCODER_MODEL, as_json=True, client_timeout=5.0)
         except Exception as exc:
             await client.close()
             if _status(exc) == "NOT_FOUND" or "unknown model" in str(exc):
                 raise EncoderRefused(f"serves no {ENCODER_MODEL}: not an encoder-role server ({exc})") from None
-            return None  # not reachable now: tried again at the next refresh
+            # Not reachable now (refused, no such host, timed out): tried again at the next refresh.
+            self.unreachable[address] = f"not reachable ({' '.join(str(exc).split())[:200]})"
+            return None
         parameters = {k: v.get("string_value", "") for k, v in config["config"].get("parameters", {}).items()}
         try:
             answer = await _stream_one(client, ENCODER_MODEL, [_image_input_bytes(PROBE_IMAGE)], None, 60.0)
@@ -235,25 +268,39 @@ class RemoteEncoders:
         addresses = await self.source.current()
         for address in [a for a in self.servers if a not in addresses]:
             await self.servers.pop(address).client.close()
+        for address in [a for a in self.unreachable if a not in addresses]:
+            del self.unreachable[address]
+        for address in [a for a in self.refused_until if a not in addresses]:
+            del self.refused_until[address]
         for address in addresses:
             server = self.servers.get(address)
             if server is not None:
                 try:
-                    ready = bool(await server.client.is_server_ready(client_timeout=1.0))
-                except Exception:
+                    ready = bool(await server.client.is_server_ready(client_timeout=2.0))
+                except Exception as exc:
                     ready = False
+                    if _status(exc) == "UNAVAILABLE":  # nothing listens there: counts like a failed call
+                        self.router.failed(address)
                 self.router.set_ready(address, ready)
                 continue
+            if time.monotonic() < self.refused_until.get(address, 0.0):
+                continue  # refused a moment ago: not probed (nor logged) every round
+            was = self.unreachable.pop(address, None)
             try:
                 admitted = await self.admit(address)
             except EncoderRefused as exc:
                 self.stats.refused[address] = self.stats.refused.get(address, 0) + 1
-                log.error("encoder %s refused: %s", address, exc)
+                self.refused_until[address] = time.monotonic() + self.refused_retry_s
+                log.error("encoder %s refused: %s (checked again in %g s)", address, exc, self.refused_retry_s)
                 continue
-            if admitted is not None:
-                self.servers[address] = admitted
-                where = "this node's store (by reference)" if admitted.shares_store else "another node (by value)"
-                log.info("encoder %s admitted: %s", address, where)
+            if admitted is None:
+                if self.unreachable.get(address) != was:  # logged when the reason changes, not every round
+                    log.warning("encoder %s %s; tried again every %g s", address, self.unreachable[address],
+                                self.refresh_s)  # fmt: skip
+                continue
+            self.servers[address] = admitted
+            where = "this node's store (by reference)" if admitted.shares_store else "another node (by value)"
+            log.info("encoder %s admitted: %s", address, where)
         self.router.set_endpoints([a for a in addresses if a in self.servers])
 
     async def run(self, metrics: Any = None) -> None:
@@ -267,6 +314,16 @@ class RemoteEncoders:
                 log.exception("encoder refresh failed")
             await asyncio.sleep(self.refresh_s)
 
+    def describe(self) -> str:
+        """Every encoder's state for an error message: admitted ones (ready, breaker), addresses
+        not admitted yet and why, and why the endpoint source found none."""
+        parts = [self.router.describe()] if self.router.encoders else []
+        parts += [f"{address}: {why}" for address, why in self.unreachable.items()]
+        parts += [f"{address}: refused (another key config or not an encoder)" for address in self.refused_until]
+        if self.source.problem:
+            parts.append(self.source.problem)
+        return "; ".join(parts) or self.router.describe()
+
     async def close(self) -> None:
         for server in self.servers.values():
             await server.client.close()
@@ -274,9 +331,12 @@ class RemoteEncoders:
 
     # -- encoding ------------------------------------------------------------------------------
 
-    async def encode_reference(self, image: bytes, lease_owner: int, tenant: str | None = None) -> tuple[bytes, bool]:
+    async def encode_reference(
+        self, image: bytes, lease_owner: int, tenant: str | None = None, fallback: LocalEncode | None = None
+    ) -> tuple[bytes, bool]:
         """The image's reference in this node's store (leased for ``lease_owner``) and whether
-        it was stored already; retried on other encoders until the deadline."""
+        it was stored already; retried on other encoders until the deadline. ``fallback``: this
+        server's own encode (an ``all`` server), used when no remote encoder is left."""
         key = self.keys.key(image)
         deadline = time.monotonic() + self.deadline_s
         tried: list[str] = []
@@ -284,8 +344,12 @@ class RemoteEncoders:
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 route = self.router.choose(key, exclude=tried)
-            except NoEncoderAvailable as exc:
-                detail = "; ".join(errors) or str(exc)
+            except NoEncoderAvailable:
+                detail = "; ".join(errors) or self.describe()
+                if fallback is not None:
+                    self.stats.local_fallbacks += 1
+                    log.warning("no remote encoder left (%s): encoding on this server", detail)
+                    return await fallback()
                 raise EpdError(f"no encoder server could encode the image ({detail})", ErrorCode.UNAVAILABLE) from None
             server, stats = self.servers[route.address], self.stats.of(route.address)
             stats.requests += 1
@@ -328,17 +392,23 @@ class RemoteEncoders:
 
         async def by_value(image: bytes) -> EncodedImage:
             nonlocal fetched
+            inputs = [_image_input_bytes(image), _errors_as_outputs()]
             try:
-                inputs = [_image_input(image)]
-                result = await server.client.infer(contract.ENCODE_MODEL, inputs, client_timeout=timeout_s)
+                result = await _stream_one(
+                    server.client, ENCODER_MODEL, inputs, {**(parameters or {}), contract.BY_VALUE: True}, timeout_s
+                )
             except Exception as exc:
                 if _status(exc) in CLIENT_FAULTS:
                     raise _ClientFault(str(exc)) from None
                 raise
             embeds, grid = result.as_numpy(contract.IMAGE_EMBEDS), result.as_numpy(contract.IMAGE_GRID_THW)
+            if embeds is None or grid is None:
+                raise ValueError(f"{server.address} answered no embedding by value")
             self.stats.cross_node_bytes += int(embeds.nbytes + grid.nbytes)
             fetched = True
-            return checked_embedding(embeds, grid, self.merge_size)
+            encoded = checked_embedding(embeds, grid, self.merge_size)
+            verify_answer(result, encoded, self.keys.key(image))
+            return encoded
 
         local = CachedEncoder(self.store, self.keys, by_value, tenant_policy=self.tenant_policy)
         answer = await local.reference(image, lease_owner, tenant)
@@ -356,20 +426,26 @@ class RemoteEncoders:
                                {"endpoint": address}, calls))
             totals.append(("counter", "epd_remote_encoder_latency_seconds", "Seconds in successful remote encodes",
                            {"endpoint": address}, s.latency_s))
-        decisions = {**self.router.decisions, "local_hit": self.stats.local_hits, "local_fallback": 0}
+        decisions = {
+            **self.router.decisions, "local_hit": self.stats.local_hits, "local_fallback": self.stats.local_fallbacks
+        }
         for decision, count in decisions.items():
             totals.append(("counter", "epd_routing_decisions", "Where remote-encoder routing sent an image",
                            {"decision": decision}, count))
         totals.append(("counter", "epd_cross_node_bytes", "Embedding bytes fetched from other nodes", {},
                        self.stats.cross_node_bytes))
+        for address, state in self.router.encoders.items():
+            totals.append(("counter", "epd_remote_encoder_breaker_opens", "Times an encoder's circuit breaker opened",
+                           {"endpoint": address}, state.breaker.opens))
         for address, refusals in self.stats.refused.items():
             totals.append(("counter", "epd_remote_encoder_refused", "Encoder servers refused at admission",
                            {"endpoint": address}, refusals))
-        for kind, name, description, labels, value in totals:
+        for kind, name, description, labels, value in totals:  # each exported from 0 on
             key = (name, tuple(sorted(labels.items())))
             last = self._exported.get(key, 0.0)
+            handle = getattr(metrics, kind)(name, description, **labels)
             if value > last:
-                getattr(metrics, kind)(name, description, **labels).increment(value - last)
+                handle.increment(value - last)
                 self._exported[key] = value
         for address, state in self.router.encoders.items():
             metrics.gauge("epd_remote_encoder_breaker_state", "0 closed, 1 open, 2 half-open",
@@ -401,17 +477,25 @@ def _lease_input(owner: int) -> Any:
     return tensor
 
 
-class RemoteEncoderStages:
-    """The epd stages with the encode step sent to remote encoders (``encoder`` names ignored:
-    routing picks the server); prefill and decode stay the local BLS calls."""
+LocalEncode = Callable[[], Awaitable[tuple[bytes, bool]]]
 
-    def __init__(self, local: Any, remote: RemoteEncoders) -> None:
-        self.local, self.remote = local, remote
+
+class RemoteEncoderStages:
+    """The epd stages with the encode step sent to remote encoders (routing picks the server);
+    prefill and decode stay the local BLS calls. With ``local_fallback`` (a server that serves
+    its own encoder models) an image that no remote encoder can take goes to the ``encoder``
+    the pipeline named, on this server."""
+
+    def __init__(self, local: Any, remote: RemoteEncoders, local_fallback: bool = False) -> None:
+        self.local, self.remote, self.local_fallback = local, remote, local_fallback
 
     async def encode_reference(
         self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
     ) -> tuple[bytes, bool]:
-        return await self.remote.encode_reference(image, lease_owner, tenant)
+        async def here() -> tuple[bytes, bool]:
+            return await self.local.encode_reference(encoder, image, lease_owner, tenant)  # type: ignore[no-any-return]
+
+        return await self.remote.encode_reference(image, lease_owner, tenant, here if self.local_fallback else None)
 
     async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> GenerationChunk:
         return await self.local.prefill(prompt, references, sampling)  # type: ignore[no-any-return]
@@ -443,4 +527,4 @@ def with_remote_encoders(
         node_id=policy.node_id, store_path=policy.path, merge_size=params.integer(contract.SPATIAL_MERGE_SIZE),
         deadline_s=params.number(contract.REMOTE_ENCODE_DEADLINE_S), tenant_policy=policy.tenants,
     )  # fmt: skip
-    return RemoteEncoderStages(local, remote), remote
+    return RemoteEncoderStages(local, remote, params.boolean(contract.REMOTE_LOCAL_FALLBACK)), remote

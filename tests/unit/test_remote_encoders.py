@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from python_backends import contract
 from python_backends.cached_encoder import CachedEncoder, EncodedImage
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import (
     DnsEndpoints,
     EndpointSpecError,
@@ -69,6 +71,7 @@ class FakeEncoderServer:
         self.ready, self.fail_with, self.model_missing, self.error_output = True, "", False, ""
         self.encode_calls: list[bytes] = []
         self.answer = embedding_of
+        self.sent = lambda embeds: embeds  # what the network delivers of the embedding
 
     def client(self, address: str) -> FakeClient:
         return FakeClient(self)
@@ -104,6 +107,12 @@ class FakeClient:
                         return
                     image = request["inputs"][0]._raw_image
                     outputs = {contract.MM_HASH: np.array([server.keys.key(image).encode()], np.object_)}
+                    if request["parameters"].get(contract.BY_VALUE):  # encoder_0 on another node
+                        server.encode_calls.append(image)
+                        embeds, grid = server.answer(image)
+                        digest = embedding_digest(embeds[0], tuple(int(v) for v in grid.reshape(-1)[:3]))
+                        outputs[contract.IMAGE_EMBEDS], outputs[contract.IMAGE_GRID_THW] = server.sent(embeds), grid
+                        outputs[contract.EMBEDDING_DIGEST] = np.array([digest.encode()], np.object_)
                     if server.shared is not None and image != PROBE_IMAGE:  # encoder_0 on the shared store
                         owner = int(request["inputs"][1]._raw_owner)
                         answer = await CachedEncoder(server.shared, server.keys, server.encode).reference(image, owner)
@@ -112,15 +121,6 @@ class FakeClient:
                     yield Result(outputs), None
 
         return Responses()
-
-    async def infer(self, model: str, inputs: list[Any], client_timeout: float) -> Result:
-        assert model == contract.ENCODE_MODEL
-        if self.server.fail_with:
-            raise RpcError(self.server.fail_with)
-        image = inputs[0]._raw_image
-        self.server.encode_calls.append(image)
-        embeds, grid = self.server.answer(image)
-        return Result({contract.IMAGE_EMBEDS: embeds, contract.IMAGE_GRID_THW: grid})
 
     async def close(self) -> None:
         pass
@@ -147,7 +147,6 @@ def raw_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
         return type("Input", (), {"_raw_owner": owner})()
 
     monkeypatch.setattr(remote, "_image_input_bytes", image_bytes)
-    monkeypatch.setattr(remote, "_image_input", image_bytes)
     monkeypatch.setattr(remote, "_lease_input", lease)
 
 
@@ -190,15 +189,19 @@ def test_dns_answers_one_address_per_record_and_nothing_on_failure() -> None:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     assert run(DnsEndpoints("enc", 8001, records).current()) == ["10.0.0.1:8001", "10.0.0.2:8001"]
-    assert run(DnsEndpoints("enc", 8001, nxdomain).current()) == []
+    unresolved = DnsEndpoints("enc", 8001, nxdomain)
+    assert run(unresolved.current()) == []
+    assert unresolved.problem == "dns:enc:8001 resolves to nothing ([Errno -2] Name or service not known)"
 
 
 def test_file_is_re_read(tmp_path: Path) -> None:
     path = tmp_path / "encoders"
     source = FileEndpoints(path)
     assert run(source.current()) == []  # missing: none (logged), not an exception
+    assert source.problem.startswith(f"file:{path}: [Errno 2]")
     path.write_text("# encoders\n10.0.0.1:8001\n10.0.0.2:8001, 10.0.0.3:8001\n")
     assert run(source.current()) == ["10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"]
+    assert source.problem == ""
     path.write_text("10.0.0.3:8001\n")
     assert run(source.current()) == ["10.0.0.3:8001"]
 
@@ -215,9 +218,13 @@ def test_admission_refuses_another_key_config_and_a_server_without_encoders(stor
     run(remote.refresh())
     assert list(remote.router.encoders) == ["good:1"]
     assert remote.stats.refused == {"other:1": 1, "pd:1": 1}  # down:1 is tried again, not refused
+    assert remote.unreachable == {"down:1": "not ready"}
+    run(remote.refresh())  # a refused encoder is not probed again at once
+    assert remote.stats.refused == {"other:1": 1, "pd:1": 1}
+    assert "down:1: not ready" in remote.describe() and "good:1: ready, breaker closed" in remote.describe()
     servers["down:1"].ready = True
     run(remote.refresh())
-    assert list(remote.router.encoders) == ["good:1", "down:1"]
+    assert list(remote.router.encoders) == ["good:1", "down:1"] and remote.unreachable == {}
 
 
 # --------------------------------------------------------------------------- encoding
@@ -355,7 +362,78 @@ def test_unreachable_or_unresolvable_encoders_give_one_clear_unavailable_error(
         finally:
             await remote.close()
 
+    started = time.monotonic()
     with pytest.raises(EpdError) as error:
         run(request())
-    assert error.value.code == ErrorCode.UNAVAILABLE
-    assert "no encoder endpoints configured or resolved" in error.value.message
+    assert error.value.code == ErrorCode.UNAVAILABLE and time.monotonic() - started < 10  # at once, no hang
+    if spec.startswith("dns:"):
+        assert "dns:no-such-encoder.invalid:8001 resolves to nothing" in error.value.message
+    else:
+        assert f"{spec}: not reachable" in error.value.message and "UNAVAILABLE" in error.value.message
+    assert remote.unreachable if not spec.startswith("dns:") else remote.unreachable == {}
+
+
+# --------------------------------------------------------------------------- local fallback
+
+
+def test_with_no_encoder_left_a_server_with_its_own_encoders_encodes_locally(store: EmbeddingStore) -> None:
+    from python_backends.scaleout.remote import RemoteEncoderStages
+
+    servers = {f"e{i}:1": FakeEncoderServer(params={contract.NODE_ID: "n"}) for i in range(2)}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    local_calls: list[tuple[str, bytes]] = []
+
+    class LocalStages:  # the server's own BLS stages (encoder_<i> on this server)
+        async def encode_reference(self, encoder: str, image: bytes, owner: int, tenant: Any = None) -> Any:
+            local_calls.append((encoder, image))
+            return b"local reference", False
+
+    with_fallback, without = RemoteEncoderStages(LocalStages(), remote, True), RemoteEncoderStages(None, remote)
+    assert run(with_fallback.encode_reference("encoder_1", b"image a", 7))[1] is False
+    assert local_calls == [] and remote.stats.local_fallbacks == 0  # encoders alive: remote
+    for server in servers.values():
+        server.fail_with = "UNAVAILABLE"  # both killed
+    assert run(with_fallback.encode_reference("encoder_1", b"image b", 7)) == (b"local reference", False)
+    assert local_calls == [("encoder_1", b"image b")] and remote.stats.local_fallbacks == 1
+    assert all(remote.stats.of(a).failures == 1 for a in servers)  # each tried once, then here
+    with pytest.raises(EpdError) as error:  # no encoder models here: one clear error
+        run(without.encode_reference("encoder_1", b"image c", 7))
+    assert error.value.code == ErrorCode.UNAVAILABLE and "e0:1" in error.value.message
+    assert remote.stats.local_fallbacks == 1
+
+
+def test_an_encoder_that_stops_answering_readiness_opens_its_breaker_without_traffic(store: EmbeddingStore) -> None:
+    servers = {f"e{i}:1": FakeEncoderServer(params={contract.NODE_ID: "n"}) for i in range(2)}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    servers["e0:1"].fail_with = "UNAVAILABLE"  # killed: connection refused
+    servers["e1:1"].fail_with = "DEADLINE_EXCEEDED"  # slow to answer the poll: not ready, no breaker count
+    for _ in range(3):
+        run(remote.refresh())
+    breakers = {a: remote.router.encoders[a].breaker for a in servers}
+    assert breakers["e0:1"].state == BreakerState.OPEN and breakers["e0:1"].opens == 1
+    assert breakers["e1:1"].state == BreakerState.CLOSED and breakers["e1:1"].failures_in_a_row == 0
+    assert remote.router.healthy() == []
+    servers["e0:1"].fail_with = servers["e1:1"].fail_with = ""
+    run(remote.refresh())
+    assert remote.router.healthy() == ["e1:1"]  # e0 is back once its back-off has passed and a call probes it
+
+
+def test_an_embedding_altered_on_the_way_fails_its_digest_and_goes_elsewhere(store: EmbeddingStore) -> None:
+    servers = {f"e{i}:1": FakeEncoderServer(params={contract.NODE_ID: "n"}) for i in range(2)}
+    remote = remote_for(store, servers)
+    run(remote.refresh())
+    image = b"image four"
+    home = remote.router.home(KEYS.key(image))
+
+    def flipped(embeds: np.ndarray) -> np.ndarray:  # one value changed in transit: shape, dtype fine
+        altered = embeds.copy()
+        altered[0, 0, 0] += 1.0
+        return altered
+
+    servers[home].sent = flipped
+    wire, _ = run(remote.encode_reference(image, 7))
+    assert remote.stats.of(home).failures == 1  # refused, not stored; the other encoder's answer was
+    np.testing.assert_array_equal(store.resolve(store.parse_reference(wire)), embedding_of(image)[0][0])
+    store.release(store.parse_reference(wire))

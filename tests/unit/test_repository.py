@@ -360,7 +360,9 @@ def test_every_store_user_gets_the_one_cache_policy(target: str, model_dir: Path
         assert epd[key] == encoder[key], key
     assert encoder["encoder_file"].endswith("model.plan" if target == "gpu" else "model.onnx")
     assert parsed["encoder_0"].model_transaction_policy.decoupled
-    assert [t.name for t in parsed["encoder_0"].output] == ["references", "mm_hash", "cache_hit", "error"]
+    assert [t.name for t in parsed["encoder_0"].output] == [
+        "references", "mm_hash", "cache_hit", "error", "image_embeds", "image_grid_thw", "embedding_digest"
+    ]  # fmt: skip
     for stage in ("encoder_0", "prefill", "decode"):  # epd asks BLS stages for errors as outputs
         assert tensor(parsed[stage], "errors_as_outputs").optional
         assert tensor(parsed[stage], "error").data_type == DataType.TYPE_STRING
