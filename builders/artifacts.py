@@ -71,6 +71,21 @@ def _version(package: str) -> str:
         return "absent"
 
 
+def _dali_version() -> str:
+    """The version of the DALI that ``import nvidia.dali`` finds, whichever distribution holds it (the
+    NGC image's is the dali backend's bundled copy, found through PYTHONPATH)."""
+    from builders.preflight import importable_dali_version  # it imports this module
+
+    return importable_dali_version() or "absent"
+
+
+def _tensorrt_version() -> str:
+    """TensorRT's own version: PyPI's tensorrt-cu13 installs no distribution named ``tensorrt``."""
+    from builders.preflight import installed_version
+
+    return installed_version("tensorrt") or "absent"
+
+
 def _source_digest(*relative: str) -> str:
     return _digest({name: file_sha256(REPO_ROOT / name) for name in relative})
 
@@ -156,7 +171,8 @@ def build_dali_artifact(
         "transform": asdict(config),
         "device": serving.device,
         "max_batch_size": serving.max_batch_size,
-        "dali": _version("nvidia-dali-cuda120"),
+        # The DALI that serializes: the cpu target's nvidia-dali-cuda120, the gpu image's dali backend copy.
+        "dali": _dali_version(),
         "source": _source_digest("python_backends/dali_pipeline.py"),
     }
 
@@ -180,7 +196,7 @@ def build_video_dali_artifact(
     inputs = {
         "transform": asdict(config),
         "device": serving.device,
-        "dali": _version("nvidia-dali-cuda120"),
+        "dali": _dali_version(),
         "source": _source_digest("python_backends/dali_video.py", "python_backends/dali_pipeline.py"),
     }
 
@@ -280,7 +296,7 @@ def build_plan_artifact(
         "onnx": file_sha256(onnx_path),
         "precision": serving.trt_precision,
         "profile": profile,
-        "tensorrt": _version("tensorrt"),
+        "tensorrt": _tensorrt_version(),
         "source": _source_digest("builders/encoder.py", "builders/tensorrt_config.py"),
     }
 

@@ -33,14 +33,17 @@ from python_backends.contract import CachePolicy
 # dali (preprocess), tensorrt (vit_encoder's plan), onnxruntime (the ONNX fallback, the GPU check).
 REQUIRED_BACKENDS = ("python", "dali", "tensorrt", "onnxruntime")
 # The DALI that the NGC 25.10 image's dali backend runs: triton-inference-server/dali_backend's
-# DALI_VERSION file held 1.51.2 from 2025-08-28 (its PR 277) until the bump to 1.53.0 (PR 282),
-# and the 25.10 release was cut in between. A pipeline serialized by another DALI may not load in
-# the backend, so the image's DALI wheel is pinned to it and `check_dali` compares the two.
+# DALI_VERSION file reads 1.51.2 on its r25.10 branch (PR 277, 2025-08-28; 1.53.0 came with PR 282).
+# The backend's build pip-installs that DALI into its own folder and the image puts the folder
+# first on PYTHONPATH (server's build.py), so the image's `import nvidia.dali` is that copy: it
+# serializes the pipeline, and nothing here installs another (requirements/gpu.txt says why).
+# A pipeline serialized by another DALI may not load in the backend: `check_dali` compares them.
 DALI_BACKEND_VERSION = "1.51.2"
 DALI_PACKAGE = "nvidia-dali-cuda130"
-# Package -> pinned version: vllm and DALI as requirements/gpu.txt pins them, tensorrt as
-# docker/Dockerfile's TENSORRT_VERSION (unit tests keep them equal).
-PINNED_PACKAGES = {"vllm": "0.32.0", DALI_PACKAGE: DALI_BACKEND_VERSION, "tensorrt": "10.13.3.9"}
+DALI_BACKEND_PYTHONPATH = "/opt/tritonserver/backends/dali/wheel/dali"
+# Package -> pinned version: vllm as requirements/gpu.txt pins it, tensorrt as docker/Dockerfile's
+# TENSORRT_VERSION (unit tests keep them equal). DALI is the backend's own (`check_dali`).
+PINNED_PACKAGES = {"vllm": "0.32.0", "tensorrt": "10.13.3.9"}
 # Triton's python backend, the TransferIdConnector's KV folder and LMDB's metadata share
 # /dev/shm with the store: room asked for on top of the store's capacity.
 SHM_HEADROOM_BYTES = 1 << 30
@@ -143,8 +146,9 @@ def check_packages(machine: Machine) -> Check:
 def check_dali(machine: Machine) -> Check:
     """The DALI that serializes the pipeline must be the one the dali backend runs."""
     backend, importable = machine.backend_dali, machine.importable_dali
-    fix = f"pip install {DALI_PACKAGE}==<the backend's version> (requirements/gpu.txt pins {DALI_BACKEND_VERSION}, " \
-          "the NGC 25.10 dali backend's); rebuild the repository (triton-epd-build-repo --target gpu)"
+    fix = f"use the dali backend's own DALI: put {DALI_BACKEND_PYTHONPATH} first on PYTHONPATH (the NGC image " \
+          f"does) and pip uninstall any other {DALI_PACKAGE}; then rebuild the repository " \
+          "(triton-epd-build-repo --target gpu) so that DALI serializes the pipeline"
     if backend is None:
         return Check("dali", "fail", f"no DALI version found in {machine.backend_dir / 'dali'}",
                      f"{DOCKER_FIX}: its dali backend bundles DALI {DALI_BACKEND_VERSION}")
@@ -286,7 +290,8 @@ def run_checks(machine: Machine, target: Target, model_dir: Path, repository: Pa
     return report
 
 
-def _installed(package: str) -> str | None:
+def installed_version(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed)."""
     if package == "tensorrt":  # PyPI's tensorrt-cu13 installs it under other distribution names
         if importlib.util.find_spec("tensorrt") is None:
             return None
@@ -373,7 +378,7 @@ def probe_machine(backend_dir: Path) -> Machine:
     has_tensorrt = importlib.util.find_spec("tensorrt") is not None
     return Machine(
         backend_dir=backend_dir,
-        versions={package: _installed(package) for package in PINNED_PACKAGES},
+        versions={package: installed_version(package) for package in PINNED_PACKAGES},
         gpus=gpus,
         shm_total_bytes=stats.f_blocks * stats.f_frsize if stats else None,
         plan_error=tensorrt_plan_error if has_tensorrt else None,

@@ -84,6 +84,24 @@ def test_video_dali_artifact_per_target_and_it_runs(tmp_path: Path, model_dir: P
     assert b"mixed" in gpu_bytes and b"mixed" not in cpu_bytes
 
 
+def test_dali_artifact_is_rebuilt_when_the_importable_dali_changes(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gpu image's DALI is the dali backend's bundled copy (no nvidia-dali-cuda120 there): the
+    stamp follows whatever ``import nvidia.dali`` finds, so a new image over an old repository
+    volume serializes the pipeline again with its own DALI."""
+    import builders.preflight
+
+    version_dir, stamps = tmp_path / "preprocess" / "1", tmp_path / "stamps"
+    assert build_dali_artifact(TARGETS["gpu"], model_dir, version_dir, stamps)[1]
+    assert not build_dali_artifact(TARGETS["gpu"], model_dir, version_dir, stamps)[1]
+    assert build_video_dali_artifact(TARGETS["gpu"], model_dir, version_dir, stamps)[1]
+    monkeypatch.setattr(builders.preflight, "importable_dali_version", lambda: "1.51.2")
+    for build in (build_dali_artifact, build_video_dali_artifact):
+        assert build(TARGETS["gpu"], model_dir, version_dir, stamps)[1]
+        assert not build(TARGETS["gpu"], model_dir, version_dir, stamps)[1]
+
+
 def test_safetensors_bytes_from_header(model_dir: Path) -> None:
     from safetensors import safe_open
 

