@@ -192,10 +192,14 @@ def _select(condition: DataNode, if_true: DataNode, if_false: DataNode) -> DataN
 
 
 def _round_half_even_multiple(value: DataNode, factor: int) -> DataNode:
-    """``round(value / factor) * factor`` with Python's round-half-to-even, in integers."""
+    """``round(value / factor) * factor`` with Python's round-half-to-even, in integers.
+
+    No ``%`` on a node: DALI 1.x (the gpu image's dali backend runs 1.51.2) has no modulo operator,
+    so the remainder and the quotient's parity come from ``//`` (values here are non-negative)."""
     quotient = value // factor
     remainder = value - quotient * factor
-    rounds_up = (2 * remainder > factor) | ((2 * remainder == factor) & (quotient % 2 == 1))
+    odd = quotient - (quotient // 2) * 2 == 1
+    rounds_up = (2 * remainder > factor) | ((2 * remainder == factor) & odd)
     return (quotient + _as_int64(rounds_up)) * factor
 
 

@@ -127,7 +127,11 @@ def define_video_graph(config: VideoTransformConfig, device: Device) -> DataNode
     frame_indices = fn.external_source(name=FRAME_INDICES_INPUT, dtype=types.INT32, ndim=1, device="cpu")
     sizes = fn.external_source(name=RESIZE_INPUT, dtype=types.INT64, ndim=1, device="cpu")
     in_height, out_height, out_width = sizes[0], sizes[1], sizes[2]
-    decoded = fn.decoders.video(encoded, frames=frame_indices, device=decoder_device, name="decode_video")
+    # DALI 2 has the decoder as fn.decoders.video; DALI 1.x (the gpu image's dali backend runs
+    # 1.51.2, which serializes this graph there) as fn.experimental.decoders.video, same arguments.
+    # (2.4.0's stubs no longer list the experimental one.)
+    video_decoder = getattr(fn.decoders, "video", None) or fn.experimental.decoders.video  # type: ignore[attr-defined]
+    decoded = video_decoder(encoded, frames=frame_indices, device=decoder_device, name="decode_video")
     resized = pil_compatible_bicubic(decoded, in_height, out_height, out_width)
     return fn.crop_mirror_normalize(
         resized,

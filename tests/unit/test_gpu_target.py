@@ -359,10 +359,13 @@ def test_the_import_venv_adds_only_listed_stand_ins() -> None:
     assert DALI_BACKEND_VERSION in IMPORT_REQUIREMENTS.read_text()  # says what the image has instead
 
 
-@pytest.mark.skipif(
+needs_import_venv = pytest.mark.skipif(
     not (IMPORT_VENV / ".done").exists(),
     reason="needs build/gpu-import-venv (`make gpu-import-venv`): ~10 GB of wheels, too slow for CI",
 )
+
+
+@needs_import_venv
 def test_every_gpu_module_imports_from_the_declared_dependencies_alone() -> None:
     import subprocess
 
@@ -376,3 +379,63 @@ def test_every_gpu_module_imports_from_the_declared_dependencies_alone() -> None
     assert result.returncode == 0, result.stderr[-3000:]
     failed = json.loads(result.stdout.strip().splitlines()[-1])
     assert failed == {}, failed
+
+
+# The image serializes the pipelines with its dali backend's DALI 1.51.2; this machine's DALI is
+# 2.4.0. The import venv's DALI 1.x stand-in serializes both gpu pipelines (a DALI-2-only operator
+# such as `%` on a node, or fn.decoders.video, fails there) and its cpu pipelines give the same
+# pixels as 2.4.0's (measured: identical on 6 images and 3 clips, results/2026-12-01/gpu-requirements).
+DALI_1X_SCRIPT = r'''
+import sys
+from pathlib import Path
+import numpy as np
+import nvidia.dali
+from python_backends.dali_pipeline import ImageTransformConfig, write_pipeline
+from python_backends.dali_video import VideoTransformConfig, write_video_pipeline
+from python_backends.preprocess import DaliImagePreprocessor
+from python_backends.video_preprocess import DaliVideoPreprocessor
+model, work = Path(sys.argv[1]), Path(sys.argv[2])
+images, videos = ImageTransformConfig.from_file(model), VideoTransformConfig.from_file(model)
+write_pipeline(work / "model.dali", images, "gpu")
+write_video_pipeline(work / "video.dali", videos, "gpu")
+image = DaliImagePreprocessor.for_config(images).preprocess([(work / "image.jpg").read_bytes()])
+video = DaliVideoPreprocessor.for_config(videos).preprocess([(work / "clip.webm").read_bytes()])
+np.savez(work / "out.npz", image=image.pixel_values, image_grid=image.image_grid_thw,
+         video=video.pixel_values_videos, video_grid=video.video_grid_thw)
+print(nvidia.dali.__version__)
+'''
+
+
+@needs_import_venv
+def test_gpu_pipelines_serialize_under_the_images_dali_1x_and_match_dali_2(tiny_model: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    import numpy as np
+
+    from python_backends.dali_pipeline import ImageTransformConfig
+    from python_backends.dali_video import VideoTransformConfig
+    from python_backends.preprocess import DaliImagePreprocessor
+    from python_backends.video_preprocess import DaliVideoPreprocessor
+    from tests.videos import ClipSpec, make_clip
+
+    image_bytes = (ROOT / "client" / "samples" / "sample.jpg").read_bytes()
+    clip = make_clip(ClipSpec("vp9", 160, 120, 10, 2.0))
+    (tmp_path / "image.jpg").write_bytes(image_bytes)
+    (tmp_path / "clip.webm").write_bytes(clip)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(ROOT / "build")}
+    result = subprocess.run(
+        [str(IMPORT_VENV / "bin" / "python"), "-c", DALI_1X_SCRIPT, str(tiny_model), str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("1.")  # a DALI 1.x serialized and ran them
+    for name in ("model.dali", "video.dali"):
+        assert b"mixed" in (tmp_path / name).read_bytes(), name
+    dali_1x = np.load(tmp_path / "out.npz")
+    image = DaliImagePreprocessor.for_config(ImageTransformConfig.from_file(tiny_model)).preprocess([image_bytes])
+    video = DaliVideoPreprocessor.for_config(VideoTransformConfig.from_file(tiny_model)).preprocess([clip])
+    one_level = 1 / 255 / min(ImageTransformConfig.from_file(tiny_model).image_std)  # one uint8 step, normalized
+    np.testing.assert_array_equal(dali_1x["image_grid"], image.image_grid_thw)
+    np.testing.assert_array_equal(dali_1x["video_grid"], video.video_grid_thw)
+    np.testing.assert_allclose(dali_1x["image"], image.pixel_values, rtol=0, atol=one_level)
+    np.testing.assert_allclose(dali_1x["video"], video.pixel_values_videos, rtol=0, atol=one_level)
