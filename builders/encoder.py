@@ -364,12 +364,32 @@ def validate_onnx(
 # ---------------------------------------------------------------------------------------------
 
 
+# Where a container with GPUs has its /dev/nvidia0, /dev/nvidia1, ... device nodes.
+DEVICE_DIR = Path("/dev")
+
+
+def no_gpu_reason() -> str | None:
+    """None where a GPU is visible (nvidia-smi lists one, or /dev/nvidiaN exists); else why not.
+    Makes no CUDA context."""
+    from builders.preflight import query_gpus  # it imports this package's modules
+
+    gpus, note = query_gpus()
+    if gpus or sorted(DEVICE_DIR.glob("nvidia[0-9]*")):
+        return None
+    return f"no GPU visible ({note})"
+
+
 def tensorrt_unavailable_reason() -> str | None:
-    """None where TensorRT's Python API imports; else why not (for skips and CLI errors)."""
+    """None where TensorRT's Python API imports and a GPU is visible; else why not (for skips and
+    CLI errors). TensorRT builds a plan on, and for, the GPU it runs on: the image imports
+    tensorrt at ``docker build`` too, where there is no GPU, so the plan waits for the first start."""
     try:
         import tensorrt  # noqa: F401
     except ImportError as exc:  # includes the PyPI placeholder packages that fail to load
         return f"tensorrt is not importable here ({exc}); build plans in the NGC Triton image"
+    no_gpu = no_gpu_reason()
+    if no_gpu:
+        return f"tensorrt imports but {no_gpu}; the plan is built at the first start with a GPU"
     return None
 
 

@@ -198,6 +198,32 @@ def test_tensorrt_unavailable_is_a_clear_error_here(onnx_path: Path) -> None:
         build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", 1176)
 
 
+def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
+    onnx_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """docker build imports tensorrt (the image installs it) but has no GPU: a clear reason, not
+    a builder crash that would stop the image build."""
+    import sys
+    import types
+
+    import builders.encoder
+    import builders.preflight
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))  # importable
+    monkeypatch.setattr(builders.preflight, "query_gpus", lambda: (None, "nvidia-smi not found"))
+    monkeypatch.setattr(builders.encoder, "DEVICE_DIR", tmp_path)
+    reason = tensorrt_unavailable_reason()
+    assert reason is not None and "no GPU visible (nvidia-smi not found)" in reason and "first start" in reason
+    with pytest.raises(EncoderBuildError, match="no GPU visible"):
+        build_tensorrt_plan(onnx_path, tmp_path / "model.plan", 1176)
+    (tmp_path / "nvidia0").touch()  # a GPU's device node, where nvidia-smi is missing
+    assert tensorrt_unavailable_reason() is None
+    (tmp_path / "nvidia0").unlink()
+    gpu = builders.preflight.Gpu(0, "H100", 80 << 30, 80 << 30, "9.0")
+    monkeypatch.setattr(builders.preflight, "query_gpus", lambda: ([gpu], ""))
+    assert tensorrt_unavailable_reason() is None
+
+
 def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> None:
     """The gpu vit_encoder config against what the export declares (the ONNX graph the plan is
     built from, not the builder's own description): the engine's inputs and output as Triton
