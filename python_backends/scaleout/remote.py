@@ -420,6 +420,8 @@ class RemoteEncoders:
     def export(self, metrics: Any) -> None:
         """Totals as Triton metrics (``ModelMetrics``: counters get the increase since last time)."""
         totals: list[tuple[str, str, str, dict[str, str], float]] = []  # kind, name, help, labels, total
+        for address in self.router.encoders:  # every admitted encoder's counters, from 0 on
+            self.stats.of(address)
         for address, s in self.stats.endpoints.items():
             for name, calls in (("requests", s.requests), ("failures", s.failures), ("retries", s.retries)):
                 totals.append(("counter", f"epd_remote_encoder_{name}", f"Remote encode calls: {name}",

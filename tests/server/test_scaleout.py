@@ -276,7 +276,7 @@ def test_an_encoder_killed_under_load_fails_over_and_rejoins(topology: Topology,
     images = _failover_images(note)
     expected = {image: tokens_of(pd, "llm", prompt, [image], sampling).result.token_ids for image in set(images)}
     deadline_s = _deadline_s(pd)
-    failures_before = metric(pd, "epd_remote_encoder_failures", endpoint=address)
+    failures_before = _metric_or_zero(pd, "epd_remote_encoder_failures", endpoint=address)
     opens_before = _metric_or_zero(pd, "epd_remote_encoder_breaker_opens", endpoint=address)
     survivor_before = _encoded_on(survivor)
     finished, lock = [0], threading.Lock()
@@ -355,8 +355,8 @@ def test_with_no_encoder_left_each_request_gets_one_unavailable_error(topology: 
             started = time.monotonic()
             answer = stream_generate(pd.grpc_url, "epd", prompt, [synthetic_image(96, 96, 700 + i, "PNG")], sampling)
             elapsed = time.monotonic() - started
-            assert answer.error is not None and "UNAVAILABLE" in str(answer.error), answer.error
-            assert "no encoder" in str(answer.error)
+            # (A stream error carries no gRPC code; the code, UNAVAILABLE, is unit-tested.)
+            assert answer.error is not None and "no encoder server could encode the image" in answer.error
             assert elapsed < deadline_s
         assert tokens_of(pd, "llm", chat_prompt("Still there?", 0), []).result.token_ids  # still serving
     finally:
