@@ -138,3 +138,17 @@ def test_idle_spin_takes_only_idle_cores():
     yielding = simulate(profile.replace(spin_yields=True), "1E+1P+1D", busy).e2e_ms["p50"]
     competing = simulate(profile.replace(spin_yields=False), "1E+1P+1D", busy).e2e_ms["p50"]
     assert yielding < competing
+
+
+def test_fit_reads_the_path_benchmark_mode_names(tmp_path):
+    """issue 14's path benchmark names the modes llm:unique, epd:disaggregated:unique/repeated;
+    the fit maps them onto the simulator's llm / epd / epd:repeated and ignores the others."""
+    summary = json.loads((REPO / "results" / "2026-11-29" / "peers" / "summary.json").read_text())
+    renamed = {"llm": "llm:unique", "epd": "epd:disaggregated:unique", "epd:repeated": "epd:disaggregated:repeated"}
+    original = fit.load_points(REPO / "results" / "2026-11-29" / "peers" / "summary.json")
+    for point in summary["points"]:
+        point["mode"] = renamed.get(point["mode"], point["mode"])
+    summary["points"].append({**summary["points"][0], "mode": "epd:adaptive:unique"})  # not simulated
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary))
+    assert fit.load_points(path) == original
