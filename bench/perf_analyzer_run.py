@@ -11,9 +11,10 @@ One set of seeded requests (``bench.workload``) is written as perf_analyzer ``--
 the same entries. Per (model, concurrency, shared memory): perf_analyzer (the build ``make
 tools`` installs) with ``-i grpc --streaming`` and count windows; its CSV (throughput, p50
 latency), its profile export (requests recorded, each with its response times) and Triton's
-success/failure counters around the run. Then the harness on ``--compare-model`` at
-concurrency 1: its TTFT and e2e p50 against perf_analyzer's p50 latency on the same requests,
-and against the first-response p50 computed from perf_analyzer's own export.
+success/failure counters around the run. Right after perf_analyzer's run of ``--compare-model``
+at concurrency 1, the harness on the same requests at concurrency 1: its TTFT and e2e p50 next to
+perf_analyzer's p50 and the first- and last-response p50 of perf_analyzer's own export
+(:func:`comparison` says which is compared with which, and why).
 
 Writes ``results.json`` and ``results.md`` (with the command) under ``--out``.
 """
@@ -139,6 +140,49 @@ async def harness_ttft(url: str, model: str, requests: Sequence[Any], reps: int)
     }
 
 
+def is_base(run: dict[str, Any], model: str) -> bool:
+    """The run the harness is compared with: ``model`` at concurrency 1, no shared memory, exit 0."""
+    return run["model"] == model and run["concurrency"] == 1 and run["shared_memory"] == "none" and not run["exit_code"]
+
+
+def comparison(model: str, base: dict[str, Any], harness: dict[str, Any]) -> dict[str, Any]:
+    """perf_analyzer's numbers next to the harness's, like with like.
+
+    perf_analyzer 2.41 prints "using the first response for measuring latency" for a decoupled
+    model, but which response its CSV percentiles measure is read off its own export here: the
+    export's first- and last-response p50 of the same requests, whichever the CSV p50 is closer to.
+    Then the first-response p50 is compared with our TTFT p50 and the last-response p50 with our
+    end-to-end p50 (15% is the agreement asked for)."""
+    p50, first, last = base["p50_latency_ms"], base["export_first_response_p50_ms"], base["export_last_response_p50_ms"]
+    measures = "last response" if abs(p50 / last - 1) < abs(p50 / first - 1) else "first response"
+    first_vs_ttft = first / harness["ttft_p50_ms"]
+    last_vs_e2e = last / harness["e2e_p50_ms"]
+
+    def verdict(ratio: float) -> str:
+        return "within" if abs(ratio - 1) <= 0.15 else "outside"
+
+    return {
+        "model": model,
+        "perf_analyzer_p50_ms": p50,
+        "export_first_response_p50_ms": first,
+        "export_last_response_p50_ms": last,
+        "csv_p50_measures": measures,
+        "harness": harness,
+        "harness_ttft_p50_ms": harness["ttft_p50_ms"],
+        "harness_e2e_p50_ms": harness["e2e_p50_ms"],
+        "ratio_vs_ttft": p50 / harness["ttft_p50_ms"],
+        "ratio_vs_e2e": p50 / harness["e2e_p50_ms"],
+        "ratio_first_response_vs_ttft": first_vs_ttft,
+        "ratio_last_response_vs_e2e": last_vs_e2e,
+        "reading": (
+            f"perf_analyzer's CSV p50 ({p50:.1f} ms) is its {measures} latency (export: first {first:.1f}, last "
+            f"{last:.1f} ms). Like with like: first response / our TTFT p50 = {first_vs_ttft:.2f} "
+            f"({verdict(first_vs_ttft)} 15%); last response / our e2e p50 = {last_vs_e2e:.2f} "
+            f"({verdict(last_vs_e2e)} 15%)."
+        ),
+    }
+
+
 def markdown(summary: dict[str, Any]) -> str:
     lines = [
         "# perf_analyzer against triton-epd", "", f"Command: `{summary['command']}`", "",
@@ -167,6 +211,11 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{c['perf_analyzer_p50_ms'] / c['export_first_response_p50_ms']:.3f} |",
             f"| perf_analyzer export, last response p50 | {c['export_last_response_p50_ms']:.1f} | "
             f"{c['perf_analyzer_p50_ms'] / c['export_last_response_p50_ms']:.3f} |",
+            "", "| like with like | perf_analyzer ms | harness ms | ratio |", "|---|---|---|---|",
+            f"| first response vs TTFT p50 | {c['export_first_response_p50_ms']:.1f} | "
+            f"{c['harness_ttft_p50_ms']:.1f} | {c['ratio_first_response_vs_ttft']:.3f} |",
+            f"| last response vs e2e p50 | {c['export_last_response_p50_ms']:.1f} | "
+            f"{c['harness_e2e_p50_ms']:.1f} | {c['ratio_last_response_vs_e2e']:.3f} |",
             "", c["reading"],
         ]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -229,14 +278,21 @@ def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -
     spec = _workload_spec(args)
     requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")
     models = sorted({run.split(":")[0] for run in args.runs} | {args.compare_model})
-    write_inputs(requests, args.out / "inputs", models, "binary", None, args.url)
+    from bench.cli import _declared_inputs
+
+    declared = asyncio.run(_declared_inputs(args.url, models))
+    write_inputs(requests, args.out / "inputs", models, "binary", declared, args.url)
     runs = []
+    harness: dict[str, Any] | None = None
     for run in args.runs:
         model, concurrency = run.split(":")
         for shm in (False, True) if model in SHM_MODELS else (False,):
             print(f"[perf_analyzer] {model} c={concurrency} shm={shm}", file=sys.stderr, flush=True)
             inputs = args.out / "inputs" / f"{model}.json"
             runs.append(run_perf_analyzer(tool, args, model, inputs, int(concurrency), shm))
+            if harness is None and is_base(runs[-1], args.compare_model):
+                # At once, so that both see the same load on a shared machine.
+                harness = asyncio.run(harness_ttft(args.url, args.compare_model, requests, args.harness_reps))
     summary: dict[str, Any] = {
         "command": "python -m bench.perf_analyzer_run " + shlex.join(argv),
         "perf_analyzer": version_of(tool),
@@ -245,28 +301,9 @@ def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -
         f"output tokens {args.output_tokens}",
         "runs": runs,
     }
-    base = next(
-        (r for r in runs if r["model"] == args.compare_model and r["concurrency"] == 1 and r["shared_memory"] == "none"
-         and r["exit_code"] == 0), None,
-    )  # fmt: skip
-    if base is not None:
-        harness = asyncio.run(harness_ttft(args.url, args.compare_model, requests, args.harness_reps))
-        ratio_ttft = base["p50_latency_ms"] / harness["ttft_p50_ms"]
-        summary["comparison"] = {
-            "model": args.compare_model,
-            "perf_analyzer_p50_ms": base["p50_latency_ms"],
-            "export_first_response_p50_ms": base["export_first_response_p50_ms"],
-            "export_last_response_p50_ms": base["export_last_response_p50_ms"],
-            "harness": harness,
-            "harness_ttft_p50_ms": harness["ttft_p50_ms"],
-            "harness_e2e_p50_ms": harness["e2e_p50_ms"],
-            "ratio_vs_ttft": ratio_ttft,
-            "ratio_vs_e2e": base["p50_latency_ms"] / harness["e2e_p50_ms"],
-            "reading": (
-                f"perf_analyzer's p50 latency is {ratio_ttft:.2f}x our TTFT p50 "
-                f"({'within' if abs(ratio_ttft - 1) <= 0.15 else 'outside'} 15%)."
-            ),
-        }
+    base = next((r for r in runs if is_base(r, args.compare_model)), None)
+    if base is not None and harness is not None:
+        summary["comparison"] = comparison(args.compare_model, base, harness)
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(summary))
     print((args.out / "results.md").read_text())

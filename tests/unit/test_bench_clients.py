@@ -95,3 +95,17 @@ def test_perf_analyzer_run_reads_its_csv_and_export(tmp_path: Path):
     assert run["infer_per_s"] == 1.5 and run["p50_latency_ms"] == pytest.approx(976.295)
     assert run["requests_recorded"] == 3 and run["requests_without_response"] == 1
     assert run["export_first_response_p50_ms"] == 150 and run["export_last_response_p50_ms"] == 400
+
+
+def test_perf_analyzer_comparison_pairs_like_with_like():
+    from bench.perf_analyzer_run import comparison
+
+    # perf_analyzer 2.41 on llm, c=1 (2026-12-01): CSV p50 163.3 ms, its export 41.9 / 161.3 ms.
+    base = {"p50_latency_ms": 163.3, "export_first_response_p50_ms": 41.9, "export_last_response_p50_ms": 161.3}
+    c = comparison("llm", base, {"ttft_p50_ms": 45.0, "e2e_p50_ms": 200.0})
+    assert c["csv_p50_measures"] == "last response"
+    assert c["ratio_first_response_vs_ttft"] == pytest.approx(41.9 / 45.0)
+    assert c["ratio_last_response_vs_e2e"] == pytest.approx(161.3 / 200.0)
+    assert "(within 15%)" in c["reading"] and "(outside 15%)" in c["reading"]
+    first = comparison("llm", {**base, "p50_latency_ms": 42.0}, {"ttft_p50_ms": 45.0, "e2e_p50_ms": 200.0})
+    assert first["csv_p50_measures"] == "first response"
