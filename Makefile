@@ -25,7 +25,7 @@ help:
 	@echo "make bench-scaleout    all vs 1E+1PD vs 2E+1PD, unique/repeated images, c=1/4/8: TTFT, e2e, stage times, encodes, cross-node bytes -> results/latest/scaleout"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
-	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4, shared memory), its p50 vs our harness's TTFT p50 on the same requests -> results/latest/perf-analyzer"
+	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4), its p50s next to our harness's TTFT/e2e on the same requests -> results/latest/perf-analyzer"
 	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
 	@echo "make crash             SIGKILL each stage under load, what clients saw and how it recovered -> results/latest/crash"
 	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
@@ -128,7 +128,7 @@ bench-vllm-serve: setup
 	$(PY) -m bench.vllm_bench_serve --out $(BENCH_VLLM_SERVE_OUT) --concurrency 1 4 --num-prompts 24 $(BENCH_ARGS)
 
 # perf_analyzer (make tools) on a server it starts (or BENCH_ARGS="--url HOST:PORT"): llm and epd at
-# c=1/2/4, epd also with system shared memory; llm's p50 vs our harness's TTFT p50, same requests.
+# c=1/2/4; its first/last-response p50 for llm next to our harness's TTFT/e2e p50, same requests.
 BENCH_PA_OUT ?= results/latest/perf-analyzer
 bench-perf-analyzer: setup tools
 	$(PY) -m bench.perf_analyzer_run --out $(BENCH_PA_OUT) --count 8 --output-tokens 16 --image-size 128x96 \

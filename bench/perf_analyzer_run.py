@@ -44,8 +44,9 @@ from builders.tritonserver import REPO_ROOT
 STABILITY_PERCENT = 1000
 # perf_analyzer 2.41's shared memory refuses a model with an optional input the data leaves out:
 # ``llm`` declares ``image_embeds``/``image_grid_thw`` (by-value embeddings), which an image request
-# cannot also carry. ``epd`` declares only what the data has.
-SHM_MODELS = ("epd",)
+# cannot also carry, and ``epd`` declares ``errors_as_outputs`` (for BLS callers), which these
+# inputs leave out (2026-12-01: perf_analyzer stopped with "does not support optional inputs").
+SHM_MODELS: tuple[str, ...] = ()
 
 
 def counters(metrics_url: str, model: str) -> dict[str, float]:
@@ -188,8 +189,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "# perf_analyzer against triton-epd", "", f"Command: `{summary['command']}`", "",
         f"perf_analyzer: {summary['perf_analyzer']} (`make tools`); gRPC streaming, count windows of "
         f"{summary['window_requests']} requests (stability check off: shared 2-core machine); inputs: "
-        f"{summary['inputs']}. `llm` is not run with `--shared-memory system`: perf_analyzer 2.41 refuses "
-        "shared memory for a model with an optional input the data leaves out (`image_embeds`).", "",
+        f"{summary['inputs']}. No run uses `--shared-memory system`: perf_analyzer 2.41 refuses shared "
+        "memory for a model with an optional input the data leaves out (`llm`: `image_embeds`; `epd`: "
+        "`errors_as_outputs`).", "",
         "| model | c | shm | exit | infer/s | p50 latency ms | recorded | no response | server ok | server failed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -278,10 +280,7 @@ def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -
     spec = _workload_spec(args)
     requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")
     models = sorted({run.split(":")[0] for run in args.runs} | {args.compare_model})
-    from bench.cli import _declared_inputs
-
-    declared = asyncio.run(_declared_inputs(args.url, models))
-    write_inputs(requests, args.out / "inputs", models, "binary", declared, args.url)
+    write_inputs(requests, args.out / "inputs", models, "binary", None, args.url)
     runs = []
     harness: dict[str, Any] | None = None
     for run in args.runs:

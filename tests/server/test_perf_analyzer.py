@@ -90,12 +90,13 @@ def test_perf_analyzer_pattern_without_perf_analyzer(
 
 # perf_analyzer 2.41 refuses system shared memory for a model with an optional input the data leaves
 # out: ``llm`` declares ``image_embeds``/``image_grid_thw`` (by-value embeddings), which an image
-# request cannot also carry; ``epd``'s ``errors_as_outputs`` the inputs file sets to false. epd with
+# request cannot also carry; ``epd`` declares ``errors_as_outputs`` (for BLS callers). epd with
 # --shared-memory system ran by hand (results/2026-12-01/perf-analyzer) but in the first full-suite
 # run it was followed by a segfault of epd's stub (PbTensor::FromNumpy, a corrupted Python heap:
 # the python-backend stub bug of issue 19) and left the session server without epd. Later runs
-# (issue 15) were refused by perf_analyzer before any request, as epd had gained
-# ``errors_as_outputs``: kept out of CI until it has run clean on a server again.
+# (issue 15) were refused by perf_analyzer before any request ("does not support optional inputs"),
+# as epd had gained ``errors_as_outputs``; filling it in the inputs file (false) is on branch
+# clients-pending-inputs, not yet run on a server. Kept out of CI until it has run clean.
 SYSTEM_SHM_CRASH = pytest.mark.skip(reason="issue 15: epd's stub segfaulted after perf_analyzer --shared-memory system")
 
 
