@@ -80,10 +80,17 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
             "instance_kind": target.instance_kind,
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters({**target.limits, **target.role_environment(contract.LLM_MODEL), **embeds}),
+            "parameters": render_parameters(
+                {**target.limits, **target.video_limits, **target.role_environment(contract.LLM_MODEL), **embeds}
+            ),
         },
     )
     role_args = target.engine_args_for(contract.LLM_MODEL, checkpoint_positions(model_dir))
+    max_videos = int(target.video_limits[contract.MAX_VIDEOS])
+    if max_videos:
+        # Video only on llm's engine: vLLM profiles start-up memory with the largest dummy video
+        # the limit allows, and no other engine takes video yet (issue 16).
+        role_args["limit_mm_per_prompt"] = {**role_args.get("limit_mm_per_prompt", {}), "video": max_videos}
     engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
 

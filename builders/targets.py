@@ -21,6 +21,7 @@ from builders.tensorrt_config import TrtProfile
 from python_backends import contract
 from python_backends.contract import CachePolicy
 from python_backends.llm_engine import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
+from python_backends.video import GPU_CODECS
 
 Device = Literal["cpu", "gpu"]
 
@@ -167,6 +168,9 @@ class Target:
     cache: CachePolicy = field(default_factory=CachePolicy)
     # Request limits of the user-facing models (image limits also bind ``preprocess``).
     limits: dict[str, int] = field(default_factory=contract.limit_defaults)
+    # Video limits of ``llm`` (contract.VIDEO_LIMITS); ``video_codecs`` names what the target's
+    # video decoder reads (DALI's CPU decoder / NVDEC), so ``llm`` accepts what ``epd`` will.
+    video_limits: dict[str, Any] = field(default_factory=contract.video_limit_defaults)
     # gpu only: GPUs per role and each engine's memory share (None: the cpu target).
     gpu_budget: GpuBudget | None = None
 
@@ -271,6 +275,7 @@ TARGETS: dict[str, Target] = {
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         },
         encode=EncodeServing(device="gpu"),
+        video_limits={**contract.video_limit_defaults(), contract.VIDEO_CODECS: ",".join(GPU_CODECS)},
         # KV from prefill to decode GPU to GPU through vLLM's own connector (no host copy).
         pd=PdServing(kv_connector="NixlConnector"),
         # The encoder's TensorRT output stays on the GPU: one device copy into the store.

@@ -100,6 +100,7 @@ def build_inputs(
     sampling: dict[str, Any] | None,
     exclude_input_in_output: bool | None,
     one_image_uint8: bool = False,
+    videos: Sequence[bytes] = (),
 ) -> list[Any]:
     def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
         item = module.InferInput(name, list(array.shape), dtype)
@@ -111,6 +112,8 @@ def build_inputs(
         inputs.append(tensor("image", np.frombuffer(images[0], dtype=np.uint8).reshape(1, -1), "UINT8"))
     elif images:
         inputs.append(tensor("image", np.array(list(images), dtype=np.object_), "BYTES"))
+    if videos:  # encoded video files (llm)
+        inputs.append(tensor("video", np.array(list(videos), dtype=np.object_), "BYTES"))
     inputs.append(tensor("stream", np.array([stream]), "BOOL"))
     if sampling:
         payload = json.dumps(sampling).encode("utf-8")
@@ -164,6 +167,7 @@ class GrpcClient:
         cancel_after_chunks: int | None = None,
         timeout_s: float = 600.0,
         parameters: dict[str, Any] | None = None,
+        videos: Sequence[bytes] = (),
     ) -> GenerateResult:
         """One streaming request; raises ClientError with Triton's status on failure.
 
@@ -178,7 +182,9 @@ class GrpcClient:
         try:
             self._client.async_stream_infer(
                 self.model,
-                build_inputs(self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS),
+                build_inputs(
+                    self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS, videos
+                ),
                 enable_empty_final_response=True,  # every output the model sends
                 parameters=parameters,
             )
@@ -261,6 +267,7 @@ class HttpClient:
         images: Sequence[bytes] = (),
         sampling: dict[str, Any] | None = None,
         exclude_input_in_output: bool = True,
+        videos: Sequence[bytes] = (),
     ) -> GenerateResult:
         body: dict[str, Any] = {
             "text_input": prompt,
@@ -269,6 +276,8 @@ class HttpClient:
         }
         if images:
             body["image"] = [base64.b64encode(image).decode("ascii") for image in images]
+        if videos:  # base64 in JSON, like images (llm)
+            body["video"] = [base64.b64encode(video).decode("ascii") for video in videos]
         if sampling:
             body["sampling_parameters"] = json.dumps(sampling)
         result = GenerateResult(started_at=time.perf_counter())

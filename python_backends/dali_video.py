@@ -183,11 +183,6 @@ def write_video_pipeline(
     return out_path
 
 
-def decoded_bytes(num_frames: int, width: int, height: int) -> int:
-    """RGB bytes DALI holds for one video's decoded frames (before the resize)."""
-    return num_frames * width * height * 3
-
-
 __all__ = [
     "DEFAULT_VIDEO_BATCH_SIZE",
     "FRAME_INDICES_INPUT",
@@ -196,7 +191,6 @@ __all__ = [
     "VIDEO_OUTPUT",
     "VideoTransformConfig",
     "build_video_pipeline",
-    "decoded_bytes",
     "define_video_graph",
     "serialize_video_pipeline",
     "write_video_pipeline",

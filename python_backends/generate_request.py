@@ -31,6 +31,8 @@ IMAGE_PAD = "<|image_pad|>"
 MM_HASH_PREFIX = b"mm_hash:"
 _MM_HASH = re.compile(rb"mm_hash:([0-9a-f]{64})")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,16 @@ class RequestLimits:
     image_embeds: EmbedsSpec | None = None
     # ``mm_hash:<key>`` image items accepted (models with an embedding store).
     accept_mm_hash: bool = False
+    # ``video`` items accepted (up to this many; ``llm`` only, issue 16). Their header checks and
+    # decode are python_backends.llm_video's, with the model's video limits.
+    max_videos: int = 0
 
 
 def request_limits(
-    params: ModelParameters, image_embeds: EmbedsSpec | None = None, accept_mm_hash: bool = False
+    params: ModelParameters,
+    image_embeds: EmbedsSpec | None = None,
+    accept_mm_hash: bool = False,
+    max_videos: int = 0,
 ) -> RequestLimits:
     """The user-facing limits from a model's config.pbtxt parameters (llm, epd)."""
     return RequestLimits(
@@ -57,6 +65,7 @@ def request_limits(
         max_tokens_limit=params.integer(contract.MAX_TOKENS_LIMIT),
         image_embeds=image_embeds,
         accept_mm_hash=accept_mm_hash,
+        max_videos=max_videos,
     )
 
 
@@ -77,6 +86,8 @@ class GenerateRequest:
     exclude_input_in_output: bool
     # Instead of ``images``: the vision encoder's output for every image, validated.
     image_embeds: ImageEmbedsInput | None = None
+    # Encoded videos as sent (raw or base64), not checked yet: ``llm`` checks and loads them.
+    videos: list[bytes] = field(default_factory=list)
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], name: str) -> Any | None:
@@ -126,6 +137,28 @@ def with_image_placeholders(text: str, num_images: int) -> str:
     )
 
 
+def with_video_placeholders(text: str, num_videos: int) -> str:
+    """As :func:`with_image_placeholders`, for ``<|video_pad|>``: the client's, or prepended."""
+    written = text.count(VIDEO_PAD)
+    if written == num_videos:
+        return text
+    if written == 0:
+        return VIDEO_PLACEHOLDER * num_videos + text
+    raise invalid_arg(
+        f"text_input has {written} {VIDEO_PAD} placeholders but the request has "
+        f"{num_videos} videos; write one per video or none"
+    )
+
+
+def _encoded_items(inputs: Mapping[str, np.ndarray], name: str, what: str) -> list[bytes]:
+    array = inputs.get(name)
+    if array is None:
+        return []
+    if array.dtype != np.object_:
+        raise invalid_arg(f"input '{name}' must be BYTES (encoded {what})")
+    return [bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"" for item in array.reshape(-1)]
+
+
 def _image_item(item: bytes, index: int, limits: RequestLimits) -> bytes | CachedImage:
     if not item.startswith(MM_HASH_PREFIX):
         return image_bytes(item, index)
@@ -150,15 +183,7 @@ def parse_generate_request(
         )
 
     embeds = parse_image_embeds(inputs, limits.image_embeds, limits.images.max_images)
-    image_array = inputs.get(contract.IMAGE)
-    raw_images: list[bytes] = []
-    if image_array is not None:
-        if image_array.dtype != np.object_:
-            raise invalid_arg("input 'image' must be BYTES (encoded images)")
-        raw_images = [
-            bytes(item) if isinstance(item, (bytes, np.bytes_)) else b""
-            for item in image_array.reshape(-1)
-        ]
+    raw_images = _encoded_items(inputs, contract.IMAGE, "images")
     if len(raw_images) > limits.images.max_images:
         raise invalid_arg(
             f"request has {len(raw_images)} images, above the limit of "
@@ -166,8 +191,13 @@ def parse_generate_request(
         )
     images = [_image_item(item, i, limits) for i, item in enumerate(raw_images)]
     num_images = len(images) + (embeds.num_images if embeds is not None else 0)
-    if not text and not num_images:
-        raise invalid_arg("text_input is empty and no image was given")
+    videos = _encoded_items(inputs, contract.VIDEO, "videos")
+    if videos and not limits.max_videos:
+        raise invalid_arg("this model takes no video (max_videos is 0)")
+    if len(videos) > limits.max_videos:
+        raise invalid_arg(f"request has {len(videos)} videos, above the limit of {limits.max_videos} (max_videos)")
+    if not text and not num_images and not videos:
+        raise invalid_arg("text_input is empty and no image or video was given")
 
     stream = bool(_bool(inputs, contract.STREAM))
     exclude = _bool(inputs, contract.EXCLUDE_INPUT_IN_OUTPUT)
@@ -182,12 +212,14 @@ def parse_generate_request(
         limits.max_tokens_limit,
     )
     return GenerateRequest(
-        prompt=with_image_placeholders(text, num_images),
+        # Videos' placeholders go in first so that, prepended, images come before videos.
+        prompt=with_image_placeholders(with_video_placeholders(text, len(videos)), num_images),
         images=images,
         stream=stream,
         sampling=sampling,
         exclude_input_in_output=exclude,
         image_embeds=embeds,
+        videos=videos,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,7 @@ from PIL import Image
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.generate_request import GenerateRequest
 from python_backends.generation import GenerationChunk
+from python_backends.llm_video import LoadedVideo
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,23 @@ class LlmEngine:
             raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
 
     async def generate(
-        self, request: GenerateRequest, images: list[Image.Image], request_id: str
+        self,
+        request: GenerateRequest,
+        images: list[Image.Image],
+        request_id: str,
+        videos: Sequence[LoadedVideo] = (),
     ) -> AsyncIterator[GenerationChunk]:
-        prompt: dict[str, Any] = {"prompt": request.prompt}
+        """``videos``: what vLLM's own loader returned (python_backends.llm_video.load_videos)."""
+        mm_data: dict[str, Any] = {}
         if request.image_embeds is not None:
-            prompt["multi_modal_data"] = request.image_embeds.multi_modal_data()
+            mm_data.update(request.image_embeds.multi_modal_data())
         elif images:
-            prompt["multi_modal_data"] = {"image": images}
+            mm_data["image"] = images
+        if videos:
+            mm_data["video"] = list(videos)
+        prompt: dict[str, Any] = {"prompt": request.prompt}
+        if mm_data:
+            prompt["multi_modal_data"] = mm_data
         async for chunk in self.generate_prompt(prompt, request, request_id):
             yield chunk
 

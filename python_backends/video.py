@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from python_backends.errors import invalid_arg
+from python_backends.errors import EpdError, invalid_arg
 
 # vLLM's Qwen2VLVideoBackend caps (class attributes _MAX_FRAMES, _MAX_FPS).
 VLLM_MAX_FRAMES = 768
@@ -229,6 +229,40 @@ def check_video(probe: VideoProbe, size_bytes: int, index: int, limits: VideoLim
             f"video[{index}] lasts {probe.duration:.2f} s, above the limit of "
             f"{limits.max_video_seconds:g} s (max_video_seconds)"
         )
+
+
+def decoded_frame_bytes(num_frames: int, width: int, height: int) -> int:
+    """RGB bytes of ``num_frames`` decoded frames (before any resize)."""
+    return num_frames * width * height * 3
+
+
+def checked_video(
+    item: bytes,
+    index: int,
+    sampling: VideoSamplingConfig,
+    limits: VideoLimits,
+    codecs: tuple[str, ...],
+    max_decoded_bytes: int,
+) -> tuple[bytes, VideoProbe, list[int]]:
+    """Every check made from the container before any frame is decoded: bytes (raw or base64),
+    size, codec, frame size, frame count, fps, duration, the frames the sampler picks and the
+    decoded bytes they need. Returns the raw bytes, the probe and the frame indices; raises
+    INVALID_ARG naming the problem. Shared by ``preprocess`` (DALI) and ``llm`` (vLLM's loader)."""
+    data = video_bytes(item, index)
+    check_video_size(data, index, limits)
+    probe = probe_video(data, index)
+    check_video(probe, len(data), index, limits, codecs)
+    try:
+        indices = sample_frame_indices(probe.total_frames, probe.fps, sampling)
+    except EpdError as exc:
+        raise invalid_arg(f"video[{index}]: {exc.message}") from None
+    needed = decoded_frame_bytes(len(indices), probe.width, probe.height)
+    if needed > max_decoded_bytes:
+        raise invalid_arg(
+            f"video[{index}] needs {needed} bytes of decoded frames ({len(indices)} frames of "
+            f"{probe.width}x{probe.height}), above the limit of {max_decoded_bytes}"
+        )
+    return data, probe, indices
 
 
 def check_video_size(data: bytes, index: int, limits: VideoLimits) -> None:

@@ -29,7 +29,6 @@ from python_backends.dali_video import (
     RESIZE_INPUT,
     VIDEO_INPUT,
     VideoTransformConfig,
-    decoded_bytes,
     serialize_video_pipeline,
 )
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
@@ -38,11 +37,7 @@ from python_backends.video import (
     VideoLimits,
     VideoProbe,
     VideoSamplingConfig,
-    check_video,
-    check_video_size,
-    probe_video,
-    sample_frame_indices,
-    video_bytes,
+    checked_video,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -76,20 +71,7 @@ def prepare_video(
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
 ) -> PreparedVideo:
     """Validate ``item`` from its container and compute the frames and size to produce."""
-    data = video_bytes(item, index)
-    check_video_size(data, index, limits)
-    probe = probe_video(data, index)
-    check_video(probe, len(data), index, limits, codecs)
-    try:
-        indices = sample_frame_indices(probe.total_frames, probe.fps, sampling)
-    except EpdError as exc:
-        raise invalid_arg(f"video[{index}]: {exc.message}") from None
-    needed = decoded_bytes(len(indices), probe.width, probe.height)
-    if needed > max_decoded_bytes:
-        raise invalid_arg(
-            f"video[{index}] needs {needed} bytes of decoded frames ({len(indices)} frames of "
-            f"{probe.width}x{probe.height}), above the limit of {max_decoded_bytes}"
-        )
+    data, probe, indices = checked_video(item, index, sampling, limits, codecs, max_decoded_bytes)
     out_height, out_width = transform.frame_size(probe.height, probe.width, len(indices))
     grid = transform.grid_thw(len(indices), out_height, out_width)
     return PreparedVideo(data, probe, indices, out_height, out_width, grid)

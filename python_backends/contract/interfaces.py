@@ -124,6 +124,7 @@ GENERATE_OUTPUTS = (
 )
 _PROMPT = _tensor(n.TEXT_INPUT, "TYPE_STRING", 1)
 _ENCODED_IMAGES = _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True)  # one or more encoded files
+_ENCODED_VIDEOS = _tensor(n.VIDEO, "TYPE_STRING", -1, optional=True)  # llm: encoded video files
 _IMAGE_REFERENCES = _tensor(n.REFERENCES, "TYPE_STRING", -1, optional=True)  # <= 1 KB JSON each
 _ERRORS_AS_OUTPUTS = _tensor(n.ERRORS_AS_OUTPUTS, "TYPE_BOOL", 1, optional=True)
 _ERROR = _tensor(n.ERROR, "TYPE_STRING", 1)
@@ -137,12 +138,13 @@ LLM = ModelInterface(
     (
         _PROMPT,
         _ENCODED_IMAGES,
+        _ENCODED_VIDEOS,
         _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, -1, n.HIDDEN_SIZE, optional=True),
         _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3, optional=True),
         *GENERATE_OPTIONS,
     ),
     GENERATE_OUTPUTS,
-    (*n.LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
+    (*n.LIMITS, *n.VIDEO_LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
     vllm_env=True,
 )
 # ``ensemble``: encode's steps -> llm; exactly one image per request, as encode takes it.

@@ -31,6 +31,7 @@ def encoder_model_names(count: int) -> tuple[str, ...]:
 # The user-facing request (llm, ensemble, epd), close to Triton's vllm_backend.
 TEXT_INPUT = "text_input"
 IMAGE = "image"
+VIDEO = "video"  # llm: one or more encoded videos
 STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
@@ -91,6 +92,15 @@ MAX_IMAGE_PIXELS = "max_image_pixels"
 MAX_TOKENS_LIMIT = "max_tokens_limit"
 MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
 LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
+# Video limits of ``llm`` (issue 16; ``epd`` does not take video yet). ``max_frames`` caps the frame
+# sampler (python_backends/video.py) and is passed to vLLM's loader; ``video_codecs`` are the
+# codecs the target's decoder reads (comma-separated).
+MAX_VIDEOS = "max_videos"
+MAX_VIDEO_BYTES = "max_video_bytes"
+MAX_VIDEO_SECONDS = "max_video_seconds"
+MAX_FRAMES = "max_frames"
+VIDEO_CODECS = "video_codecs"
+VIDEO_LIMITS = (MAX_VIDEOS, MAX_VIDEO_BYTES, MAX_VIDEO_SECONDS, MAX_FRAMES, VIDEO_CODECS)
 # Embeddings by value (llm) and the store's grid check.
 IMAGE_EMBEDS_HIDDEN_SIZE = "image_embeds_hidden_size"
 SPATIAL_MERGE_SIZE = "spatial_merge_size"

@@ -30,12 +30,16 @@ from python_backends.contract.names import (
     INTRA_OP_THREADS,
     LIMITS,
     LOCAL_ENCODERS,
+    MAX_FRAMES,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_IMAGES,
     MAX_IMAGES_PER_REQUEST,
     MAX_PATCHES_PER_RUN,
     MAX_TOKENS_LIMIT,
+    MAX_VIDEO_BYTES,
+    MAX_VIDEO_SECONDS,
+    MAX_VIDEOS,
     MERGE_SIZE,
     NODE_ID,
     ONNX_FILE,
@@ -61,6 +65,8 @@ from python_backends.contract.names import (
     STORE_PATH,
     STORE_TTL_S,
     TENANT_POLICY,
+    VIDEO_CODECS,
+    VIDEO_LIMITS,
     VISION_SHARDS,
     VISION_WEIGHT_BYTES,
     ContractError,
@@ -77,6 +83,7 @@ __all__ = [
     "ParameterValue",
     "default_of",
     "limit_defaults",
+    "video_limit_defaults",
     "parameter",
     "parse_boolean",
     "parse_integer",
@@ -103,6 +110,12 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(MAX_IMAGE_PIXELS, 4096 * 4096, minimum=1),
         Parameter(MAX_TOKENS_LIMIT, 2048, minimum=1),
         Parameter(MAX_IMAGES_PER_REQUEST, 64, minimum=1),
+        # Defaults: python_backends.video.VideoLimits / VideoSamplingConfig (kept equal by a test).
+        Parameter(MAX_VIDEOS, 2, minimum=0),  # 0: the model refuses video
+        Parameter(MAX_VIDEO_BYTES, 64 << 20, minimum=1),
+        Parameter(MAX_VIDEO_SECONDS, 60.0, minimum=0.001),
+        Parameter(MAX_FRAMES, 768, minimum=2),
+        Parameter(VIDEO_CODECS, "vp8,vp9,mjpeg"),
         Parameter(IMAGE_EMBEDS_HIDDEN_SIZE, 0, minimum=1),  # 0: embeddings by value refused
         Parameter(SPATIAL_MERGE_SIZE, 2, minimum=1),
         Parameter(ENCODE_MODEL_KEY, ENCODE_MODEL),
@@ -158,6 +171,11 @@ def default_of(key: str) -> Any:
 def limit_defaults() -> dict[str, int]:
     """The request limits every target starts from."""
     return {key: int(default_of(key)) for key in LIMITS}
+
+
+def video_limit_defaults() -> dict[str, Any]:
+    """``llm``'s video limits every target starts from."""
+    return {key: default_of(key) for key in VIDEO_LIMITS}
 
 
 def _minimum(key: str, minimum: float | None) -> float:

@@ -268,7 +268,7 @@ def test_ensemble_is_encode_then_llm_with_embeddings_by_value(target: str, model
     for entry in ensemble.input:
         if entry.name != "image":
             assert entry == llm_inputs[entry.name], entry.name
-    assert {i.name for i in llm.input} - {i.name for i in ensemble.input} == {"image_embeds", "image_grid_thw"}
+    assert {i.name for i in llm.input} - {i.name for i in ensemble.input} == {"image_embeds", "image_grid_thw", "video"}
     # Streaming through the ensemble: its last step is the decoupled llm.
     assert llm.model_transaction_policy.decoupled
 
@@ -287,6 +287,31 @@ def test_llm_takes_embeddings_checked_against_the_encoder(target: str, model_dir
     assert params["image_embeds_hidden_size"] == str(FACTS.hidden_size)
     assert params["spatial_merge_size"] == str(FACTS.merge_size)
     assert json.loads(files["llm/1/engine_args.json"])["enable_mm_embeds"] is True
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_llm_takes_video_with_its_limits_and_only_llm_engine_profiles_video(target: str, model_dir: Path) -> None:
+    import json
+
+    from python_backends.video import CPU_CODECS, GPU_CODECS, VideoLimits, VideoSamplingConfig
+
+    files = repository_files(TARGETS[target], model_dir, FACTS)
+    llm = configs(target, model_dir)["llm"]
+    video = tensor(llm, "video")
+    assert video.optional and video.data_type == DataType.TYPE_STRING and list(video.dims) == [-1]
+    params = {k: v.string_value for k, v in llm.parameters.items()}
+    limits, sampling = VideoLimits(), VideoSamplingConfig()
+    assert params["max_videos"] == str(limits.max_videos)
+    assert params["max_video_bytes"] == str(limits.max_video_bytes)
+    assert float(params["max_video_seconds"]) == limits.max_video_seconds
+    assert params["max_frames"] == str(sampling.max_frames)
+    assert params["video_codecs"] == ",".join(CPU_CODECS if target == "cpu" else GPU_CODECS)
+    engine = json.loads(files["llm/1/engine_args.json"])
+    assert engine["limit_mm_per_prompt"] == {"image": 4, "video": limits.max_videos}
+    # Video changes vLLM's start-up profiling: no other engine takes it yet (issue 16).
+    for other in ("prefill", "decode", "epd"):
+        assert "video" not in json.loads(files[f"{other}/1/engine_args.json"])["limit_mm_per_prompt"], other
+        assert "video" not in {i.name for i in configs(target, model_dir)[other].input}, other
 
 
 def test_one_image_request_has_the_same_wire_shapes_on_both_targets(model_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""`llm`: one colocated vLLM engine that takes raw encoded images (the baseline).
+"""`llm`: one colocated vLLM engine that takes raw encoded images and videos (the baseline).
 
 Thin by design: requests are parsed by python_backends.generate_request, served by
 python_backends.llm_engine; the request/error/cancel policy is
@@ -9,6 +9,7 @@ from python_backends import contract
 from python_backends.generate_request import parse_generate_request, request_limits
 from python_backends.image_embeds import EmbedsSpec
 from python_backends.llm_engine import LlmEngine
+from python_backends.llm_video import VideoInputLimits, load_videos
 from python_backends.media import decode_images
 from python_backends.triton_edge.decoupled import DecoupledModel
 
@@ -21,12 +22,17 @@ class TritonPythonModel(DecoupledModel):
         # Embeddings by value (the ensemble, or a client that ran encode itself); refused when
         # the repository was generated without the encoder's facts.
         embeds = EmbedsSpec(hidden, self.params.integer(contract.SPATIAL_MERGE_SIZE)) if hidden else None
-        self.limits = request_limits(self.params, embeds)
+        self.videos = VideoInputLimits.from_params(self.params)
+        max_videos = self.videos.limits.max_videos if self.videos else 0
+        self.limits = request_limits(self.params, embeds, max_videos=max_videos)
         self.engine = self.start_engine(args, LlmEngine)
 
     def parse(self, inputs, request):
         parsed = parse_generate_request(inputs, self.limits)
-        return parsed, decode_images(parsed.images, self.limits.images)
+        # Videos are checked from their headers, then read by vLLM's own loader, here: a bad
+        # one is refused before the engine sees the request.
+        return parsed, decode_images(parsed.images, self.limits.images), load_videos(parsed.videos, self.videos)
 
     def serve(self, parsed, request_id):
-        return self.engine.generate(*parsed, request_id)
+        request, images, videos = parsed
+        return self.engine.generate(request, images, request_id, videos)
