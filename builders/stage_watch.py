@@ -81,14 +81,35 @@ def find_role(server_pid: int, role: str) -> int:
     raise LookupError(f"no process {role!r} under tritonserver {server_pid}; found {roles}")
 
 
+def anonymous_rss(pid: int) -> int | None:
+    """``RssAnon`` of ``/proc/<pid>/status`` in bytes (heap, arenas, anonymous maps), or None.
+
+    What a leak grows. Total RSS also counts file-backed pages (torch's and vLLM's shared
+    libraries: hundreds of MiB per engine), which the kernel drops and faults back in as the
+    machine's free memory comes and goes: on a crowded machine without swap, RSS moves with the
+    neighbours' load (the first soak: -17% to -22% for the engines), not with ours."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def sample_process(pid: int) -> dict[str, Any] | None:
-    """RSS (bytes), open fds and threads of one process, or None once it is gone."""
+    """RSS and anonymous RSS (bytes), open fds and threads of one process, or None once it is gone."""
     try:
         process = psutil.Process(pid)
         with process.oneshot():
-            return {"rss": process.memory_info().rss, "fds": process.num_fds(), "threads": process.num_threads()}
+            sample = {"rss": process.memory_info().rss, "fds": process.num_fds(), "threads": process.num_threads()}
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
+    anon = anonymous_rss(pid)
+    if anon is not None:
+        sample["anon"] = anon
+    return sample
 
 
 class StageWatch:
