@@ -254,13 +254,25 @@ class Orchestrator:
         return lines[:16]
 
 
-def run_case(role: str, args: argparse.Namespace, paths: Paths, repo: Path) -> dict[str, Any]:
+def fresh_orchestrator(paths: Paths, repo: Path) -> Orchestrator:
+    """A supervised launcher on an empty store, with the logs of earlier runs removed."""
     shutil.rmtree(paths.store.parent, ignore_errors=True)
     paths.store.parent.mkdir(parents=True)
     for old_log in list(paths.work.glob("launcher-start*.log")) + list(paths.work.glob("server-start*.log")):
         old_log.unlink()
-    orchestrator = Orchestrator(paths, repo, Ports.free()).start()
-    case: dict[str, Any] = {"role": role}
+    return Orchestrator(paths, repo, Ports.free()).start()
+
+
+def run_case(
+    role: str, args: argparse.Namespace, paths: Paths, repo: Path, orchestrator: Orchestrator | None = None
+) -> dict[str, Any]:
+    """One kill under load. With ``orchestrator`` (``--chain``), on that supervised server as the
+    previous case's recovery left it (one server start per case instead of two); else on a fresh
+    one, stopped afterwards."""
+    own = orchestrator is None
+    if orchestrator is None:
+        orchestrator = fresh_orchestrator(paths, repo)
+    case: dict[str, Any] = {"role": role, "chained": not own}
     try:
         orchestrator.wait_ready(900)
         known_image = small_jpeg(4_242_424)  # stored before the crash: a hit after recovery
@@ -291,7 +303,7 @@ def run_case(role: str, args: argparse.Namespace, paths: Paths, repo: Path) -> d
         case["store_idle"] = store_state(paths.store)
         case["log_lines"] = orchestrator.log_lines()
     finally:
-        case["stop"] = orchestrator.stop()
+        case["stop"] = orchestrator.stop() if own else "chained: the next case runs on this server"
     return case
 
 
@@ -340,6 +352,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recovery-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "build" / "bench-crash")
+    parser.add_argument("--chain", action="store_true",
+                        help="run every case on one supervised server, each on the previous case's recovered one")
     return parser.parse_args(argv)
 
 
@@ -350,11 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     repo = prepare_repository(paths)
     cases = []
+    chained = fresh_orchestrator(paths, repo) if args.chain else None
     try:
         for role in args.cases:
             print(f"crash case {role} ...", flush=True)
             try:
-                case = run_case(role, args, paths, repo)
+                case = run_case(role, args, paths, repo, chained)
             except Exception as exc:  # one broken case must not lose the others
                 case = {"role": role, "failure": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(json.dumps({k: case.get(k) for k in ("role", "counts_all", "counts_after_kill", "recovered_at_s")}),
@@ -362,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(case)
             write_report(cases, args.out, command.strip())
     finally:
+        if chained is not None:
+            print(f"server stop: {chained.stop()}", flush=True)
         shutil.rmtree(paths.store.parent, ignore_errors=True)
     print(f"wrote {args.out / 'crash.md'}")
     return 0
