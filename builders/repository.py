@@ -122,6 +122,7 @@ def write_repository(
     gpus: int | None = None,
     remote_encoders: str = "",
     path_policy: str | None = None,
+    test_pauses: dict[str, str] | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
@@ -132,7 +133,8 @@ def write_repository(
     ``remote_encoders``: epd's remote encoder servers (``python_backends/scaleout/endpoints.py``).
     ``path_policy``: epd's path policy (``PdServing.path_policy``; None: the target's, except
     that a server with remote encoders is ``disaggregated``: its encoders are what it scales
-    out, and the colocated path would run a fourth engine that encodes in place)."""
+    out, and the colocated path would run a fourth engine that encodes in place).
+    ``test_pauses``: test servers only, model name -> ``test_pauses`` JSON (stage_pauses.py)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if remote_encoders:
         # An ``all`` server serves its own encoder models: epd falls back to them when no remote
@@ -143,6 +145,8 @@ def write_repository(
         path_policy = DISAGGREGATED_PATH
     if path_policy is not None:
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, path_policy=path_policy))
+    if test_pauses:
+        target = dataclasses.replace(target, test_pauses=dict(test_pauses))
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)

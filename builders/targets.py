@@ -173,6 +173,9 @@ class Target:
     video_limits: dict[str, Any] = field(default_factory=contract.video_limit_defaults)
     # gpu only: GPUs per role and each engine's memory share (None: the cpu target).
     gpu_budget: GpuBudget | None = None
+    # Test servers only: model name -> its ``test_pauses`` JSON (python_backends/stage_pauses.py).
+    # Empty in every served target; set with ``write_repository(test_pauses=...)``.
+    test_pauses: dict[str, str] = field(default_factory=dict)
 
     def engine_args_for(self, role: str, max_position_embeddings: int | None) -> dict[str, Any]:
         """``engine_args`` for one engine role: ``max_model_len`` cut to the checkpoint's
@@ -183,6 +186,11 @@ class Target:
         if self.gpu_budget is not None:
             args["gpu_memory_utilization"] = self.gpu_budget.memory_utilization(role)
         return args
+
+    def test_parameters(self, model: str) -> dict[str, str]:
+        """The model's test-only parameters (none outside a test server's repository)."""
+        pauses = self.test_pauses.get(model)
+        return {contract.TEST_PAUSES: pauses} if pauses else {}
 
     def role_environment(self, role: str) -> dict[str, str]:
         """Process environment of one engine role: the target's, then the role's own."""

@@ -133,6 +133,9 @@ REMOTE_ENCODE_DEADLINE_S = "remote_encode_deadline_s"
 # encoder is left (true on an ``all`` server given ``--remote-encoders``; a ``pd`` server has none).
 REMOTE_LOCAL_FALLBACK = "remote_local_fallback"
 TENANT_POLICY = "tenant_policy"  # isolated | shared: whether cache entries cross tenants
+# Test only (python_backends/stage_pauses.py): pauses at fixed points of every request of a
+# decoupled python model, so that a server test can cancel there. Never in a served target.
+TEST_PAUSES = "test_pauses"
 STORE_KEYS = (
     STORE_PATH, STORE_CAPACITY_BYTES, STORE_EVICTION, STORE_TTL_S, STORE_DEVICE, CACHE_SCOPE, NODE_ID, TENANT_POLICY
 )

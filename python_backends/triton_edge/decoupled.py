@@ -37,11 +37,13 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from python_backends import contract
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.event_loop import EventLoopThread
 from python_backends.generation import GenerationChunk
 from python_backends.llm_engine import apply_vllm_environment, load_engine_args
 from python_backends.model_params import ModelParameters
+from python_backends.stage_pauses import START, StagePauses, pause_line
 from python_backends.triton_edge.bls import BlsCaller
 from python_backends.triton_edge.metrics import MetricHandle, ModelMetrics
 from python_backends.triton_edge.responses import (
@@ -141,6 +143,8 @@ class DecoupledModel:
         config = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(config)
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
+        # Test servers only (python_backends/stage_pauses.py); empty in every served target.
+        self.pauses = StagePauses.parse(self.params.string(contract.TEST_PAUSES, ""))
         self.metrics = ModelMetrics(self.model_name)
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._lock = threading.Lock()
@@ -183,13 +187,22 @@ class DecoupledModel:
         cancel = CancelWatch(sender)
         stream = self.serve(parsed, request_id)
         ended = False  # a FINAL went out
+        sent = 0
         try:
+            await self._pause(START, self.pauses.start_s, request_id)
+            if cancel.cancelled():  # while it waited (queued, or a test pause): never started
+                return
             async for item in stream:
                 if cancel.cancelled():
                     break
                 reply, last = self.respond(item)
                 sender.send(reply, flags=FINAL if last else 0)
                 ended = ended or last
+                sent += 1
+                if not last and self.pauses.after(sent):
+                    await self._pause(f"after_{sent}", self.pauses.after(sent), request_id)
+                    if cancel.cancelled():  # left during the pause: do not start the next step
+                        break
         except asyncio.CancelledError:
             pass  # finalize or cancel_running: handled like the client's cancel, below
         except Exception as exc:  # every failure reaches the caller as one coded error
@@ -199,6 +212,12 @@ class DecoupledModel:
             ended = True
         finally:
             await self._end(stream, request_id, sender, ended)
+
+    async def _pause(self, point: str, seconds: float, request_id: str) -> None:
+        """A test pause (``test_pauses``), announced in the log; nothing when not configured."""
+        if seconds > 0:
+            pb_utils.Logger.log_info(pause_line(self.model_name, point, request_id, seconds))
+            await asyncio.sleep(seconds)
 
     async def _end(self, stream: AsyncGenerator[Any, None], request_id: str, sender: Any, ended: bool) -> None:
         try:

@@ -222,3 +222,64 @@ def test_running_requests_gauge_counts_requests_until_they_end_even_cancelled():
     run(toy, Sender(), text_input=text("hi"))
     assert running() == 0
     toy.finalize()
+
+
+class ClientSender(Sender):
+    """A client that cancels from outside (a test thread), like a closed gRPC stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = False
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+def paused_model(pauses: dict[str, float]) -> Toy:
+    toy = Toy()
+    config = {"name": "toy", "output": [], "parameters": {"test_pauses": {"string_value": json.dumps(pauses)}}}
+    toy.initialize({"model_name": "toy", "model_config": json.dumps(config)})
+    return toy
+
+
+def wait_logged(line_part: str, timeout_s: float = 5.0) -> None:
+    from tests.unit.conftest import _Logger
+
+    deadline = time.monotonic() + timeout_s
+    while not any(line_part in m for m in _Logger.messages):
+        assert time.monotonic() < deadline, f"never logged {line_part!r}"
+        time.sleep(0.01)
+
+
+def test_a_request_cancelled_before_it_starts_is_never_served():
+    toy = paused_model({"start": 0.3})
+    sender = ClientSender()
+    toy.execute([Request(sender, text_input=text("hi"))])
+    (request_id,) = toy._running
+    wait_logged(f"test pause: toy start {request_id}")
+    sender.cancelled = True  # while it waits at the start pause
+    assert [flags for _, flags in sender.wait_final()] == [FINAL]  # one empty final, no token
+    assert toy.engine.aborted == [request_id]  # nothing ran; the abort is a no-op for the engine
+    toy.finalize()
+
+
+def test_a_pause_after_a_response_parks_the_request_there_and_a_cancel_ends_it():
+    toy = paused_model({"after_1": 0.3})
+    sender = ClientSender()
+    toy.execute([Request(sender, text_input=text("hi"))])
+    (request_id,) = toy._running
+    wait_logged(f"test pause: toy after_1 {request_id} 0.3s")
+    assert [flags for _, flags in sender.sent] == [0]  # parked after its first response
+    sender.cancelled = True
+    assert [flags for _, flags in sender.wait_final()] == [0, FINAL]
+    assert toy.engine.aborted == [request_id]
+    toy.finalize()
+
+
+def test_without_test_pauses_nothing_waits_or_logs_a_pause():
+    from tests.unit.conftest import _Logger
+
+    before = len(_Logger.messages)
+    sent = run(model(), Sender(), text_input=text("hi"))
+    assert [flags for _, flags in sent] == [0, 0, FINAL]
+    assert not any("test pause" in m for m in _Logger.messages[before:])
