@@ -16,11 +16,16 @@ import pytest
 from python_backends.errors import ErrorCode
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 from python_backends.store.reference import MAX_REFERENCE_BYTES
-from tests.gpu.skips import gpu_marks
 from tests.store_helpers import error_of, store_directory
 
 
-def _cuda_python_missing() -> str | None:
+def _gpu_missing() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
     try:
         import cuda.bindings.runtime  # noqa: F401
     except ImportError:
@@ -28,7 +33,7 @@ def _cuda_python_missing() -> str | None:
     return None
 
 
-pytestmark = gpu_marks(_cuda_python_missing)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_missing() is not None, reason=str(_gpu_missing()))]
 
 SPAWN = multiprocessing.get_context("spawn")
 ROWS, HIDDEN = 256, 1536  # one 448x448 image of a Qwen2-VL-2B-sized model, fp16: 768 KiB

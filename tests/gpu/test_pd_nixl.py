@@ -11,8 +11,10 @@ one GPU in this process. Skipped without a CUDA GPU or the ``nixl`` package; run
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,16 +22,20 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.skips import gpu_marks
 
-
-def _nixl_missing() -> str | None:
+def _missing() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
     if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu13") is None:
         return "the nixl package is not installed (requirements/gpu.txt: nixl-cu13)"
     return None
 
 
-pytestmark = gpu_marks(_nixl_missing)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
 # Nixl's side channel: one port per engine in this process.
 PREFILL_PORT, DECODE_PORT = 15600, 15700
@@ -44,25 +50,38 @@ def engines() -> Iterator[Any]:
     from builders.tritonserver import REPO_ROOT
     from python_backends.llm_engine import load_engine_args
     from python_backends.pd.engines import NIXL_CONNECTOR, DecodeEngine, PrefillEngine, pd_engine_args
-    from tests.integration.test_pd_transfer import CHUNK_TOKENS, ENGINE_ARGS, Engines, engine_session
+    from tests.integration.test_pd_transfer import CHUNK_TOKENS, ENGINE_ARGS, Engines
 
     prepare("cpu", None, REPO_ROOT / "model_repository")  # the tiny default model + its engine args
     base = {**load_engine_args(ENGINE_ARGS), "max_num_batched_tokens": CHUNK_TOKENS,
             "gpu_memory_utilization": 0.2, "enforce_eager": True, "dtype": "bfloat16"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_NIXL_SIDE_CHANNEL_PORT")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     store = Path("/dev/shm") / f"epd-nixl-test-{uuid.uuid4().hex[:8]}"
-    with engine_session(store) as (loop, started, env):
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    loop = asyncio.new_event_loop()
+    started: list[Any] = []
+    try:
         colocated = AsyncLLM.from_engine_args(AsyncEngineArgs(**{**base, "enable_mm_embeds": True}))
         started.append(colocated)
-        env.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(PREFILL_PORT))
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(PREFILL_PORT)
         prefill_args = pd_engine_args(base, "prefill", store, NIXL_CONNECTOR)
         prefill = loop.run_until_complete(PrefillEngine.start(prefill_args))
         started.append(prefill)
-        env.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(DECODE_PORT))
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(DECODE_PORT)
         decode = loop.run_until_complete(DecodeEngine.start(pd_engine_args(base, "decode", store, NIXL_CONNECTOR)))
         started.append(decode)
         assert prefill.connector == decode.connector == NIXL_CONNECTOR
         yield Engines(loop, colocated, prefill, decode, store, prefill.engine.vllm_config.cache_config.block_size)
+    finally:
+        for engine in reversed(started):
+            engine.shutdown()
+        loop.close()
+        shutil.rmtree(store, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _cases() -> dict[str, tuple[str, list]]:

@@ -15,16 +15,21 @@ import pytest
 
 from builders.targets import TARGETS
 from python_backends.vit_onnx import INPUT_NAMES, OUTPUT_NAME, encoder_inputs
-from tests.gpu.skips import gpu_marks
 
 
-def _tensorrt_missing() -> str | None:
+def _missing() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
     from builders.encoder import tensorrt_unavailable_reason
 
     return tensorrt_unavailable_reason()
 
 
-pytestmark = gpu_marks(_tensorrt_missing)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
 # Max-abs difference to ONNX Runtime (float32 on the CPU). FP16 keeps about 3 decimal digits
 # through 2 tiny transformer blocks; FP32 differs only by kernel order.

@@ -32,8 +32,6 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,24 +68,6 @@ class Engines:
         return self.loop.run_until_complete(coro)
 
 
-@contextmanager
-def engine_session(store: Path) -> Iterator[tuple[asyncio.AbstractEventLoop, list[Any], pytest.MonkeyPatch]]:
-    """An event loop for the engines, a list to record each engine in as it starts, and the
-    process environment to set. On exit, whatever happened: the engines are shut down (last
-    started first), the loop closed, the transfer folder ``store`` removed, the environment
-    restored."""
-    loop = asyncio.new_event_loop()
-    started: list[Any] = []
-    with pytest.MonkeyPatch.context() as env:
-        try:
-            yield loop, started, env
-        finally:
-            for engine in reversed(started):
-                engine.shutdown()
-            loop.close()
-            shutil.rmtree(store, ignore_errors=True)
-
-
 def _images(*grids: tuple[int, int, int]) -> list:
     import torch
 
@@ -115,15 +95,18 @@ def engines():
     from python_backends.llm_engine import load_engine_args
     from python_backends.pd.engines import DecodeEngine, PrefillEngine, pd_engine_args
 
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     shm = Path("/dev/shm")
     store = (shm if shm.is_dir() else Path("/tmp")) / f"epd-kv-test-{uuid.uuid4().hex[:8]}"
-    with engine_session(store) as (loop, started, env):
-        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # Prompts over 200 tokens are prefilled in two chunks (vLLM's chunked prefill), with a KV
-        # block split between them: the transfer must carry every chunk. All three engines get
-        # the same budget so that the colocated reference computes the same chunks.
-        base = {**load_engine_args(ENGINE_ARGS), "max_num_batched_tokens": CHUNK_TOKENS}
+    # Prompts over 200 tokens are prefilled in two chunks (vLLM's chunked prefill), with a KV
+    # block split between them: the transfer must carry every chunk. All three engines get
+    # the same budget so that the colocated reference computes the same chunks.
+    base = {**load_engine_args(ENGINE_ARGS), "max_num_batched_tokens": CHUNK_TOKENS}
+    loop = asyncio.new_event_loop()
+    started: list[Any] = []
+    try:
         t0 = time.perf_counter()
         colocated = loop.run_until_complete(_start_colocated(AsyncLLM, AsyncEngineArgs, base))
         started.append(colocated)
@@ -134,6 +117,16 @@ def engines():
         print(f"\n[pd] three engines started in {time.perf_counter() - t0:.1f} s")
         assert decode.engine.vllm_config.cache_config.enable_prefix_caching is False
         yield Engines(loop, colocated, prefill, decode, store, prefill.engine.vllm_config.cache_config.block_size)
+    finally:
+        for engine in reversed(started):
+            engine.shutdown()
+        loop.close()
+        shutil.rmtree(store, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 async def _start_colocated(async_llm, async_engine_args, base: dict) -> Any:
