@@ -120,6 +120,11 @@ def engines():
     finally:
         for engine in reversed(started):
             engine.shutdown()
+        # AsyncLLM.shutdown() called off its loop only schedules the closing of its zmq sockets on
+        # that loop (vLLM's MPClient BackgroundResources): run the loop so they close. Left open,
+        # a later garbage collection of the client's zmq Context blocks forever in term() (it hung
+        # the next test module's setup in CI).
+        loop.run_until_complete(asyncio.sleep(0.2))
         loop.close()
         shutil.rmtree(store, ignore_errors=True)
         for key, value in saved.items():
