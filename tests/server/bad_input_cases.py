@@ -111,7 +111,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput("missing text_input", BAD, "text_input", prompt=None),
     BadInput("text_input not UTF-8", BAD, "not valid UTF-8", extra={"text_input": _bytes(b"\xff\xfe bad")}),
     BadInput("text_input above 200000 characters", BAD, "above the limit", extra={"text_input": _bytes("x" * 200_001)}),
-    BadInput("empty text_input and no image", BAD, "no image was given", extra={"text_input": _bytes("")}),
+    BadInput("empty text_input and no image", BAD, "no image or video was given", extra={"text_input": _bytes("")}),
     BadInput("text_input of shape [2]", BAD, "text_input", extra={"text_input": _bytes("a", "b")}),
     BadInput("text_input as INT32", BAD, "text_input", extra={"text_input": ("INT32", np.array([7], dtype=np.int32))}),
     BadInput(
