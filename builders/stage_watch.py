@@ -11,7 +11,12 @@ harness (``bench.crash``: which pid to SIGKILL) and the soak
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import platform
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -81,6 +86,18 @@ def find_role(server_pid: int, role: str) -> int:
     raise LookupError(f"no process {role!r} under tritonserver {server_pid}; found {roles}")
 
 
+def _status_bytes(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` in bytes, or None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def anonymous_rss(pid: int) -> int | None:
     """``RssAnon`` of ``/proc/<pid>/status`` in bytes (heap, arenas, anonymous maps), or None.
 
@@ -88,14 +105,12 @@ def anonymous_rss(pid: int) -> int | None:
     libraries: hundreds of MiB per engine), which the kernel drops and faults back in as the
     machine's free memory comes and goes: on a crowded machine without swap, RSS moves with the
     neighbours' load (the first soak: -17% to -22% for the engines), not with ours."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return _status_bytes(pid, "RssAnon")
+
+
+def peak_rss(pid: int) -> int | None:
+    """``VmHWM``: the most RSS the process ever had, in bytes (what a transient decode costs)."""
+    return _status_bytes(pid, "VmHWM")
 
 
 def sample_process(pid: int) -> dict[str, Any] | None:
@@ -138,3 +153,80 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# wait4's system call number, as /proc/<pid>/task/<tid>/syscall shows it (x86_64: asm/unistd_64.h;
+# aarch64: the generic table).
+WAIT4_SYSCALL = {"x86_64": 61, "aarch64": 260}
+
+
+def pids_waited_on(pid: int, machine: str | None = None) -> set[int]:
+    """The pids that a thread of process ``pid`` is blocked in ``wait4()`` on, read from
+    ``/proc/<pid>/task/*/syscall`` (its first argument); empty where that cannot be read."""
+    number = WAIT4_SYSCALL.get(machine or platform.machine())
+    if number is None:
+        return set()
+    waited: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return waited
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/syscall") as handle:
+                fields = handle.read().split()
+        except OSError:  # thread gone, or not allowed to look
+            continue
+        if len(fields) >= 2 and fields[0] == str(number):
+            target = int(fields[1], 16)
+            if 0 < target < 2**31:  # -1 (any child) and process groups are not one stub
+                waited.add(target)
+    return waited
+
+
+@dataclass
+class StuckStubLaunch:
+    """Unsticks a model load that Triton 2.51's python backend would never finish.
+
+    python_backend r24.10 (``src/stub_launcher.cc``, ``StubLauncher::Launch``): while a stub
+    runs ``initialize`` the parent checks the stub's health flag in 1 s windows; one window
+    in which the stub's health thread did not run (a starved machine: seen after a crash
+    restart with load average 13 on 2 cores) fails the launch with "Stub process ... is not
+    healthy". The launch's cleanup (a ``ScopedDefer``) then *waits* for the stub to exit, but
+    nothing tells it to: the stub finishes ``initialize``, answers a parent that no longer
+    listens, and waits for its next command for good. The model load never returns and the
+    server is never ready (measured: 10 minutes, gdb: ``wait4(stub)`` under
+    ``~ScopedDefer <- StubLauncher::Launch <- TRITONBACKEND_ModelInstanceInitialize``; the stub
+    in ``Stub::PopMessage``). Upstream main still waits the same way.
+
+    Used while the server starts: a live stub that a tritonserver thread has waited on for
+    ``after_s`` is SIGKILLed, which lets the load fail with Triton's own error (the server
+    then exits, and is restarted like after any failed start) instead of hanging.
+    """
+
+    server_pid: int
+    after_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    kill: Callable[[int, int], None] = os.kill
+    _since: dict[int, float] = field(default_factory=dict)
+
+    def check(self) -> list[str]:
+        """Look once; kill what has been stuck ``after_s``. Returns a line per stub killed."""
+        now = self.clock()
+        stubs = {p.pid: p.role for p in server_processes(self.server_pid) if p.role.startswith("stub:")}
+        waited = {pid for pid in pids_waited_on(self.server_pid) if pid in stubs and _running(pid)}
+        self._since = {pid: self._since.get(pid, now) for pid in waited}
+        killed = []
+        for pid, since in list(self._since.items()):
+            if now - since >= self.after_s:
+                try:
+                    self.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                del self._since[pid]
+                killed.append(
+                    f"{stubs[pid]} (pid {pid}): tritonserver has waited {now - since:.0f} s for it to exit after "
+                    "its launch failed (python backend r24.10 stub-launch hang); killed it so that the load fails "
+                    "with Triton's error instead of never finishing"
+                )
+        return killed

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builders.processes import ProcessGroup, StartError, StartTimeout, StopReport, http_ok, wait_until_ready
+from builders.stage_watch import StuckStubLaunch
 
 __all__ = [
     "PROBLEM_MARKERS", "REPO_ROOT", "Ports", "ServerOptions", "StartError", "StartTimeout", "StopReport",
@@ -211,16 +212,28 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
-        """Block until /v2/health/ready answers 200; returns seconds waited. Raises
+        """Block until /v2/health/ready and /metrics answer 200; returns seconds waited. Raises
         :class:`StartError` (a RuntimeError) if the server exits first, :class:`StartTimeout`
         (a TimeoutError) after ``timeout_s``; both carry the log's last lines."""
         url = f"http://{self.http_url}/v2/health/ready"
-        return wait_until_ready(lambda: http_ok(url), [self.group], timeout_s, "tritonserver",
-                                poll_s=0.25, tail_lines=40)
+        stuck = StuckStubLaunch(self.process.pid) if self.process is not None else None
+
+        def ready() -> bool:
+            # A load that Triton's python backend would never finish (builders/stage_watch.py):
+            # make it fail now, with Triton's error, rather than wait out ``timeout_s``.
+            for line in stuck.check() if stuck is not None else []:
+                print(f"tritonserver: {line}", file=sys.stderr, flush=True)
+            # The metrics service starts ~0.1 s after HTTP and gRPC report ready: a caller that
+            # reads /metrics at once (the scale-out tests do) was refused in that gap.
+            return http_ok(url) and http_ok(self.metrics_url)
+
+        return wait_until_ready(ready, [self.group], timeout_s, "tritonserver", poll_s=0.25, tail_lines=40)
 
     def stop(self, timeout_s: float | None = None) -> StopReport | None:
         """Stop and report how it went (``None`` if it was never started). SIGKILL after
         ``timeout_s`` (default: 30 s past Triton's own exit timeout)."""
+        if self.stop_report is not None and self.process is not None and self.process.poll() is not None:
+            return self.stop_report  # stopped before (e.g. after a stage crash): how that stop went
         report = self.group.stop(self.options.stop_timeout_s if timeout_s is None else timeout_s, PROBLEM_MARKERS)
         if report is not None:
             self.stop_report = report

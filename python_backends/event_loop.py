@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -63,11 +63,17 @@ class EventLoopThread:
         with self._lock:
             return len(self._pending)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(
+        self, timeout_s: float = 10.0, last: Callable[[], None] | None = None, last_timeout_s: float = 30.0
+    ) -> None:
         """Cancel every submitted coroutine and wait (up to ``timeout_s``) until each has run its
         cleanup -- a cancelled request still aborts its engine request and ends its stream --
-        then stop the loop and its thread. Tasks a library runs on the loop (vLLM's output
-        handler) are left to that library's own shutdown."""
+        then run ``last`` on the loop, then stop the loop and its thread.
+
+        ``last`` is for a library whose shutdown schedules its own cleanup on this loop (vLLM's
+        AsyncLLM closes its sockets and cancels its output handler there, or with
+        ``call_soon_threadsafe`` from another thread): run on the loop, that cleanup happens; run
+        after the loop stopped, it never would. It gets ``last_timeout_s`` more."""
 
         async def cancel_submitted() -> None:
             await asyncio.sleep(0)  # coroutines submitted just before start running
@@ -76,12 +82,18 @@ class EventLoopThread:
                 task.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=timeout_s)
+            if last is not None:
+                last()
+                await asyncio.sleep(0)  # what ``last`` scheduled on the loop runs
 
         if self.loop.is_running():
+            budget = timeout_s + 1.0 + (last_timeout_s if last is not None else 0.0)
             try:
-                asyncio.run_coroutine_threadsafe(cancel_submitted(), self.loop).result(timeout_s + 1.0)
+                asyncio.run_coroutine_threadsafe(cancel_submitted(), self.loop).result(budget)
             except Exception:
                 log.warning("tasks still running when the event loop stopped", exc_info=True)
+        elif last is not None:
+            last()
         with self._lock:
             never_started = list(self._pending)
         for future in never_started:

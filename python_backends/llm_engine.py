@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +61,27 @@ def load_engine_args(path: Path) -> dict[str, Any]:
 # The engine's GPU (builders/targets.py, GpuBudget): a VLLM_ parameter so that it travels with the
 # others; it becomes CUDA_VISIBLE_DEVICES, which the engine processes vLLM spawns start with.
 ENGINE_GPUS_ENV = "VLLM_EPD_CUDA_VISIBLE_DEVICES"
+# Seconds an engine-core process gets to exit at shutdown before vLLM's process manager kills it
+# (vLLM's default: 5). Its last step is ``gc.unfreeze(); gc.collect()`` over its whole heap
+# (vllm/distributed/parallel_state.py, cleanup_dist_env_and_memory): ~3 s idle and 5 s (killed)
+# under load on 2 cores, after its requests, executor and scheduler are already shut down. A CPU
+# engine holds nothing a kill would leak (no device memory), so the cpu target does not wait that
+# collection out; GPU targets keep vLLM's default (a kill during teardown can leave VRAM resident).
+ENGINE_EXIT_GRACE_ENV = "VLLM_EPD_ENGINE_EXIT_GRACE_S"
+
+
+def engine_exit_grace_s(environ: Mapping[str, str] = os.environ) -> float | None:
+    """The engine core's exit grace (``VLLM_EPD_ENGINE_EXIT_GRACE_S``), or None: vLLM's default."""
+    value = environ.get(ENGINE_EXIT_GRACE_ENV)
+    if value is None or value == "":
+        return None
+    try:
+        grace = float(value)
+    except ValueError:
+        raise ValueError(f"{ENGINE_EXIT_GRACE_ENV}={value!r}: expected seconds, e.g. 2") from None
+    if not grace > 0:
+        raise ValueError(f"{ENGINE_EXIT_GRACE_ENV}={value!r}: must be > 0 (0 would kill the engine at once)")
+    return grace
 
 
 def apply_vllm_environment(vllm_env: dict[str, str]) -> None:
@@ -165,4 +186,4 @@ class LlmEngine:
         self.active_requests.discard(request_id)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.engine.shutdown(timeout=engine_exit_grace_s())

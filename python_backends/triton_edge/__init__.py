@@ -6,6 +6,7 @@ that import ``triton_python_backend_utils`` (``pb_utils``).
   streaming ``model.py`` with the one error and cancel policy, and ``CancelWatch``.
 - ``bls``: the stage calls that ``epd`` and the encoder models make over BLS.
 - ``metrics``: a model's custom metrics on Triton's /metrics, released in one place.
+- ``logs``: the ``python_backends`` loggers routed into Triton's log.
 
 ``pb_utils`` exists only inside the python-backend stub process; unit tests install a stub
 (tests/unit/conftest.py). Everything else under ``python_backends`` is plain Python.

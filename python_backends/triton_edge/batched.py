@@ -17,6 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends.model_params import ModelParameters
+from python_backends.triton_edge.logs import route_to_triton_log
 from python_backends.triton_edge.metrics import ModelMetrics
 from python_backends.triton_edge.responses import error_response, read_inputs, response
 
@@ -34,6 +35,7 @@ class BatchedModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
+        route_to_triton_log(self.model_name)
         self.config: dict[str, Any] = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(self.config)
         self.metrics = ModelMetrics(self.model_name)

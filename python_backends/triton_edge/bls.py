@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -65,9 +66,32 @@ class BlsCaller:
 
     def __init__(self, max_threads: int = 256) -> None:
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="epd-bls")
+        self._open_streams = 0  # response iterators not yet read to their final response
+        self._open_lock = threading.Lock()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def open_streams(self) -> int:
+        """BLS response streams opened and not yet read to their final response: 0 whenever no
+        request runs (a left-over one holds up the model's unload, see :meth:`_read_to_final_after`)."""
+        with self._open_lock:
+            return self._open_streams
+
+    def _open(self, request: pb_utils.InferenceRequest) -> Iterator[Any]:
+        iterator = iter(request.exec(decoupled=True))
+        with self._open_lock:
+            self._open_streams += 1
+        return iterator
+
+    def _next(self, iterator: Iterator[Any]) -> Any:
+        """The stream's next response, or None after its final one (then the stream is closed)."""
+        response = next(iterator, None)
+        if response is None:
+            with self._open_lock:
+                self._open_streams -= 1
+        return response
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -82,12 +106,19 @@ class BlsCaller:
         request = pb_utils.InferenceRequest(
             model_name=model, inputs=[*inputs, flag], requested_output_names=[], **extra
         )
-        iterator = await self._call(lambda: iter(request.exec(decoupled=True)))
+        opening = self._pool.submit(self._open, request)
+        try:
+            iterator = await asyncio.wrap_future(opening)
+        except asyncio.CancelledError:
+            # Cancelled while the request was being sent: once its iterator is there, it is read to
+            # its final response like any stream left early (a cancel before the send sends nothing).
+            opening.add_done_callback(self._read_opened_to_final)
+            raise
         reading: Future[Any] | None = None
         finished = False
         try:
             while True:
-                reading = self._pool.submit(next, iterator, None)
+                reading = self._pool.submit(self._next, iterator)
                 response = await asyncio.wrap_future(reading)
                 if response is None:
                     finished = True
@@ -111,7 +142,7 @@ class BlsCaller:
         """
 
         def read_to_final() -> None:
-            while next(iterator, None) is not None:
+            while self._next(iterator) is not None:
                 pass
 
         def submit(_: object = None) -> None:
@@ -124,6 +155,10 @@ class BlsCaller:
             submit()
         else:
             reading.add_done_callback(submit)
+
+    def _read_opened_to_final(self, opening: Future[Iterator[Any]]) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self._read_to_final_after(None, opening.result())
 
     async def _last(
         self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
@@ -156,6 +191,20 @@ class BlsEncode(BlsCaller):
         grid = out[contract.IMAGE_GRID_THW].reshape(-1)
         return EncodedImage(embeds.reshape(-1, embeds.shape[-1]), (int(grid[0]), int(grid[1]), int(grid[2])))
 
+    async def encode_pixels(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
+        """Preprocessed pixels (a video's: ``[1, t*h*w, patch_dim]``, grid ``[1, 3]``) through
+        ``vit_encoder`` (the cpu target's), embeddings ``[1, tokens, hidden]`` by value."""
+        request = pb_utils.InferenceRequest(
+            model_name=contract.VIT_ENCODER_MODEL,
+            inputs=[
+                pb_utils.Tensor(contract.PIXEL_VALUES, np.ascontiguousarray(pixel_values, dtype=np.float32)),
+                pb_utils.Tensor(contract.IMAGE_GRID_THW, np.ascontiguousarray(grid_thw, dtype=np.int64)),
+            ],
+            requested_output_names=[contract.IMAGE_EMBEDS],
+        )
+        out = _outputs(await self._call(request.exec))
+        return np.asarray(out[contract.IMAGE_EMBEDS])
+
 
 class BlsStages(BlsCaller):
     """:class:`python_backends.epd_pipeline.StageClient` over BLS (inside ``epd`` only)."""
@@ -166,9 +215,10 @@ class BlsStages(BlsCaller):
         self.decode_model = decode_model
 
     async def encode_reference(
-        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = contract.IMAGE
     ) -> tuple[bytes, bool]:
-        inputs = [bytes_tensor(contract.IMAGE, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
+        media = contract.VIDEO if modality == contract.VIDEO else contract.IMAGE  # the modality's input
+        inputs = [bytes_tensor(media, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
         out = await self._last(encoder, inputs, None if tenant is None else {contract.TENANT: tenant})
         return bytes(out[contract.REFERENCES].reshape(-1)[0]), bool(out[contract.CACHE_HIT].reshape(-1)[0])
 

@@ -18,8 +18,9 @@ The policy, the same for every model:
   ``finalize`` nothing is sent: Triton ends the streams of a model it unloads);
 - any failure -> exactly one coded error (its message if an ``EpdError``, else
   ``internal error: <type>``), never a traceback; in the ``error`` output for a BLS caller;
-- ``finalize``: stop accepting, cancel running requests, stop the event loop, shut the engine
-  down, close the store, then release the metrics (every ``Metric``, then every family).
+- ``finalize``: stop accepting, cancel running requests, shut the vLLM engine down on the event
+  loop, stop the loop, close the store, release the metrics (every ``Metric``, then every family),
+  then freeze the garbage collector (the stub exits next).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import gc
 import json
 import threading
 import time
@@ -45,6 +47,7 @@ from python_backends.llm_engine import apply_vllm_environment, load_engine_args
 from python_backends.model_params import ModelParameters
 from python_backends.stage_pauses import START, StagePauses, pause_line
 from python_backends.triton_edge.bls import BlsCaller
+from python_backends.triton_edge.logs import route_to_triton_log
 from python_backends.triton_edge.metrics import MetricHandle, ModelMetrics
 from python_backends.triton_edge.responses import (
     FINAL,
@@ -140,6 +143,7 @@ class DecoupledModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
+        route_to_triton_log(self.model_name)
         config = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(config)
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
@@ -155,6 +159,18 @@ class DecoupledModel:
             f"epd_{self.model_name}_running_requests", f"Requests the {self.model_name} model is still serving"
         )
         self.setup(args)
+        if isinstance(self.engine, BlsCaller):
+            self.loop.submit(self._report_open_streams(self.engine))
+
+    async def _report_open_streams(self, caller: BlsCaller, period_s: float = 1.0) -> None:
+        # Scraped by the tests before every stop: a stream left open holds up the unload (issue 19).
+        gauge = self.metrics.gauge(
+            f"epd_{self.model_name}_bls_open_streams",
+            f"BLS response streams the {self.model_name} model opened that have not reached their final response",
+        )
+        while True:
+            gauge.set(caller.open_streams)
+            await asyncio.sleep(period_s)
 
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> None:
         for request in requests:
@@ -208,7 +224,7 @@ class DecoupledModel:
         except Exception as exc:  # every failure reaches the caller as one coded error
             pb_utils.Logger.log_warn(f"{self.model_name} request {request_id} failed: {exc!r}")
             if self._accepting:
-                sender.send(stage_error_response(exc, as_output), flags=FINAL)
+                self._send_final(sender, request_id, stage_error_response(exc, as_output))
             ended = True
         finally:
             await self._end(stream, request_id, sender, ended)
@@ -230,8 +246,16 @@ class DecoupledModel:
             # Not while finalize runs: Triton tears the streams down itself then, and a send to a
             # model that is unloading can block this stub for good.
             if not ended and self._accepting:
-                sender.send(flags=FINAL)
+                self._send_final(sender, request_id)
             self.request_done()
+
+    def _send_final(self, sender: Any, request_id: str, response: Any = None) -> None:
+        """The request's last response; a failure is logged, never raised: an error escaping the
+        request's task would keep its frames, and with them the response sender, alive."""
+        try:
+            sender.send(response, flags=FINAL)
+        except Exception as exc:
+            pb_utils.Logger.log_warn(f"{self.model_name} request {request_id}: final response failed: {exc!r}")
 
     def finalize(self) -> None:
         self._accepting = False
@@ -239,9 +263,20 @@ class DecoupledModel:
             # No new BLS calls: a cancelled request's cleanup (epd's abort_decode) would call models
             # that are unloading too, and a call blocked there keeps this stub from exiting.
             self.engine.shutdown()
-        self.loop.stop()  # cancels what still runs (each ends as a cancel), then stops the loop
-        if self.engine is not None:
+        # Cancels what still runs (each ends as a cancel and aborts its engine request), shuts the
+        # vLLM engine down *on the loop* (AsyncLLM closes its sockets and cancels its output
+        # handler there: after the loop stopped they never were, and the zmq objects were left to
+        # the garbage collector), then stops the loop.
+        engine = self._vllm_engine
+        self.loop.stop(last=engine.shutdown if engine is not None else None)
+        if self.engine is not None and self.engine is not engine:
             self.engine.shutdown()
         if self.store is not None:
             self.store.close()
         self.metrics.release()
+        # The stub exits next. Python's exit runs a full garbage collection over every object of
+        # torch, vLLM and transformers: ~2.5 s of a vLLM stub's unload on these 2 cores (py-spy:
+        # gc_collect_main after finalize; results/2026-12-01/unload/). Nothing is left to release
+        # by then; frozen objects are skipped by that collection (and memory goes back with the
+        # process).
+        gc.freeze()

@@ -7,6 +7,12 @@ gone, and every server stop logged ``Segfault encountered`` (issue 17). So model
 ``pb_utils.Metric``: :class:`ModelMetrics` keeps them and hands out :class:`MetricHandle`s, and
 :meth:`ModelMetrics.release` (called by the model's ``finalize``) drops every metric, then every
 family.
+
+Cost rule: every ``Metric.set``/``increment`` of the python backend is a blocking round trip from
+the stub to the server process. ``epd`` sent 37 per request (with the 10 cost-model estimates of a
+one-image-size workload), 17 of them before its engine started the request: every gauge and
+estimate at each decision. Now a gauge is sent only when its value changes, a decision sends no
+estimates, and epd records it after the first token (tests/unit/test_path_metrics.py).
 """
 
 from __future__ import annotations
@@ -29,9 +35,8 @@ class MetricHandle:
         self.key = key  # (name, labels)
 
     def set(self, value: float) -> None:
-        metric = self._owner.live(self.key)
-        if metric is not None:
-            metric.set(value)
+        """Send ``value``, unless the gauge already holds it (see the module's cost rule)."""
+        self._owner.set(self.key, value)
 
     def increment(self, value: float = 1) -> None:
         metric = self._owner.live(self.key)
@@ -44,6 +49,7 @@ class ModelMetrics:
         self._labels = {"model": model_name}
         self._families: dict[str, pb_utils.MetricFamily] = {}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], pb_utils.Metric] = {}
+        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last value each gauge was sent
 
     def _handle(self, kind: Any, name: str, description: str, labels: dict[str, str]) -> MetricHandle:
         family = self._families.get(name)
@@ -65,11 +71,20 @@ class ModelMetrics:
     def live(self, key: tuple[str, tuple[tuple[str, str], ...]]) -> pb_utils.Metric | None:
         return self._metrics.get(key)
 
+    def set(self, key: tuple[str, tuple[tuple[str, str], ...]], value: float) -> None:
+        """Set the gauge ``key`` to ``value``: a round trip to the server only when it changes."""
+        metric = self._metrics.get(key)
+        if metric is None or self._values.get(key) == value:
+            return
+        metric.set(value)
+        self._values[key] = value
+
     def release(self) -> None:
         """Drop every metric, then every family, while the stub is still alive. Only this object
         holds them, so each is destroyed as its entry goes (no collection pass: that would also
         run the finalizers of whatever else is garbage, such as a shut-down vLLM engine's)."""
         self._metrics.clear()
+        self._values.clear()
         self._families.clear()
 
 
@@ -158,7 +173,8 @@ class PathMetrics:
         self._paths = tuple(paths)
 
     def record(self, decision: Any, cost_model: Any) -> None:
-        """After a decision (``path_cost.Decision``) and the model's state (``PathCostModel``)."""
+        """After a decision (``path_cost.Decision``) and the model's state (``PathCostModel``).
+        The estimates change only when a request finishes: :meth:`refresh` sends them then."""
         m = self._metrics
         m.counter("epd_path_requests", "Requests served per path, by why it was chosen",
                   path=decision.path, reason=decision.reason).increment()
@@ -170,14 +186,17 @@ class PathMetrics:
                 predicted = decision.predicted_ms.get(path)
                 m.gauge("epd_path_predicted_ms", "The latest adaptive decision's predicted completion time (-1: "
                         "unknown)", path=path).set(-1.0 if predicted is None else predicted)
-        self.refresh(cost_model)
+        self._in_flight(cost_model)
+
+    def _in_flight(self, cost_model: Any) -> None:
+        for path in self._paths:
+            self._metrics.gauge("epd_path_in_flight", "Requests running on each serving path", path=path).set(
+                cost_model.in_flight[path]
+            )
 
     def refresh(self, cost_model: Any) -> None:
         m = self._metrics
-        for path in self._paths:
-            m.gauge("epd_path_in_flight", "Requests running on each serving path", path=path).set(
-                cost_model.in_flight[path]
-            )
+        self._in_flight(cost_model)
         for (path, stage, bucket), value in cost_model.snapshot().items():
             m.gauge("epd_path_estimate_ms", "The cost model's stage estimates, ms per unit of load",
                     path=path, stage=stage, bucket=bucket).set(value)

@@ -21,7 +21,10 @@ import contextlib
 import dataclasses
 import fcntl
 import gc
+import re
 import shutil
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -111,13 +114,62 @@ def serving(options: ServerOptions, log_path: Path, timeout_s: float = 900) -> I
     except BaseException:
         server.stop()
         raise
+    left_open = streams_left_open(server)
     # Tests' tritonclient objects that are only kept alive by reference cycles (stream callbacks
     # closing over their queues) still hold gRPC streams and connections to the server, and
     # Triton counts those models as live until its exit timeout. Collect them first, as a
     # process that had finished with its clients would have.
     gc.collect()
     report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
+    if left_open:
+        problem = unclean_stop(report) or "the server then stopped cleanly"
+        pytest.fail(
+            f"BLS streams left open once every request had ended (they hold up the unload, issue 19): "
+            f"{left_open}; {problem}",
+            pytrace=False,
+        )
     check_stop(report)
+
+
+def streams_left_open(server: TritonServer, timeout_s: float = 30.0) -> dict[str, float]:
+    """Each model's ``epd_<model>_bls_open_streams`` that is not 0 after up to ``timeout_s`` (a
+    stream its caller left is read to its final response within seconds); {} if none is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        except OSError:  # the server is gone: its stop report says why
+            return {}
+        left = {
+            model: float(value)
+            for model, value in re.findall(r"^epd_(\w+)_bls_open_streams\{.*\} (\S+)$", text, re.MULTILINE)
+            if float(value)
+        }
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def encoder_references(server: TritonServer, images: list[bytes], model: str = "encoder_0") -> list[bytes]:
+    """An encoder model's raw answer for ``images``: one signed reference per image (no lease)."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        image = grpcclient.InferInput("image", [len(images)], "BYTES")
+        image.set_data_from_numpy(np.array(images, dtype=np.object_))
+        client.async_stream_infer(model, [image])
+        result, error = responses.get(timeout=300)
+        assert error is None, error
+        return [bytes(r) for r in result.as_numpy("references").reshape(-1)]
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 @pytest.fixture(scope="session")

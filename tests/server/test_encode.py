@@ -34,6 +34,7 @@ from PIL import Image, ImageOps
 from tritonclient.utils import InferenceServerException
 
 from builders.repository import TARGETS
+from builders.stage_watch import peak_rss
 from builders.tritonserver import REPO_ROOT, TritonServer
 from tests.images import bilevel_png, synthetic_image, zero_width_png
 from tests.server.conftest import LOG_DIR
@@ -234,8 +235,7 @@ def _stub(server: TritonServer, model: str) -> psutil.Process:
 
 
 def _peak_rss_mib(process: psutil.Process) -> float:
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024
+    return (peak_rss(process.pid) or 0) / 2**20
 
 
 @pytest.mark.parametrize("model", ["preprocess", "encode"])

@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 from builders.tritonserver import Ports, ServerOptions, TritonServer
 from client.epd_client import ClientError, HttpClient
 from tests.server.conftest import serving, unclean_stop
+from tests.server.tiny_models import relay_repository
 
 pytestmark = pytest.mark.server
 
@@ -175,103 +176,6 @@ def test_an_http_error_answer_leaves_no_connection_that_holds_up_the_stop(tmp_pa
             client.generate("no such input")  # tiny takes "x", not text_input
         client.close()
     assert server.stop_report is not None and server.stop_report.clean
-
-
-# Issue 19's root cause, in miniature: ``relay`` streams ``ticker``'s tokens over BLS with the real
-# DecoupledModel and BlsCaller, as ``epd`` streams ``decode``'s, and stops listening when its client
-# cancels (then aborts ``ticker``, as ``epd`` aborts ``decode``).
-TICKER = textwrap.dedent('''
-    import asyncio
-
-    from python_backends.generation import GenerationChunk, text_of
-    from python_backends.triton_edge.decoupled import DecoupledModel
-
-
-    class TritonPythonModel(DecoupledModel):
-        INPUTS = ("text_input", "request_id", "abort")
-
-        def setup(self, args):
-            pass
-
-        def parse(self, inputs, request):
-            request_id = text_of(inputs.get("request_id"))
-            if "abort" in inputs and bool(inputs["abort"].reshape(-1)[0]):
-                self.cancel_running(request_id)
-                return None
-            return request_id, int(text_of(inputs.get("text_input")))
-
-        def request_id(self, parsed):
-            return parsed[0] or super().request_id(parsed)
-
-        async def serve(self, parsed, request_id):
-            count = parsed[1]
-            for i in range(count):
-                await asyncio.sleep(0.05)
-                yield GenerationChunk(text="t", token_ids=[i], finished=i == count - 1)
-''')
-
-RELAY = textwrap.dedent('''
-    from python_backends.generation import chunk_from_outputs, text_of
-    from python_backends.triton_edge.bls import BlsCaller
-    from python_backends.triton_edge.decoupled import DecoupledModel
-    from python_backends.triton_edge.responses import bytes_tensor, tensor
-
-
-    class Ticker(BlsCaller):
-        async def ticks(self, request_id, count):
-            inputs = [bytes_tensor("text_input", [str(count)]), bytes_tensor("request_id", [request_id])]
-            async for out in self._stream("ticker", inputs):
-                yield chunk_from_outputs(out)
-
-        async def abort(self, request_id):
-            inputs = [bytes_tensor("request_id", [request_id]), tensor("abort", [True], bool)]
-            async for _ in self._stream("ticker", inputs):
-                pass
-
-
-    class TritonPythonModel(DecoupledModel):
-        INPUTS = ("text_input",)
-
-        def setup(self, args):
-            self.engine = Ticker()
-
-        def parse(self, inputs, request):
-            return int(text_of(inputs.get("text_input")))
-
-        async def serve(self, parsed, request_id):
-            try:
-                async for chunk in self.engine.ticks(request_id, parsed):
-                    yield chunk
-            finally:
-                await self.engine.abort(request_id)
-''')
-
-STREAMING_CONFIG = '''
-name: "{name}"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy {{ decoupled: true }}
-input [
-  {{ name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true }},
-  {{ name: "request_id", data_type: TYPE_STRING, dims: [ 1 ], optional: true }},
-  {{ name: "abort", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }},
-  {{ name: "errors_as_outputs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }}
-]
-output [
-  {{ name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }},
-  {{ name: "output_token_ids", data_type: TYPE_INT64, dims: [ -1 ] }},
-  {{ name: "error", data_type: TYPE_STRING, dims: [ -1 ] }}
-]
-instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
-'''
-
-
-def relay_repository(root: Path) -> Path:
-    for name, code in (("ticker", TICKER), ("relay", RELAY)):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(STREAMING_CONFIG.format(name=name))
-        (root / name / "1" / "model.py").write_text(code)
-    return root
 
 
 def running_requests(server: TritonServer) -> dict[str, float]:

@@ -2,11 +2,13 @@
 mixed load at concurrency 4 -- good requests with unique and repeated images, corrupt images,
 streams cancelled mid-way -- with every server process sampled. Asserts what is deterministic
 on a shared machine: no good request fails, every bad input gets a coded error naming it, nothing
-hangs, and once idle no lease, engine request or stub fd is left over. RSS/fd flatness within 5%
-is for the 10-minute results file (results/2026-12-01/soak/), too noisy to assert in 60 s."""
+hangs, and once idle no lease, engine request or stub fd (beyond those open after the warm-up) is
+left over. RSS/fd flatness within 5% is printed, and judged on the 10-minute results file
+(results/2026-12-01/soak/): too noisy to assert in 60 s."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -15,11 +17,14 @@ from bench.soak import run_soak
 from builders.tritonserver import TritonServer
 from tests.server.conftest import CACHE_POLICY
 
-# Kept out of `make test` until issue 17's open crash is fixed: in two full runs on 2026-12-01
-# epd's stub died under this mixed load ("double free or corruption (fasttop)" in the server log),
-# after which every later epd test of the session fails. `make test-soak` runs it.
+# Kept out of `make test` (issue 17), `make test-soak` runs it: in two full runs on 2026-12-01 epd's
+# stub died under this mixed load ("double free or corruption (fasttop)" in the server log), not
+# seen in the 5 runs since; and its ~300 cancelled gRPC streams make Triton 2.51 keep epd from
+# unloading at the session's stop now and then (results/2026-12-01/cancel-storm/: a frontend
+# race fixed upstream after 2.51), which fails the suite's stop check.
 pytestmark = pytest.mark.skipif(
-    not os.environ.get("TRITON_EPD_SOAK_TESTS"), reason="issue 17: epd stub crash under soak load; `make test-soak`"
+    not os.environ.get("TRITON_EPD_SOAK_TESTS"),
+    reason="issue 17: epd stub crash, and Triton 2.51's stop hang after many cancels; `make test-soak`",
 )
 
 STUB_FD_SLACK = 4  # an fd or two may be opened lazily by a library on first use
@@ -31,6 +36,10 @@ def test_soak_a_minute_of_mixed_load_leaks_nothing(server: TritonServer) -> None
                       duration_s=60, concurrency=4, sample_s=3.0, deadline_s=180.0)
     verdict = result["verdict"]
     summary = {k: v for k, v in verdict.items() if k != "flat"}
+    print(f"soak verdict: {json.dumps(summary)}")  # RSS/fd growth is shown, not asserted (60 s is noisy)
+    growth = {role: {m: round(g["change"], 4) for m, g in metrics.items() if g}
+              for role, metrics in verdict["flat"].items()}
+    print(f"soak growth first->last tenth: {json.dumps(growth)}")
     assert verdict["requests"]["success"] > 0, summary
     assert verdict["good_errors"] == 0, summary
     assert verdict["bad_inputs"] > 0 and verdict["bad_inputs_coded"] == verdict["bad_inputs"], summary
@@ -41,6 +50,9 @@ def test_soak_a_minute_of_mixed_load_leaks_nothing(server: TritonServer) -> None
     first, idle = result["samples"][0], result["samples"][-1]
     unique = verdict["by_kind"]["unique"]["success"] + verdict["by_kind"]["unique"]["error"]
     assert idle["store"]["entries"] <= first["store"]["entries"] + unique + 6  # 6: the pool of repeated images
-    grown = {role: (first["processes"][role]["fds"], idle["processes"][role]["fds"])
-             for role in first["processes"] if role.startswith("stub:") and role in idle["processes"]}
+    # fds against the first sample after the warm-up: epd's first requests open what its paths keep
+    # open (2026-12-01: epd's stub went 26 -> 33 fds within the 12 s warm-up, then stayed flat to the end).
+    warm = next(s for s in result["samples"] if s["phase"] == "load" and s["t_s"] >= result["warmup_s"])
+    grown = {role: (warm["processes"][role]["fds"], idle["processes"][role]["fds"])
+             for role in warm["processes"] if role.startswith("stub:") and role in idle["processes"]}
     assert grown and all(after - before <= STUB_FD_SLACK for before, after in grown.values()), grown

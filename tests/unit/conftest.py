@@ -7,6 +7,7 @@ edge builds so tests can check names, dtypes, error codes and metric lifetimes w
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
 from pathlib import Path
@@ -97,7 +98,7 @@ class _Logger:
     def log_warn(message: str) -> None:
         _Logger.messages.append(message)
 
-    log_error = log_info = log_warn
+    log_error = log_info = log_verbose = log_warn
 
 
 def _get_input_tensor_by_name(request: FakeRequest, name: str) -> _Tensor | None:
@@ -133,3 +134,11 @@ def fast_build(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.unit.repository_helpers import fake_artifact_builds
 
     fake_artifact_builds(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _gc_unfrozen_after_each_test():
+    """A model's finalize ends with gc.freeze() (its stub exits next); in this one pytest process
+    the next tests must still have their garbage collected."""
+    yield
+    gc.unfreeze()

@@ -45,9 +45,10 @@ class Stage:
     """A decoupled stage's BLS response iterator: ``count`` responses, ``delay_s`` apart, then the
     empty final. Counts how many threads read it at once (the stub's iterator is not thread-safe)."""
 
-    def __init__(self, count: int, delay_s: float = 0.0) -> None:
+    def __init__(self, count: int, delay_s: float = 0.0, open_delay_s: float = 0.0) -> None:
         self.count = count
         self.delay_s = delay_s
+        self.open_delay_s = open_delay_s  # how long ``exec`` takes to send the request
         self.read = 0
         self.finished = threading.Event()
         self.readers = 0
@@ -56,6 +57,7 @@ class Stage:
 
     def exec(self, decoupled: bool = False) -> Any:
         assert decoupled
+        time.sleep(self.open_delay_s)
         return Iterator(self)
 
 
@@ -100,6 +102,7 @@ def test_every_response_is_yielded_then_the_stream_ends(monkeypatch: pytest.Monk
         return [int(out["output_token_ids"][0]) async for out in caller._stream("decode", [])]
 
     assert asyncio.run(read_all()) == [0, 1, 2, 3, 4]
+    assert caller.open_streams == 0
     caller.shutdown()
 
 
@@ -148,4 +151,38 @@ def test_a_caller_cancelled_while_a_read_is_in_flight_leaves_the_reading_to_one_
     assert stage.finished.wait(timeout=10), f"the iterator was left after {stage.read} of 20 responses"
     assert stage.read == 20
     assert stage.most_readers == 1
+    assert closed(caller)
     caller.shutdown()
+
+
+def test_a_caller_cancelled_while_the_request_is_being_sent_still_has_its_iterator_read_to_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gap the count found: a cancel during ``exec`` used to drop the iterator unread."""
+    stage = Stage(20, open_delay_s=0.3)
+    bls_request_to(stage, monkeypatch)
+    caller = BlsCaller()
+
+    async def cancel_while_opening() -> None:
+        async def listen() -> None:
+            async for _ in caller._stream("decode", []):
+                pass
+
+        task = asyncio.create_task(listen())
+        await asyncio.sleep(0.1)  # exec runs on a pool thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_opening())
+    assert stage.finished.wait(timeout=10), f"the iterator was left after {stage.read} of 20 responses"
+    assert closed(caller)
+    caller.shutdown()
+
+
+def closed(caller: BlsCaller, timeout_s: float = 10.0) -> bool:
+    """Whether every stream of ``caller`` reached its final response within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while caller.open_streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return caller.open_streams == 0

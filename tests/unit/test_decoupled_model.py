@@ -4,7 +4,9 @@ model with a fake engine and the pb_utils stub."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import threading
 import time
 
 import numpy as np
@@ -174,6 +176,38 @@ def test_cancel_running_and_finalize_end_a_running_request_like_a_cancel():
     late = Sender()
     toy.execute([Request(late, text_input=text("hi"))])
     assert late.sent[0][0].error.code() == late.sent[0][0].error.UNAVAILABLE
+
+
+class VllmToy(Toy):
+    """A model whose engine ``start_engine`` started (a vLLM AsyncLLM in llm/prefill/decode/epd)."""
+
+    def setup(self, args):
+        super().setup(args)
+        self._vllm_engine = self.engine
+        events = self.engine.events
+        loop = self.loop
+
+        def shutdown() -> None:  # what AsyncLLM.shutdown does: close its sockets on its loop
+            events.append(f"engine shutdown on the loop: {threading.current_thread() is loop._thread}")
+            loop.loop.call_soon_threadsafe(events.append, "engine sockets closed")
+
+        self.engine.shutdown = shutdown
+
+
+def test_finalize_shuts_a_vllm_engine_down_on_its_loop_after_the_aborts_then_freezes_the_gc():
+    toy = VllmToy()
+    toy.initialize({"model_name": "toy", "model_config": json.dumps({"name": "toy", "output": []})})
+    hanging = Sender()
+    toy.execute([Request(hanging, text_input=text("hang"))])
+    time.sleep(0.2)
+    frozen = gc.get_freeze_count()
+    try:
+        toy.finalize()
+        assert len(toy.engine.aborted) == 1  # the running request was aborted first
+        assert toy.engine.events == ["engine shutdown on the loop: True", "engine sockets closed", "store closed"]
+        assert gc.get_freeze_count() > frozen  # the stub's exit skips its full collection
+    finally:
+        gc.unfreeze()
 
 
 def test_a_batched_model_answers_each_request_and_a_failed_batch_with_one_coded_error_each():

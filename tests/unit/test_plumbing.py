@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,27 @@ def test_event_loop_stop_lets_cancelled_tasks_finish_their_cleanup():
     assert cleaned == ["done"]
 
 
+def test_event_loop_stop_runs_last_on_the_loop_after_the_cleanups_and_what_it_schedules():
+    """vLLM's AsyncLLM.shutdown closes its sockets with ``call_soon_threadsafe`` on its loop: run
+    as ``last``, on the loop before it stops, that cleanup happens."""
+    loop = EventLoopThread()
+    events: list[str] = []
+
+    async def request() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            events.append("request aborted")
+
+    def shutdown() -> None:
+        events.append(f"shutdown on the loop: {threading.current_thread() is loop._thread}")
+        loop.loop.call_soon_threadsafe(events.append, "sockets closed")
+
+    loop.submit(request())
+    loop.stop(last=shutdown)
+    assert events == ["request aborted", "shutdown on the loop: True", "sockets closed"]
+
+
 def test_launcher_stops_on_the_first_signal_and_ignores_the_next(monkeypatch: pytest.MonkeyPatch):
     import signal
 
@@ -264,3 +286,21 @@ def test_launcher_gives_a_server_its_own_store_and_kv_folder(tmp_path: Path):
     assert cache_policy(parse_args([])) is None  # no override: the target's policy as is
     scoped = cache_policy(parse_args(["--cache-path", "/x", "--cache-scope", "instance"]))
     assert (scoped.path, scoped.scope) == ("/x", "instance")
+
+
+def test_engine_exit_grace_is_read_from_the_models_vllm_environment():
+    from python_backends.llm_engine import ENGINE_EXIT_GRACE_ENV, engine_exit_grace_s
+
+    assert engine_exit_grace_s({}) is None  # vLLM's own default (GPU targets)
+    assert engine_exit_grace_s({ENGINE_EXIT_GRACE_ENV: "2"}) == 2.0
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match=ENGINE_EXIT_GRACE_ENV):
+            engine_exit_grace_s({ENGINE_EXIT_GRACE_ENV: bad})
+
+
+def test_generate_result_summary_times_from_the_send() -> None:
+    result = GenerateResult(started_at=10.0, chunk_times=[10.25, 10.5, 11.0], token_ids=[1, 2], cache_hits=1)
+    result.timings_ms["encode"] = 3.0
+    assert result.summary() == {
+        "ttft_s": 0.25, "e2e_s": 1.0, "cache_hits": 1, "timings_ms": {"encode": 3.0}, "token_ids": [1, 2]
+    }  # fmt: skip

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import psutil
 import pytest
 
 from builders import launcher
-from builders.stage_watch import StageWatch, find_role, server_processes
+from builders.stage_watch import StageWatch, StuckStubLaunch, find_role, pids_waited_on, server_processes
 
 FAKE_STUB = """
 import subprocess, sys, time
@@ -78,3 +79,35 @@ def test_the_launcher_stops_a_server_that_lost_a_stage(fake_stubs, capsys):
     assert code == launcher.STAGE_CRASHED != 0
     assert stops == [launcher.STOP_AFTER_CRASH_S]
     assert "stage crashed: stub:encoder_0 died" in capsys.readouterr().out
+
+
+def test_a_stub_the_server_waits_on_for_good_is_killed_after_the_grace(fake_stubs):
+    """Triton 2.51's python backend waits (wait4) for a stub whose launch it gave up on while
+    the stub waits for a command: this process plays tritonserver, a thread of it blocks in
+    ``wait()`` on the decode stub. The watch kills that stub after ``after_s``, never the other."""
+    encoder, decode = fake_stubs
+    waiter = threading.Thread(target=decode.wait, daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while decode.pid not in pids_waited_on(os.getpid()):
+        assert time.monotonic() < deadline, "the waiting thread never showed up in /proc"
+        time.sleep(0.02)
+    assert encoder.pid not in pids_waited_on(os.getpid())
+
+    now = [1000.0]
+    watch = StuckStubLaunch(os.getpid(), after_s=60.0, clock=lambda: now[0])
+    assert watch.check() == []  # first seen now
+    now[0] += 59.0
+    assert watch.check() == [] and decode.poll() is None
+    now[0] += 1.0
+    killed = watch.check()
+    assert len(killed) == 1 and killed[0].startswith(f"stub:decode (pid {decode.pid})"), killed
+    waiter.join(10)
+    assert not waiter.is_alive() and decode.returncode == -signal.SIGKILL
+    assert encoder.poll() is None  # not waited on: left alone
+    assert watch.check() == []
+
+
+def test_nothing_is_waited_on_where_the_machine_is_unknown():
+    assert pids_waited_on(os.getpid(), machine="sparc64") == set()
+    assert pids_waited_on(2**30) == set()  # no such process
