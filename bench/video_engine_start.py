@@ -5,7 +5,7 @@ allows, so adding ``"video": N`` there changes every engine that gets it. This s
 engine (the cpu target's engine args and environment, the default model) in a fresh process per
 run, images only and with video, alternating, and writes one JSON line per run.
 
-    PYTHONPATH=$PWD /work/wt/server-slot.sh .venv/bin/python -m bench.video_engine_start \\
+    PYTHONPATH=$PWD .venv/bin/python -m bench.video_engine_start \\
         --repeats 2 --results results/2026-12-01/video-engine-start
 
 Each run: the seconds ``vllm.LLM(...)`` takes (imports excluded: they are done before the

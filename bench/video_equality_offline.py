@@ -4,14 +4,15 @@ no Triton) of the data path issue 16's `epd` will use, before any model serves v
 For each prompt (1 video, 2 videos, 1 video + 1 image), greedy tokens from three inputs:
 
 - ``raw``: the clip's bytes through vLLM's own Qwen2-VL video loader (what ``llm`` will do);
-- ``dali``: our DALI pixels (:mod:`python_backends.video_preprocess`) -> the ONNX vision encoder
-  (the one ``vit_encoder`` serves) -> ``video_embeds`` + ``video_grid_thw`` (``enable_mm_embeds``);
+- ``dali``: the ``cpu`` target's preprocess pixels (:mod:`python_backends.video_preprocess`:
+  the sampled frames decoded with OpenCV as vLLM's loader does since issue 16 step 1,
+  DALI's CPU decoder before; DALI resize + normalize) -> the ONNX vision encoder (the one
+  ``vit_encoder`` serves) -> ``video_embeds`` + ``video_grid_thw`` (``enable_mm_embeds``);
 - ``vllm-pixels``: vLLM's loader + transformers' processor pixels -> the same ONNX encoder, which
   separates the encoder from the decoders' pixel differences.
 
-Starts a vLLM engine: run it through the machine's server slot
-(``/work/wt/server-slot.sh python -m bench.video_equality_offline --out DIR``). Writes
-``results.json`` and ``results.md``.
+Starts a vLLM engine (``python -m bench.video_equality_offline --out DIR``): on a shared machine,
+run it when no test server is up. Writes ``results.json`` and ``results.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 ``pixel_values_videos`` + ``video_grid_thw``.
 
 - ``dali-cpu``: :class:`python_backends.video_preprocess.DaliVideoPreprocessor` (the probe, the
-  sampler, DALI's CPU decoder + resize + normalize, numpy patch layout);
+  sampler, OpenCV decode of the sampled frames as vLLM's loader does, DALI resize + normalize,
+  numpy patch layout; before issue 16 step 1 DALI's CPU decoder decoded);
 - ``vllm``: what the ``llm`` model does with raw video: vLLM's ``Qwen2VLVideoBackend.load_bytes``
   (OpenCV decode + fps sampling) then transformers' ``Qwen2VLVideoProcessor``.
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from builders.processes import ProcessGroup, http_ok, wait_until_ready
+from builders.processes import ProcessGroup, StartError, StartTimeout, http_ok, wait_until_ready
 from builders.roles import ROLES, Role, load_model_args
 from builders.stage_watch import StageWatch
 from builders.targets import target_named
@@ -36,18 +36,20 @@ def prepare(
     role: Role = "all",
     gpus: int | None = None,
     remote_encoders: str = "",
+    max_videos: int | None = None,
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
     the prefill/decode KV transfer folder replacing the target's; ``role``: write only that
-    server role's models (``builders/roles.py``); ``gpus``: the gpu target's number of GPUs."""
+    server role's models (``builders/roles.py``); ``gpus``: the gpu target's number of GPUs;
+    ``max_videos``: videos per request (None: the target's; 0: no model declares ``video``)."""
     from builders.default_model import build_default_model, resolve_model
     from builders.repository import write_repository
 
     model_dir = resolve_model(model) if model else build_default_model()
     write_repository(
         target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus,
-        remote_encoders=remote_encoders,
+        remote_encoders=remote_encoders, max_videos=max_videos,
     )
     return model_dir
 
@@ -86,10 +88,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="gpu target: run the preflight checks (each failed "
                         "one with its fix) and exit; every gpu start runs them before tritonserver")
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
-    from builders.repository import add_cache_arguments, add_gpus_argument  # light, no torch
+    from builders.repository import add_cache_arguments, add_gpus_argument, add_max_videos_argument  # light, no torch
 
     add_cache_arguments(parser)
     add_gpus_argument(parser)
+    add_max_videos_argument(parser)
     # Two servers on one node share a store and KV folder unless given their own (tests do).
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
     parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = prepare(
             args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
-            role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "",
+            role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "", max_videos=args.max_videos,
         )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)
@@ -192,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model_dir}\nrole: {args.role} (node {args.node_id or 'local'})", flush=True)
     print(f"starting: {' '.join(server.command())}", flush=True)
     openai = openai_app(args, model_dir, server)
-    code = serve(server, args.demo, started, openai)
+    try:
+        code = serve(server, args.demo, started, openai)
+    except (StartError, StartTimeout) as exc:  # serve stopped it; the reason (with the log's tail), no traceback
+        print(f"tritonserver did not start: {exc}", flush=True)
+        return 1
     if openai is not None and openai.stop(timeout_s=10) is not None:
         print("stopped: the OpenAI API", flush=True)
     report = server.stop()

@@ -71,7 +71,7 @@ def _encode_gpu(target: Target) -> int:
 def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     # Embeddings by value (``ensemble``, or a client that ran ``encode``) are checked against
     # the exported encoder's output: hidden size and merge size come from its facts.
-    interface = contract.LLM.sized(facts.parameters())
+    interface = contract.LLM.sized(facts.parameters()).taking_videos(_max_videos(target.video_limits))
     embeds = {contract.IMAGE_EMBEDS_HIDDEN_SIZE: facts.hidden_size, contract.SPATIAL_MERGE_SIZE: facts.merge_size}
     config = render_template(
         "llm.pbtxt",
@@ -86,14 +86,35 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
             }),
         },
     )
-    role_args = target.engine_args_for(contract.LLM_MODEL, checkpoint_positions(model_dir))
-    max_videos = int(target.video_limits[contract.MAX_VIDEOS])
-    if max_videos:
-        # Video only on llm's engine: vLLM profiles start-up memory with the largest dummy video
-        # the limit allows, and no other engine takes video yet (issue 16).
-        role_args["limit_mm_per_prompt"] = {**role_args.get("limit_mm_per_prompt", {}), "video": max_videos}
+    positions = checkpoint_positions(model_dir)
+    role_args = _with_video(target.engine_args_for(contract.LLM_MODEL, positions), target.video_limits)
     engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
+
+
+def _max_videos(video_limits: dict[str, Any]) -> int:
+    """``max_videos`` of a model's video limits: 0, the model takes no video, and its config
+    declares no ``video`` input (``ModelInterface.taking_videos``) and its engine profiles none."""
+    return int(video_limits[contract.MAX_VIDEOS])
+
+
+def _with_video(role_args: dict[str, Any], video_limits: dict[str, Any]) -> dict[str, Any]:
+    """An engine's args with ``video`` in ``limit_mm_per_prompt`` when the model takes video
+    (vLLM profiles start-up memory with the largest dummy video the limit allows: measured
+    nothing on cpu, results/2026-12-01/video-engine-start)."""
+    max_videos = _max_videos(video_limits)
+    if max_videos:
+        role_args["limit_mm_per_prompt"] = {**role_args.get("limit_mm_per_prompt", {}), "video": max_videos}
+    return role_args
+
+
+def epd_video_limits(target: Target) -> dict[str, Any]:
+    """The video limits of ``epd``, its encoders and its engines (``prefill``, ``decode``, the
+    colocated one): ``llm``'s on ``cpu``; none on ``gpu``, where video on ``epd`` would go through
+    Triton's DALI backend with NVDEC, which is not built (python_backends/video_encode.py)."""
+    if target.encode.device == "gpu":
+        return {**target.video_limits, contract.MAX_VIDEOS: 0}
+    return dict(target.video_limits)
 
 
 def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
@@ -268,10 +289,13 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
         **_key_parameters(target, model_dir),
         contract.ENCODE_MODEL_KEY: contract.ENCODE_MODEL,
         contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
+        **epd_video_limits(target),
+        contract.DALI_NUM_THREADS: target.encode.dali_threads,
     }
+    interface = contract.ENCODER.taking_videos(_max_videos(epd_video_limits(target)))
     files: dict[str, str] = {}
     for name in target.cache.encoder_models:
-        files[f"{name}/config.pbtxt"] = _python_model_config(target, name, contract.ENCODER, parameters)
+        files[f"{name}/config.pbtxt"] = _python_model_config(target, name, interface, parameters)
         files[f"{name}/1/model.py"] = model_py
     return files
 
@@ -291,7 +315,8 @@ def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict
             **_store_parameters(target, facts),
         }
         files[f"{role}/config.pbtxt"] = _python_model_config(target, role, interface, parameters)
-        base = {"model": str(model_dir.resolve()), **target.engine_args_for(role, positions)}
+        role_args = _with_video(target.engine_args_for(role, positions), epd_video_limits(target))
+        base = {"model": str(model_dir.resolve()), **role_args}
         args = pd_engine_args(base, role, target.pd.kv_store_path, target.pd.kv_connector)  # type: ignore[arg-type]
         files[f"{role}/1/engine_args.json"] = _json(args)
     return files
@@ -302,6 +327,7 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
     engine args of its colocated path's engine (llm's: same model, same embeddings input)."""
     parameters = {
         **target.limits,
+        **epd_video_limits(target),
         **_store_parameters(target, facts),
         **_key_parameters(target, model_dir),
         contract.ENCODER_MODELS_KEY: ",".join(target.cache.encoder_models),
@@ -312,10 +338,12 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
         contract.PATH_POLICY: target.pd.path_policy,
         **target.role_environment(contract.EPD_MODEL),
     }
-    role_args = target.engine_args_for(contract.EPD_MODEL, checkpoint_positions(model_dir))
+    positions = checkpoint_positions(model_dir)
+    role_args = _with_video(target.engine_args_for(contract.EPD_MODEL, positions), epd_video_limits(target))
     engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
+    interface = contract.EPD.taking_videos(_max_videos(epd_video_limits(target)))
     return {
-        "epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, contract.EPD, parameters),
+        "epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, interface, parameters),
         "epd/1/engine_args.json": _json(engine_args),
     }
 

@@ -48,6 +48,7 @@ from builders.targets import (
     Target,
     add_cache_arguments,
     add_gpus_argument,
+    add_max_videos_argument,
     cache_policy_from,
     resolved_target,
 )
@@ -69,6 +70,8 @@ __all__ = [
     "Role",
     "Target",
     "add_cache_arguments",
+    "add_gpus_argument",
+    "add_max_videos_argument",
     "build_dali_artifact",
     "build_onnx_artifact",
     "build_plan_artifact",
@@ -123,6 +126,7 @@ def write_repository(
     remote_encoders: str = "",
     path_policy: str | None = None,
     test_pauses: dict[str, str] | None = None,
+    max_videos: int | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
@@ -134,8 +138,15 @@ def write_repository(
     ``path_policy``: epd's path policy (``PdServing.path_policy``; None: the target's, except
     that a server with remote encoders is ``disaggregated``: its encoders are what it scales
     out, and the colocated path would run a fourth engine that encodes in place).
-    ``test_pauses``: test servers only, model name -> ``test_pauses`` JSON (stage_pauses.py)."""
+    ``test_pauses``: test servers only, model name -> ``test_pauses`` JSON (stage_pauses.py).
+    ``max_videos``: the videos per request of every model that takes video (None: the target's);
+    0: an image-only repository, where no model declares the ``video`` input (perf_analyzer
+    2.41's ``--shared-memory`` needs every optional input covered by its data)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
+    if max_videos is not None:
+        if max_videos < 0:
+            raise ValueError(f"max_videos must be 0 (no video) or more, not {max_videos}")
+        target = dataclasses.replace(target, video_limits={**target.video_limits, contract.MAX_VIDEOS: max_videos})
     if remote_encoders:
         # An ``all`` server serves its own encoder models: epd falls back to them when no remote
         # encoder is left; a ``pd`` server has none and answers UNAVAILABLE instead.
@@ -196,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--path-policy", choices=contract.PATH_POLICIES, help="epd's path policy (default: the target's, adaptive)"
     )
+    add_max_videos_argument(parser)
     args = parser.parse_args(argv)
     if args.gpus is not None and args.target != "gpu":
         parser.error("--gpus is for --target gpu")
@@ -203,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per folded constant
     policy = cache_policy_from(args, args.target)
     written = write_repository(
-        args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus, path_policy=args.path_policy
+        args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus, path_policy=args.path_policy,
+        max_videos=args.max_videos,
     )
     for path in written:
         print(f"wrote {path}")

@@ -250,6 +250,9 @@ TARGETS: dict[str, Target] = {
             # Run the model worker inside the engine-core process instead of spawning a
             # second one: ~10 s less cold start on 2 cores (16 s vs 26 s), same tokens.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            # An engine core's exit ends in a full garbage collection (~3 s idle, 5 s+ under
+            # load here) after its teardown: not waited out on the CPU (python_backends/llm_engine.py).
+            "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
         },
         # No dynamic-batching wait on the CPU: at concurrency 1 each of preprocess and
         # vit_encoder waited its full 1 ms for a second request (Triton stats, results/
@@ -325,6 +328,21 @@ def add_gpus_argument(parser: argparse.ArgumentParser) -> None:
         "--gpus", type=int, choices=sorted(GPU_LAYOUTS),
         help="gpu target: lay the roles out over this many GPUs (builders/targets.py, GPU_LAYOUTS; default 1)",
     )
+
+
+def _videos(value: str) -> int:
+    count = int(value)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no video) or more, not {count}")
+    return count
+
+
+def add_max_videos_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-videos", type=_videos, metavar="N",
+        help="videos per request of the models that take video (default: the target's, 2); 0: images only, "
+        "no model declares the 'video' input (e.g. for perf_analyzer --shared-memory against epd)",
+    )  # fmt: skip
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,10 +35,11 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from python_backends import contract
-from python_backends.errors import invalid_arg
+from python_backends.errors import EpdError, invalid_arg
 from python_backends.media import image_bytes
 from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
 from python_backends.tenants import key_space
+from python_backends.video import VideoLimits, check_video_size, video_bytes
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,31 @@ class EncoderAnswer:
 EncodeFn = Callable[[bytes], Awaitable[EncodedImage]]
 
 
+def parse_encoder_videos(inputs: Mapping[str, np.ndarray], limits: VideoLimits | None) -> list[bytes] | None:
+    """An encoder model's ``video`` input (BYTES, one or more encoded videos, raw or base64),
+    or None when the request sends none. Checked here: count, bytes and size; the container
+    checks (codec, frame size, duration, frames) are the video preprocessing's, on a miss only:
+    a hit's bytes are the bytes of an entry that passed them (content keys)."""
+    array = inputs.get(contract.VIDEO)
+    if array is None:
+        return None
+    if limits is None:
+        raise invalid_arg("this encoder takes no video (max_videos is 0)")
+    if inputs.get(contract.IMAGE) is not None:
+        raise invalid_arg("send images or videos to an encoder, not both in one request")
+    if array.dtype != np.object_ or array.size == 0:
+        raise invalid_arg("input 'video' needs at least one encoded video (BYTES)")
+    if array.size > limits.max_videos:
+        raise invalid_arg(f"request has {array.size} videos, above the limit of {limits.max_videos} (max_videos)")
+    videos = [
+        video_bytes(bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"", i)
+        for i, item in enumerate(array.reshape(-1))
+    ]
+    for i, video in enumerate(videos):
+        check_video_size(video, i, limits)
+    return videos
+
+
 def parse_encoder_inputs(
     inputs: Mapping[str, np.ndarray], max_images: int, max_image_bytes: int
 ) -> tuple[list[bytes], int | None]:
@@ -93,12 +119,17 @@ def parse_encoder_inputs(
     for i, image in enumerate(images):
         if len(image) > max_image_bytes:
             raise invalid_arg(f"image[{i}] has {len(image)} bytes, above the limit of {max_image_bytes}")
+    return images, parse_lease_owner(inputs)
+
+
+def parse_lease_owner(inputs: Mapping[str, np.ndarray]) -> int | None:
+    """The optional ``lease_owner`` (INT64 pid) of an encoder model's request."""
     owner = inputs.get(contract.LEASE_OWNER)
     if owner is None:
-        return images, None
+        return None
     if owner.size != 1 or owner.dtype != np.int64 or int(owner.reshape(-1)[0]) <= 0:
         raise invalid_arg("input 'lease_owner' must be one positive INT64 (a process id)")
-    return images, int(owner.reshape(-1)[0])
+    return int(owner.reshape(-1)[0])
 
 
 def cache_namespace(scope: str, encoder_name: str) -> str:
@@ -121,27 +152,36 @@ class CachedEncoder:
         tenant_policy: str = "isolated",
         full_store_wait_s: float = 30.0,
         run_blocking: Callable[..., Awaitable[Any]] | None = None,
+        encode_video: EncodeFn | None = None,
     ) -> None:
+        """``encode``: one image -> its embeddings; ``encode_video``: one video -> its
+        embeddings (the same vision tower over its frames), None when this encoder takes none."""
         self.store = store
         self.keys = keys
         self.namespace = namespace
         key_space(None, tenant_policy)  # an unknown policy fails at load
         self.tenant_policy = tenant_policy
-        self._encode = encode
+        self._encoders: dict[str, EncodeFn] = {"image": encode}
+        if encode_video is not None:
+            self._encoders["video"] = encode_video
         self._full_store_wait_s = full_store_wait_s
         # Waiting for another process's encode polls LMDB: off the event loop.
         self._run_blocking = run_blocking or (lambda fn, *args, **kwargs: asyncio.to_thread(fn, *args, **kwargs))
 
-    def key(self, image: bytes, tenant: str | None = None) -> str:
-        """The store key of ``image`` for a request of ``tenant``."""
-        return self.keys.scoped(image, key_space(tenant, self.tenant_policy), self.namespace)[1]
+    def key(self, image: bytes, tenant: str | None = None, modality: str = "image") -> str:
+        """The store key of ``image`` (or video) for a request of ``tenant``."""
+        return self.keys.scoped(image, key_space(tenant, self.tenant_policy), self.namespace, modality)[1]
 
     async def references(
-        self, images: list[bytes], lease_owner: int | None = None, tenant: str | None = None
+        self, images: list[bytes], lease_owner: int | None = None, tenant: str | None = None, modality: str = "image"
     ) -> list[EncoderAnswer]:
-        """Every image at once. All or nothing: if one fails, the leases taken for the others
-        are released (their owner never sees them) and the first error is raised."""
-        answers = (self.reference(image, lease_owner, tenant) for image in images)
+        """Every item (images, or videos) at once. All or nothing: if one fails, the leases
+        taken for the others are released (their owner never sees them) and the first error is
+        raised; an error names its item by its index in ``images``."""
+        answers = (
+            _named(self.reference(image, lease_owner, tenant, modality), modality, index)
+            for index, image in enumerate(images)
+        )
         results = await asyncio.gather(*answers, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if not failures:
@@ -152,11 +192,14 @@ class CachedEncoder:
         raise failures[0]
 
     async def reference(
-        self, image: bytes, lease_owner: int | None = None, tenant: str | None = None
+        self, image: bytes, lease_owner: int | None = None, tenant: str | None = None, modality: str = "image"
     ) -> EncoderAnswer:
-        """The stored embedding of ``image``, encoding it only if no one has or is doing so
-        (within ``tenant``'s key space under the ``isolated`` policy)."""
-        public, key = self.keys.scoped(image, key_space(tenant, self.tenant_policy), self.namespace)
+        """The stored embedding of ``image`` (or video: ``modality``), encoding it only if no
+        one has or is doing so (within ``tenant``'s key space under the ``isolated`` policy)."""
+        encode = self._encoders.get(modality)
+        if encode is None:
+            raise invalid_arg(f"this encoder takes no {modality}")
+        public, key = self.keys.scoped(image, key_space(tenant, self.tenant_policy), self.namespace, modality)
         lease = lease_owner is not None
         while True:
             claim = self.store.claim(key, lease=lease, owner_pid=lease_owner)
@@ -169,8 +212,8 @@ class CachedEncoder:
                     return EncoderAnswer(found, Outcome.JOIN, public)
                 continue  # the producer vanished or its entry went at once: claim again
             try:
-                encoded = await self._encode(image)
-                meta = EntryMeta(modality="image", grid_thw=encoded.grid_thw)  # mm_hash = the key
+                encoded = await encode(image)
+                meta = EntryMeta(modality=modality, grid_thw=encoded.grid_thw)  # mm_hash = the key
                 reference = await self._fulfil(claim, encoded, meta, lease_owner)
             except BaseException as exc:  # the mark must go whatever happened, or waiters hang
                 self.store.abandon(claim, exc)
@@ -192,3 +235,14 @@ class CachedEncoder:
                     claim, encoded.embeds, meta, lease=lease_owner is not None, owner_pid=lease_owner
                 )
         raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
+async def _named(answer: Awaitable[EncoderAnswer], modality: str, index: int) -> EncoderAnswer:
+    """``answer``, with an error about item 0 (the video preprocessing sees one video at a
+    time) renamed to the item's index in the request."""
+    try:
+        return await answer
+    except EpdError as exc:
+        if index and f"{modality}[0]" in exc.message:
+            raise EpdError(exc.message.replace(f"{modality}[0]", f"{modality}[{index}]", 1), exc.code) from None
+        raise

@@ -15,6 +15,10 @@ Images, after the shared hash and lookup (``epd_references.py``):
 - some of each: the missing ones are encoded by the encoder models first (into the store) and
   all go in as embeddings, because vLLM takes one form per modality in a prompt.
 
+Videos always go through the encoder models and the store (and then every item of the request
+goes in as embeddings): the engine's own video loading is ``llm``'s baseline, and a stored video
+must skip decode and encode on every path.
+
 Timings (on the last chunk): ``prefill`` is the time to the first token (the engine's own
 encode included), ``decode`` the rest.
 """
@@ -53,7 +57,7 @@ def stored_embeds(store: EmbeddingStore, references: list[Reference]) -> list[Im
     for ref in references:
         with store.open_view(ref) as view:
             tensor = owned_float32(view, ref.dtype)
-        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw or ()), uuid=ref.key))  # type: ignore[arg-type]
+        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw or ()), uuid=ref.key, modality=ref.modality))  # type: ignore[arg-type]
     return images
 
 
@@ -67,9 +71,9 @@ class ColocatedPath:
         self, request: GenerateRequest, leased: LeasedReferences, encoder: str | None, timings: dict[str, float]
     ) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt": request.prompt}
-        if not request.images:
+        if not request.images and not request.videos:
             return prompt
-        if not leased.found:  # every image is new: the engine encodes the media itself
+        if not leased.found and not request.videos:  # every image is new: the engine encodes the media itself
             media = [image for image in request.images if isinstance(image, bytes)]
             prompt["multi_modal_data"] = {"image": await asyncio.to_thread(decode_images, media, self.limits)}
             return prompt

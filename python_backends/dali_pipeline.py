@@ -29,7 +29,7 @@ import argparse
 import contextlib
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -339,6 +339,33 @@ def _without_source_tracing() -> Iterator[None]:
         dali_trace.set_tracing(enabled=was_enabled)
 
 
+def pipeline_of(
+    define: Callable[[], Sequence[DataNode]], max_batch_size: int, num_threads: int = DEFAULT_NUM_THREADS
+) -> Pipeline:
+    """An unbuilt pipeline whose outputs ``define()`` makes (called inside ``with pipeline:``),
+    for every graph of this project (images here, videos in :mod:`python_backends.dali_video`).
+    ``device_id=None``: serialization needs no GPU, and Triton's DALI backend sets the device
+    when it loads the model. Depth 1: the CPU runner feeds one batch and runs it at once
+    (deeper prefetch fails on the second run with feed_input, DESIGN.md)."""
+    pipeline = Pipeline(batch_size=max_batch_size, num_threads=num_threads, device_id=None, prefetch_queue_depth=1)
+    with _without_source_tracing(), pipeline:
+        pipeline.set_outputs(*define())
+    return pipeline
+
+
+def serialized(pipeline: Pipeline) -> bytes:
+    """The pipeline's bytes, without this checkout's paths in them (same inputs, same bytes)."""
+    with _without_source_tracing():
+        return pipeline.serialize()
+
+
+def write_serialized(out_path: str | Path, data: bytes) -> Path:
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(data)
+    return out_path
+
+
 def build_pipeline(
     config: ImageTransformConfig,
     device: Device = "cpu",
@@ -346,26 +373,18 @@ def build_pipeline(
     num_threads: int = DEFAULT_NUM_THREADS,
     patches_in_graph: bool | None = None,
 ) -> Pipeline:
-    """An unbuilt pipeline. ``device_id=None`` in both cases: serialization needs no GPU, and
-    Triton's DALI backend sets the device when it loads the model. ``patches_in_graph``
-    defaults to the target's choice (:func:`patches_in_graph_by_default`)."""
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    """An unbuilt image pipeline. ``patches_in_graph`` defaults to the target's choice
+    (:func:`patches_in_graph_by_default`)."""
+    check_device(device)
     if patches_in_graph is None:
         patches_in_graph = patches_in_graph_by_default(device)
     config.validate()
-    # Depth 1: the CPU runner feeds one batch and runs it at once (deeper prefetch fails on
-    # the second run with feed_input, DESIGN.md).
-    pipeline = Pipeline(
-        batch_size=max_batch_size,
-        num_threads=num_threads,
-        device_id=None,
-        prefetch_queue_depth=1,
-    )
-    with _without_source_tracing(), pipeline:
-        pixels, grid_thw = define_image_graph(config, device, patches_in_graph)
-        pipeline.set_outputs(pixels, grid_thw)
-    return pipeline
+    return pipeline_of(lambda: define_image_graph(config, device, patches_in_graph), max_batch_size, num_threads)
+
+
+def check_device(device: str) -> None:
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
 
 
 def serialize_pipeline(
@@ -375,9 +394,7 @@ def serialize_pipeline(
     num_threads: int = DEFAULT_NUM_THREADS,
     patches_in_graph: bool | None = None,
 ) -> bytes:
-    pipeline = build_pipeline(config, device, max_batch_size, num_threads, patches_in_graph)
-    with _without_source_tracing():
-        return pipeline.serialize()
+    return serialized(build_pipeline(config, device, max_batch_size, num_threads, patches_in_graph))
 
 
 def write_pipeline(
@@ -387,10 +404,7 @@ def write_pipeline(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
 ) -> Path:
     """Write ``model.dali`` for a target; same inputs, same bytes."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_bytes(serialize_pipeline(config, device, max_batch_size))
-    return out_path
+    return write_serialized(out_path, serialize_pipeline(config, device, max_batch_size))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,32 @@
-"""The one DALI pipeline that turns encoded videos into Qwen2-VL ``pixel_values_videos``.
+"""The one DALI pipeline that turns videos into Qwen2-VL ``pixel_values_videos``.
 
 Same rules as the image pipeline (:mod:`python_backends.dali_pipeline`): one definition,
-serialized with the ``cpu`` decoder for the ``cpu`` target (run with ``device_id=None`` by
-:mod:`python_backends.video_preprocess`) and with the ``mixed`` (NVDEC) decoder for ``gpu``.
+serialized for the ``cpu`` target (run with ``device_id=None`` by
+:mod:`python_backends.video_preprocess`) and for ``gpu`` (Triton's DALI backend).
 
-Per video it reproduces what vLLM does for Qwen2-VL (:mod:`python_backends.video`):
-decode exactly the sampled frames (``frame_indices``, an input: the sampler needs the
-container's frame count and fps, which the caller reads with the same OpenCV probe as vLLM),
-resize every frame to the video processor's ``smart_resize`` size (an input too: with
-``cap_pixels_per_frame`` the pixel budget depends on the number of sampled frames), bicubic
-with the processor's pass order (:func:`python_backends.dali_pipeline.pil_compatible_bicubic`),
-rescale + normalize to ``[F, C, H, W]``. The temporal patch layout
-(``[grid_t * grid_h * grid_w, C * T * P * P]``) is made in numpy
-(:func:`python_backends.video_preprocess.patchify_video`).
+Per video it reproduces what vLLM does for Qwen2-VL (:mod:`python_backends.video`): the frames
+the sampler picked (``frame_indices``: the sampler needs the container's frame count and fps,
+which the caller reads with the same OpenCV probe as vLLM), resized to the video processor's
+``smart_resize`` size (``resize_hw``: with ``cap_pixels_per_frame`` the pixel budget depends on
+the number of sampled frames), bicubic with the processor's pass order
+(:func:`python_backends.dali_pipeline.pil_compatible_bicubic`), rescaled + normalized to
+``[F, C, H, W]``. The temporal patch layout (``[grid_t * grid_h * grid_w, C * T * P * P]``) is
+made in numpy (:func:`python_backends.video_preprocess.patchify_video`).
+
+Where the frames are decoded differs by target, and that is deliberate:
+
+- ``cpu``: **not in DALI**. The caller decodes the sampled frames with OpenCV exactly as vLLM's
+  loader does (:func:`python_backends.video.read_sampled_frames`) and feeds them as
+  ``decoded_frames``. DALI's CPU decoder converts YUV to RGB differently from OpenCV (up to
+  ~46 levels at sharp edges), enough to flip greedy tokens against ``llm``, which reads raw
+  video through vLLM's own OpenCV loader (results/2026-12-01/video-equality-offline).
+- ``gpu``: the ``mixed`` (NVDEC) decoder in the graph, from the encoded ``video`` and
+  ``frame_indices`` (H.264/HEVC/AV1 need it; its colour conversion is NVDEC's, not OpenCV's).
 
 Inputs (external sources, a contract with the DALI backend's config and the runner):
-``video`` (uint8 bytes), ``frame_indices`` (int32 [F]), ``resize_hw`` (int64 [3]: source
-height, output height, output width). Output: ``frames`` float32 ``[F, C, H, W]``.
+``cpu``: ``decoded_frames`` (uint8 ``[F, H, W, 3]``, RGB); ``gpu``: ``video`` (uint8 bytes) and
+``frame_indices`` (int32 [F]); both: ``resize_hw`` (int64 [3]: source height, output height,
+output width). Output: ``frames`` float32 ``[F, C, H, W]``.
 """
 
 from __future__ import annotations
@@ -36,12 +46,16 @@ from python_backends.dali_pipeline import (
     Device,
     ImageTransformConfig,
     PreprocessConfigError,
-    _without_source_tracing,
+    check_device,
     pil_compatible_bicubic,
+    pipeline_of,
+    serialized,
     smart_resize,
+    write_serialized,
 )
 
-VIDEO_INPUT = "video"
+VIDEO_INPUT = "video"  # gpu
+DECODED_FRAMES_INPUT = "decoded_frames"  # cpu
 FRAME_INDICES_INPUT = "frame_indices"
 RESIZE_INPUT = "resize_hw"
 VIDEO_OUTPUT = "frames"
@@ -122,16 +136,20 @@ class VideoTransformConfig:
 def define_video_graph(config: VideoTransformConfig, device: Device) -> DataNode:
     """The graph, to be called inside ``with pipeline:``; returns the normalized frames."""
     image = config.image
-    decoder_device = "mixed" if device == "gpu" else "cpu"
-    encoded = fn.external_source(name=VIDEO_INPUT, dtype=types.UINT8, ndim=1, device="cpu")
-    frame_indices = fn.external_source(name=FRAME_INDICES_INPUT, dtype=types.INT32, ndim=1, device="cpu")
     sizes = fn.external_source(name=RESIZE_INPUT, dtype=types.INT64, ndim=1, device="cpu")
     in_height, out_height, out_width = sizes[0], sizes[1], sizes[2]
-    # DALI 2 has the decoder as fn.decoders.video; DALI 1.x (the gpu image's dali backend runs
-    # 1.51.2, which serializes this graph there) as fn.experimental.decoders.video, same arguments.
-    # (2.4.0's stubs no longer list the experimental one.)
-    video_decoder = getattr(fn.decoders, "video", None) or fn.experimental.decoders.video  # type: ignore[attr-defined]
-    decoded = video_decoder(encoded, frames=frame_indices, device=decoder_device, name="decode_video")
+    if device == "gpu":
+        encoded = fn.external_source(name=VIDEO_INPUT, dtype=types.UINT8, ndim=1, device="cpu")
+        frame_indices = fn.external_source(name=FRAME_INDICES_INPUT, dtype=types.INT32, ndim=1, device="cpu")
+        # DALI 2 has the decoder as fn.decoders.video; DALI 1.x (the gpu image's dali backend
+        # runs 1.51.2, which serializes this graph there) as fn.experimental.decoders.video, same
+        # arguments. (2.4.0's stubs no longer list the experimental one.)
+        video_decoder = getattr(fn.decoders, "video", None) or fn.experimental.decoders.video  # type: ignore[attr-defined]
+        decoded = video_decoder(encoded, frames=frame_indices, device="mixed", name="decode_video")
+    else:  # decoded by OpenCV as vLLM decodes (module docstring)
+        decoded = fn.external_source(
+            name=DECODED_FRAMES_INPUT, dtype=types.UINT8, ndim=4, layout="FHWC", device="cpu"
+        )
     resized = pil_compatible_bicubic(decoded, in_height, out_height, out_width)
     return fn.crop_mirror_normalize(
         resized,
@@ -150,13 +168,9 @@ def build_video_pipeline(
     num_threads: int = DEFAULT_NUM_THREADS,
 ) -> Pipeline:
     """An unbuilt pipeline (``device_id=None``: Triton's DALI backend sets it on the GPU)."""
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    check_device(device)
     config.image.validate()
-    pipeline = Pipeline(batch_size=max_batch_size, num_threads=num_threads, device_id=None, prefetch_queue_depth=1)
-    with _without_source_tracing(), pipeline:
-        pipeline.set_outputs(define_video_graph(config, device))
-    return pipeline
+    return pipeline_of(lambda: (define_video_graph(config, device),), max_batch_size, num_threads)
 
 
 def serialize_video_pipeline(
@@ -165,9 +179,7 @@ def serialize_video_pipeline(
     max_batch_size: int = DEFAULT_VIDEO_BATCH_SIZE,
     num_threads: int = DEFAULT_NUM_THREADS,
 ) -> bytes:
-    pipeline = build_video_pipeline(config, device, max_batch_size, num_threads)
-    with _without_source_tracing():
-        return pipeline.serialize()
+    return serialized(build_video_pipeline(config, device, max_batch_size, num_threads))
 
 
 def write_video_pipeline(
@@ -177,14 +189,12 @@ def write_video_pipeline(
     max_batch_size: int = DEFAULT_VIDEO_BATCH_SIZE,
 ) -> Path:
     """Write ``video.dali`` for a target; same inputs, same bytes."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_bytes(serialize_video_pipeline(config, device, max_batch_size))
-    return out_path
+    return write_serialized(out_path, serialize_video_pipeline(config, device, max_batch_size))
 
 
 __all__ = [
     "DEFAULT_VIDEO_BATCH_SIZE",
+    "DECODED_FRAMES_INPUT",
     "FRAME_INDICES_INPUT",
     "RESIZE_INPUT",
     "VIDEO_INPUT",

@@ -33,11 +33,12 @@ class StageClient(Protocol):
     decode); ``decode`` streams tokens 2..N (``num_output_tokens`` counts the first one too)."""
 
     async def encode_reference(
-        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
     ) -> tuple[bytes, bool]:
-        """One image through encoder model ``encoder``: its reference (leased for the process
-        ``lease_owner``) and whether the store already had it (or another request made it).
-        ``tenant``: the request's tenant, passed on as the encoder's request parameter."""
+        """One image (or video: ``modality``) through encoder model ``encoder``: its reference
+        (leased for the process ``lease_owner``) and whether the store already had it (or
+        another request made it). ``tenant``: the request's tenant, passed on as the encoder's
+        request parameter."""
         ...
 
     async def prefill(

@@ -165,7 +165,7 @@ class EpdPipeline:
             if encoder is not None:
                 self.references.encoder_for("0" * 16, encoder)  # an unknown name fails before any work
             start = time.perf_counter()
-            self.references.lookup(request.images, leased, timings, tenant)
+            self.references.lookup(request.images, leased, timings, tenant, request.videos)
             shape = self.shape(request, leased)
             if path is None and encoder is not None:  # only the disaggregated path calls encoders
                 decision = Decision(contract.DISAGGREGATED_PATH, "encoder pinned")
@@ -174,16 +174,28 @@ class EpdPipeline:
             timings["lookup"] += ms_since(start) - timings["lookup"] - timings["hash"]  # the decision is lookup's
             encodes = len(leased.missing)
             load = self.cost.started(decision.path, probe=decision.reason == "probe")
-            if on_decision is not None:
-                on_decision(decision, self.cost)
+            # ``on_decision`` (epd: /metrics, a stub-to-server round trip per value) is told after
+            # the first token went out, not before the engine starts: it is not on the request's
+            # time to first token. A last chunk is never sent before it, nor a failure unrecorded.
+            pending = [on_decision] if on_decision is not None else []
+
+            def tell() -> None:
+                while pending:
+                    pending.pop()(decision, self.cost)
+
             try:
                 async for chunk in self.paths[decision.path].run(request, request_id, leased, timings, encoder):
                     if chunk.finished:
                         chunk.serving_path = decision.path
                         self._observe(decision.path, request, shape, chunk, timings, load, encodes)
+                        tell()
                     yield chunk
+                    tell()
             finally:
-                self.cost.finished(decision.path)
+                try:
+                    tell()
+                finally:
+                    self.cost.finished(decision.path)
         finally:
             self.references.release(leased)
 

@@ -39,17 +39,20 @@ from python_backends.tenants import key_space
 
 log = logging.getLogger(__name__)
 
-# encoder model, image, lease owner, tenant -> (wire reference, whether the store already had it)
-EncodeReference = Callable[[str, bytes, int, str | None], Awaitable[tuple[bytes, bool]]]
+# encoder model, media, lease owner, tenant, modality -> (wire reference, whether the store had it)
+EncodeReference = Callable[[str, bytes, int, str | None, str], Awaitable[tuple[bytes, bool]]]
 
 
 @dataclass
 class LeasedReferences:
-    """One request's images: keys, what the store held (``found``), what it lacks
-    (``missing``: key -> media), the references in image order once complete, and the leases
-    the request must give back."""
+    """One request's images and videos: keys (images first, then videos, each in request
+    order), what the store held (``found``), what it lacks (``missing``: key -> media), each
+    key's modality, the references in key order once complete, and the leases the request must
+    give back."""
 
     keys: list[str] = field(default_factory=list)
+    modalities: dict[str, str] = field(default_factory=dict)  # key -> "image" | "video"
+    num_images: int = 0
     tenant: str | None = None  # the request's tenant, passed on to the encoders
     found: dict[str, Reference] = field(default_factory=dict)
     missing: dict[str, bytes] = field(default_factory=dict)
@@ -116,19 +119,27 @@ class ImageReferences:
         leased: LeasedReferences,
         timings: dict[str, float],
         tenant: str | None = None,
+        videos: Sequence[bytes] = (),
     ) -> None:
         """Steps 1 and 2: keys (in ``tenant``'s key space under the ``isolated`` policy), and a
-        leased reference for every image the store holds."""
+        leased reference for every image and video the store holds. A video's key covers its
+        bytes, the video processor's config, the frame sampling and the encoder version
+        (``KeyConfig``): a stored one skips decode and encode entirely."""
         start = time.perf_counter()
         space = key_space(tenant, self.tenant_policy)
         leased.tenant = tenant
+        leased.num_images = len(images)
         leased.keys = [
             tenant_key(im.mm_hash if isinstance(im, CachedImage) else self.keys.key(im), space) for im in images
         ]
+        video_keys = [tenant_key(self.keys.key(video, modality="video"), space) for video in videos]
+        leased.modalities = {**dict.fromkeys(leased.keys, "image"), **dict.fromkeys(video_keys, "video")}
+        leased.keys += video_keys
         timings["hash"] = ms_since(start)
         start = time.perf_counter()
+        items: list[bytes | CachedImage] = [*images, *videos]
         try:
-            for index, (key, image) in enumerate(zip(leased.keys, images, strict=True)):
+            for index, (key, image) in enumerate(zip(leased.keys, items, strict=True)):
                 if key in leased.found or key in leased.missing:
                     continue
                 if isinstance(image, CachedImage):
@@ -171,11 +182,13 @@ class ImageReferences:
         indices = {key: leased.keys.index(key) for key in leased.missing}
 
         async def one(key: str, image: bytes) -> None:
+            modality = leased.modalities.get(key, "image")
             try:
                 encoder = self.encoder_for(key, pinned)
-                wire, cache_hit = await self.encode_reference(encoder, image, owner, leased.tenant)
-            except EpdError as exc:  # the encoder saw one image: name it as the client did
-                raise EpdError(exc.message.replace("image[0]", f"image[{indices[key]}]", 1), exc.code) from None
+                wire, cache_hit = await self.encode_reference(encoder, image, owner, leased.tenant, modality)
+            except EpdError as exc:  # the encoder saw one item: name it as the client did
+                index = indices[key] - (leased.num_images if modality == "video" else 0)
+                raise EpdError(exc.message.replace(f"{modality}[0]", f"{modality}[{index}]", 1), exc.code) from None
             ref = self.store.parse_reference(wire)
             leased.leases.append(ref)
             leased.found[key] = ref

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from python_backends.image_embeds import (
 from python_backends.media import ImageLimits, check_image_header, image_bytes
 from python_backends.model_params import ModelParameters
 from python_backends.sampling import parse_sampling_parameters
+from python_backends.video import VideoLimits, check_video_size, video_bytes
 
 IMAGE_PAD = "<|image_pad|>"
 # An ``image`` item that names a pre-encoded image instead of carrying it (``epd`` only).
@@ -44,8 +45,8 @@ class RequestLimits:
     image_embeds: EmbedsSpec | None = None
     # ``mm_hash:<key>`` image items accepted (models with an embedding store).
     accept_mm_hash: bool = False
-    # ``video`` items accepted (up to this many; ``llm`` only, issue 16). Their header checks and
-    # decode are python_backends.llm_video's, with the model's video limits.
+    # ``video`` items accepted (up to this many; issue 16). Their header checks and decode are
+    # python_backends.llm_video's on ``llm``, the encoders' video preprocessing on ``epd``.
     max_videos: int = 0
 
 
@@ -86,7 +87,9 @@ class GenerateRequest:
     exclude_input_in_output: bool
     # Instead of ``images``: the vision encoder's output for every image, validated.
     image_embeds: ImageEmbedsInput | None = None
-    # Encoded videos as sent (raw or base64), not checked yet: ``llm`` checks and loads them.
+    # Encoded videos: as sent (raw or base64) from parse_generate_request, which checks only
+    # their count; ``llm`` checks and loads them, ``epd`` takes raw bytes (raw_videos) and its
+    # encoders check the containers.
     videos: list[bytes] = field(default_factory=list)
 
 
@@ -150,13 +153,20 @@ def with_video_placeholders(text: str, num_videos: int) -> str:
     )
 
 
-def _encoded_items(inputs: Mapping[str, np.ndarray], name: str, what: str) -> list[bytes]:
+def _encoded_items(inputs: Mapping[str, np.ndarray], name: str, what: str, limit: int) -> list[bytes]:
+    """The items of a BYTES media input (``image``, ``video``) as sent, at most ``limit``
+    (``max_images``, ``max_videos``; 0: the model takes none)."""
     array = inputs.get(name)
     if array is None:
         return []
     if array.dtype != np.object_:
         raise invalid_arg(f"input '{name}' must be BYTES (encoded {what})")
-    return [bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"" for item in array.reshape(-1)]
+    items = [bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"" for item in array.reshape(-1)]
+    if items and not limit:
+        raise invalid_arg(f"this model takes no {what[:-1]} (max_{what} is 0)")
+    if len(items) > limit:
+        raise invalid_arg(f"request has {len(items)} {what}, above the limit of {limit} (max_{what})")
+    return items
 
 
 def _image_item(item: bytes, index: int, limits: RequestLimits) -> bytes | CachedImage:
@@ -183,19 +193,10 @@ def parse_generate_request(
         )
 
     embeds = parse_image_embeds(inputs, limits.image_embeds, limits.images.max_images)
-    raw_images = _encoded_items(inputs, contract.IMAGE, "images")
-    if len(raw_images) > limits.images.max_images:
-        raise invalid_arg(
-            f"request has {len(raw_images)} images, above the limit of "
-            f"{limits.images.max_images} (max_images)"
-        )
+    raw_images = _encoded_items(inputs, contract.IMAGE, "images", limits.images.max_images)
     images = [_image_item(item, i, limits) for i, item in enumerate(raw_images)]
     num_images = len(images) + (embeds.num_images if embeds is not None else 0)
-    videos = _encoded_items(inputs, contract.VIDEO, "videos")
-    if videos and not limits.max_videos:
-        raise invalid_arg("this model takes no video (max_videos is 0)")
-    if len(videos) > limits.max_videos:
-        raise invalid_arg(f"request has {len(videos)} videos, above the limit of {limits.max_videos} (max_videos)")
+    videos = _encoded_items(inputs, contract.VIDEO, "videos", limits.max_videos)
     if not text and not num_images and not videos:
         raise invalid_arg("text_input is empty and no image or video was given")
 
@@ -230,3 +231,13 @@ def check_image_headers(request: GenerateRequest, limits: RequestLimits) -> None
     for index, image in enumerate(request.images):
         if isinstance(image, bytes):
             check_image_header(image, index, limits.images)
+
+
+def raw_videos(request: GenerateRequest, limits: VideoLimits) -> GenerateRequest:
+    """``request`` with its videos as raw container bytes (base64 decoded), each within
+    ``max_video_bytes`` (``epd``: content keys are taken over the raw bytes, as its encoders
+    take them, so a video sent either way is one store entry)."""
+    videos = [video_bytes(item, i) for i, item in enumerate(request.videos)]
+    for i, video in enumerate(videos):
+        check_video_size(video, i, limits)
+    return replace(request, videos=videos)

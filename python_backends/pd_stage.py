@@ -84,12 +84,12 @@ def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list
     refs: list[Reference] = []
     for index, raw in enumerate(references):
         ref = store.parse_reference(raw)
-        if ref.modality != "image" or ref.grid_thw is None:
-            raise invalid_arg(f"reference {index} is not an image embedding with a grid")
+        if ref.modality not in ("image", "video") or ref.grid_thw is None:
+            raise invalid_arg(f"reference {index} is not an image or video embedding with a grid")
         with store.open_view(ref) as view:
             tensor = owned_float32(view, ref.dtype)
         # The content key is the item's identity for vLLM (see ImageEmbeds.uuid).
-        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw), uuid=ref.key))  # type: ignore[arg-type]
+        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw), uuid=ref.key, modality=ref.modality))  # type: ignore[arg-type]
         refs.append(ref)
     return images, refs
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from nvidia.dali.pipeline import Pipeline
 
 from python_backends.dali_pipeline import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -30,6 +28,7 @@ from python_backends.dali_pipeline import (
     ImageTransformConfig,
     serialize_pipeline,
 )
+from python_backends.dali_runner import DaliCpuRunner
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.media import ImageLimits, check_image_header, image_bytes
 
@@ -93,7 +92,7 @@ def validate_encoded_image(item: bytes, index: int, limits: ImageLimits) -> byte
     return data
 
 
-class DaliImagePreprocessor:
+class DaliImagePreprocessor(DaliCpuRunner):
     """Runs the serialized pipeline on the CPU in batches of at most ``max_batch_size``."""
 
     def __init__(
@@ -105,20 +104,9 @@ class DaliImagePreprocessor:
         num_threads: int = DEFAULT_NUM_THREADS,
     ) -> None:
         """``config`` must be the one the pipeline was serialized from (patch sizes)."""
-        if max_batch_size <= 0 or num_threads <= 0:
-            raise ValueError("max_batch_size and num_threads must be positive")
-        self._serialized = serialized_pipeline
         self._config = config
         self._limits = limits or ImageLimits()
-        self._max_batch_size = max_batch_size
-        self._num_threads = num_threads
-        self._pipeline = self._build()
-
-    @classmethod
-    def from_file(
-        cls, path: str | Path, config: ImageTransformConfig, **kwargs: object
-    ) -> DaliImagePreprocessor:
-        return cls(Path(path).read_bytes(), config, **kwargs)  # type: ignore[arg-type]
+        super().__init__(serialized_pipeline, max_batch_size, num_threads)
 
     @classmethod
     def for_config(
@@ -136,18 +124,6 @@ class DaliImagePreprocessor:
     def limits(self) -> ImageLimits:
         return self._limits
 
-    def _build(self) -> Pipeline:
-        # Depth 1: feed_input then run, one batch at a time (deeper prefetch fails, DESIGN.md).
-        pipeline = Pipeline.deserialize(
-            serialized_pipeline=self._serialized,
-            batch_size=self._max_batch_size,
-            num_threads=self._num_threads,
-            device_id=None,
-            prefetch_queue_depth=1,
-        )
-        pipeline.build()
-        return pipeline
-
     def preprocess(self, items: Sequence[bytes]) -> PreprocessedImages:
         """Validate, then decode + transform every image; all-or-nothing for the batch."""
         if len(items) == 0:
@@ -159,9 +135,8 @@ class DaliImagePreprocessor:
         encoded = [validate_encoded_image(item, i, self._limits) for i, item in enumerate(items)]
         pixel_chunks: list[np.ndarray] = []
         grids: list[np.ndarray] = []
-        for start in range(0, len(encoded), self._max_batch_size):
-            chunk = encoded[start : start + self._max_batch_size]
-            pixels, grid = self._run_chunk(chunk, first_index=start)
+        for start, chunk in self._chunks(encoded):
+            pixels, grid = self._run_chunk(list(chunk), first_index=start)
             pixel_chunks.append(pixels)
             grids.extend(grid)
         pixel_values = pixel_chunks[0] if len(pixel_chunks) == 1 else np.concatenate(pixel_chunks)
@@ -172,7 +147,7 @@ class DaliImagePreprocessor:
             return self._run(chunk)
         except RuntimeError:
             # DALI fails the whole batch; a fresh pipeline finds which image, one by one.
-            self._pipeline = self._build()
+            self._rebuild()
             bad_index = self._find_undecodable(chunk)
             if bad_index is None:
                 LOGGER.exception("DALI failed on a batch whose images decode one by one")
@@ -182,8 +157,7 @@ class DaliImagePreprocessor:
             ) from None
 
     def _run(self, chunk: list[bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
-        self._pipeline.feed_input(INPUT_NAME, [np.frombuffer(data, dtype=np.uint8) for data in chunk])
-        pixel_list, grid_list = self._pipeline.run()
+        pixel_list, grid_list = self._run_feeds({INPUT_NAME: [np.frombuffer(data, dtype=np.uint8) for data in chunk]})
         # Copy out of DALI's buffers (the next run reuses them): patchify and concatenate copy.
         samples = [np.asarray(pixel_list[i]) for i in range(len(chunk))]
         if samples[0].ndim == 3:  # the graph stopped at the normalized [C, H, W] frame
@@ -199,6 +173,6 @@ class DaliImagePreprocessor:
             try:
                 self._run([data])
             except RuntimeError:
-                self._pipeline = self._build()
+                self._rebuild()
                 return index
         return None

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import math
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from io import BytesIO
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -148,27 +147,49 @@ def _fourcc_text(value: float) -> str:
     return bytes((code >> shift) & 0xFF for shift in (0, 8, 16, 24)).decode("latin-1").strip("\x00 ")
 
 
+def _open_capture(stream: BytesIO, index: int) -> Any:
+    """``cv2.VideoCapture`` on an in-memory stream, opened as vLLM opens it."""
+    import cv2  # OpenCV is what vLLM's loader reads; imported here to keep module import light
+
+    cap = cv2.VideoCapture(stream, _cv2_stream_api(), [])  # type: ignore[call-overload]  # a Python stream works (OpenCV >= 4.9)
+    if not cap.isOpened():
+        cap.release()
+        raise invalid_arg(f"video[{index}] cannot be opened: unknown container or corrupt header")
+    return cap
+
+
+def _frame_count(cap: Any, header_count: int) -> int:
+    """``OpenCVVideoBackendMixin.get_video_metadata`` (vLLM): the header's count, replaced by
+    the position after a seek to the end when that is more than one frame smaller and the
+    stream really ends there; then back to the first frame, as vLLM leaves the capture."""
+    import cv2
+
+    total = header_count
+    if total > 0 and cap.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
+        visible = int(cap.get(cv2.CAP_PROP_POS_FRAMES))
+        at_end = not cap.grab()
+        cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+        if at_end and 0 < visible < total - 1:
+            total = visible
+    return total
+
+
 def probe_video(data: bytes, index: int) -> VideoProbe:
     """Open the container with OpenCV as vLLM does and read size, frame count, fps and codec.
 
-    The frame count follows ``OpenCVVideoBackendMixin.get_video_metadata`` (vLLM): the
-    header's count, replaced by the position after a seek to the end when that is more than
-    one frame smaller and the stream really ends there. Nothing is decoded into frames except
-    what FFmpeg needs to open the stream.
+    The frame count follows vLLM's metadata read (:func:`_frame_count`). Nothing is decoded
+    into frames except what FFmpeg needs to open the stream and find its end.
     """
-    import cv2  # OpenCV is what vLLM's loader reads; imported here to keep module import light
+    import cv2
 
     # The capture reads from the stream until it is released: keep the stream referenced
     # until then (releasing a capture whose stream was collected crashes).
     stream = BytesIO(data)
-    cap = cv2.VideoCapture(stream, _cv2_stream_api(), [])  # type: ignore[call-overload]  # a Python stream works (OpenCV >= 4.9)
+    cap = _open_capture(stream, index)
     try:
-        if not cap.isOpened():
-            raise invalid_arg(f"video[{index}] cannot be opened: unknown container or corrupt header")
         width = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH))
         height = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
         fourcc = _fourcc_text(cap.get(cv2.CAP_PROP_FOURCC))
-        total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
         fps = float(cap.get(cv2.CAP_PROP_FPS))
         if width <= 0 or height <= 0:
             # FFmpeg refuses to open a decoder whose header promises an impossible frame
@@ -177,15 +198,62 @@ def probe_video(data: bytes, index: int) -> VideoProbe:
                 f"video[{index}] has no usable frame size: its header is corrupt or promises a frame "
                 "too large to decode"
             )
-        if total > 0 and cap.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
-            visible = int(cap.get(cv2.CAP_PROP_POS_FRAMES))
-            at_end = not cap.grab()
-            if at_end and 0 < visible < total - 1:
-                total = visible
+        total = _frame_count(cap, int(cap.get(cv2.CAP_PROP_FRAME_COUNT)))
     finally:
         cap.release()
         stream.close()
     return VideoProbe(width, height, total, fps, FOURCC_CODECS.get(fourcc, fourcc or "unknown"))
+
+
+def read_sampled_frames(data: bytes, frame_indices: Sequence[int], index: int) -> np.ndarray:
+    """The frames at ``frame_indices`` as RGB uint8 ``[F, H, W, 3]``, decoded exactly as vLLM's
+    Qwen2-VL loader decodes them (``OpenCVVideoBackendMixin._read_frames_no_recovery``).
+
+    Why OpenCV and not DALI's CPU decoder (issue 16): ``llm`` reads raw video with this loader,
+    and DALI's decoder converts YUV to RGB differently (bilinear chroma in floating point
+    against swscale's nearest-neighbour fixed point: up to ~46 levels at sharp edges), which
+    flipped greedy tokens in 2 of 9 prompts (results/2026-12-01/video-equality-offline). Same
+    library, same calls, same order: the capture opened on an in-memory stream with the same
+    backend, the frame-count seek to the end and back to frame 0, then every frame up to the
+    last sampled one grabbed in order, the sampled ones retrieved (BGR) and converted with
+    ``cv2.cvtColor(COLOR_BGR2RGB)``. The pixels are vLLM's bit for bit
+    (tests/unit/test_video_parity.py). A frame the stream does not hold is INVALID_ARG (vLLM
+    would serve fewer frames than it sampled; ``llm`` refuses that too).
+    """
+    import cv2
+
+    wanted = sorted(set(frame_indices))  # vLLM reads a set: a repeated index is one frame
+    if len(wanted) != len(frame_indices) or not wanted:
+        raise invalid_arg(f"video[{index}]: the sampler picked a frame twice; this clip cannot be served")
+    stream = BytesIO(data)
+    cap = _open_capture(stream, index)
+    try:
+        width = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH))
+        height = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        _frame_count(cap, int(cap.get(cv2.CAP_PROP_FRAME_COUNT)))  # the same seeks as vLLM
+        frames = np.empty((len(wanted), height, width, 3), dtype=np.uint8)
+        position = {frame: i for i, frame in enumerate(wanted)}
+        read = 0
+        for frame in range(wanted[-1] + 1):
+            if not cap.grab():
+                continue  # vLLM skips a frame it cannot grab; the count below refuses the video
+            slot = position.get(frame)
+            if slot is None:
+                continue
+            ok, bgr = cap.retrieve()
+            if ok and bgr is not None and bgr.shape == (height, width, 3):
+                cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=frames[slot])
+                read += 1
+            else:
+                break
+    finally:
+        cap.release()
+        stream.close()
+    if read != len(wanted):
+        raise invalid_arg(
+            f"video[{index}] cannot be decoded: corrupt or truncated data ({read} of {len(wanted)} sampled frames read)"
+        )
+    return frames
 
 
 def _cv2_stream_api() -> int:
@@ -279,8 +347,7 @@ def sample_frame_indices(total_frames: int, original_fps: float, config: VideoSa
     fills a float32 tensor in vector chunks: lanes ``i`` of a chunk get
     ``float32(float32(step * base) + k * step)`` (``base`` the chunk's first index, ``k`` the
     lane, sums in float64), the tail after the last pair of full vectors gets
-    ``float32(i * step)``; ``.int()`` truncates. :func:`_arange_lanes` gives the vector width
-    ATen uses on this CPU. Reproduced here so the preprocess process need not import torch
+    ``float32(i * step)``; ``.int()`` truncates. Reproduced here so the preprocess process need not import torch
     (~300 MiB per process); the tests compare with torch itself.
     """
     tps = config.temporal_patch_size
@@ -296,9 +363,11 @@ def sample_frame_indices(total_frames: int, original_fps: float, config: VideoSa
     return np.minimum(values.astype(np.int32), total_frames - 1).tolist()
 
 
-def torch_arange_float32(end: int, step: float, lanes: int | None = None) -> np.ndarray:
-    """``torch.arange(0, end, step)`` (float32, CPU) value for value."""
-    lanes = lanes or _arange_lanes()
+def torch_arange_float32(end: int, step: float, lanes: int = 8) -> np.ndarray:
+    """``torch.arange(0, end, step)`` (float32, CPU) value for value. ``lanes``: 8, the vector
+    width of torch 2.14.1's arange under every CPU capability: its values were the same with
+    ``ATEN_CPU_CAPABILITY`` default, avx2 and avx512 on an AVX512 machine, and a 16-lane
+    reproduction differed (an earlier version chose 16 from ``/proc/cpuinfo`` and failed there)."""
     size = math.ceil(end / step)
     index = np.arange(size, dtype=np.int64)
     vector_end = size // (2 * lanes) * (2 * lanes)  # ATen's loop takes two vectors at a time
@@ -306,19 +375,3 @@ def torch_arange_float32(end: int, step: float, lanes: int | None = None) -> np.
     vectorized = ((base * step).astype(np.float32).astype(np.float64) + (index - base) * step).astype(np.float32)
     scalar = (index * step).astype(np.float32)
     return np.where(index < vector_end, vectorized, scalar)
-
-
-@functools.lru_cache(maxsize=1)
-def _arange_lanes() -> int:
-    """float32 lanes of ATen's CPU vectors here: 16 under its AVX512 kernels, else 8 (AVX2 and
-    the default build), chosen the way ATen's ``get_cpu_capability`` chooses."""
-    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-    if forced:
-        return 16 if forced.startswith("avx512") else 8
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return 8
-    first_flags = next((line for line in flags.splitlines() if line.startswith("flags")), "").split()
-    avx512 = {"avx512vl", "avx512bw", "avx512dq", "fma"}.issubset(first_flags)
-    return 16 if avx512 else 8

@@ -3,9 +3,12 @@
 The ``cpu`` target's video preprocessing: it takes a batch of encoded videos (raw bytes or
 base64), checks each from its container before any frame is decoded (size, codec, frame size,
 duration, decoded bytes), picks the frame indices vLLM's Qwen2-VL loader picks
-(:func:`python_backends.video.sample_frame_indices`), runs the pipeline, and returns what
-vLLM's loader + transformers' ``Qwen2VLVideoProcessor`` return: ``pixel_values_videos``
-``[sum(t*h*w), C*T*P*P]`` float32 and ``video_grid_thw`` ``[num_videos, 3]`` int64.
+(:func:`python_backends.video.sample_frame_indices`), decodes exactly those frames with OpenCV
+the way vLLM's loader does (:func:`python_backends.video.read_sampled_frames`; why not DALI's
+CPU decoder: :mod:`python_backends.dali_video`), runs the pipeline (resize, normalize), and
+returns what vLLM's loader + transformers' ``Qwen2VLVideoProcessor`` return:
+``pixel_values_videos`` ``[sum(t*h*w), C*T*P*P]`` float32 and ``video_grid_thw``
+``[num_videos, 3]`` int64.
 
 :func:`prepare_video` is the part without DALI: the GPU target's caller (the BLS in front of
 Triton's DALI backend) uses it to build the pipeline's ``frame_indices`` and ``resize_hw``
@@ -17,17 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-from nvidia.dali.pipeline import Pipeline
 
 from python_backends.dali_pipeline import DEFAULT_NUM_THREADS
+from python_backends.dali_runner import DaliCpuRunner
 from python_backends.dali_video import (
+    DECODED_FRAMES_INPUT,
     DEFAULT_VIDEO_BATCH_SIZE,
-    FRAME_INDICES_INPUT,
     RESIZE_INPUT,
-    VIDEO_INPUT,
     VideoTransformConfig,
     serialize_video_pipeline,
 )
@@ -38,6 +39,7 @@ from python_backends.video import (
     VideoProbe,
     VideoSamplingConfig,
     checked_video,
+    read_sampled_frames,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -103,8 +105,10 @@ class PreprocessedVideos:
         return [int(t * h * w) for t, h, w in self.video_grid_thw]
 
 
-class DaliVideoPreprocessor:
-    """Runs the serialized video pipeline on the CPU, at most ``max_batch_size`` videos a run."""
+class DaliVideoPreprocessor(DaliCpuRunner):
+    """The ``cpu`` target's video preprocessing: OpenCV decodes the sampled frames as vLLM's
+    loader does (:func:`python_backends.video.read_sampled_frames`), the serialized pipeline
+    resizes and normalizes them, at most ``max_batch_size`` videos a run."""
 
     def __init__(
         self,
@@ -117,23 +121,14 @@ class DaliVideoPreprocessor:
         max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
     ) -> None:
         """``transform`` must be the one the pipeline was serialized from."""
-        if max_batch_size <= 0 or num_threads <= 0:
-            raise ValueError("max_batch_size and num_threads must be positive")
-        self._serialized = serialized_pipeline
         self._transform = transform
         self._sampling = sampling or VideoSamplingConfig(temporal_patch_size=transform.image.temporal_patch_size)
         self._sampling.validate()
         if self._sampling.temporal_patch_size != transform.image.temporal_patch_size:
             raise ValueError("the sampler's temporal_patch_size must equal the processor's")
         self._limits = limits or VideoLimits()
-        self._max_batch_size = max_batch_size
-        self._num_threads = num_threads
         self._max_decoded_bytes = max_decoded_bytes
-        self._pipeline = self._build()
-
-    @classmethod
-    def from_file(cls, path: str | Path, transform: VideoTransformConfig, **kwargs: object) -> DaliVideoPreprocessor:
-        return cls(Path(path).read_bytes(), transform, **kwargs)  # type: ignore[arg-type]
+        super().__init__(serialized_pipeline, max_batch_size, num_threads)
 
     @classmethod
     def for_config(
@@ -157,16 +152,9 @@ class DaliVideoPreprocessor:
     def sampling(self) -> VideoSamplingConfig:
         return self._sampling
 
-    def _build(self) -> Pipeline:
-        pipeline = Pipeline.deserialize(
-            serialized_pipeline=self._serialized,
-            batch_size=self._max_batch_size,
-            num_threads=self._num_threads,
-            device_id=None,
-            prefetch_queue_depth=1,
-        )
-        pipeline.build()
-        return pipeline
+    @property
+    def merge_size(self) -> int:
+        return self._transform.image.merge_size
 
     def prepare(self, items: Sequence[bytes]) -> list[PreparedVideo]:
         if len(items) == 0:
@@ -182,46 +170,31 @@ class DaliVideoPreprocessor:
         """Validate, then decode + transform every video; all-or-nothing for the batch."""
         prepared = self.prepare(items)
         chunks: list[np.ndarray] = []
-        for start in range(0, len(prepared), self._max_batch_size):
-            chunks.extend(self._run_chunk(prepared[start : start + self._max_batch_size], start))
+        for start, chunk in self._chunks(prepared):
+            # Decoded one chunk at a time: at most max_batch_size videos' frames held at once.
+            frames = [read_sampled_frames(v.data, v.frame_indices, start + i) for i, v in enumerate(chunk)]
+            chunks.extend(self._run_chunk(list(chunk), frames))
         return PreprocessedVideos(
             pixel_values_videos=chunks[0] if len(chunks) == 1 else np.concatenate(chunks),
             video_grid_thw=np.array([video.grid_thw for video in prepared], dtype=np.int64).reshape(-1, 3),
             frame_indices=[video.frame_indices for video in prepared],
         )
 
-    def _run_chunk(self, chunk: list[PreparedVideo], first_index: int) -> list[np.ndarray]:
+    def _run_chunk(self, chunk: list[PreparedVideo], frames: list[np.ndarray]) -> list[np.ndarray]:
         try:
-            return self._run(chunk)
+            (normalized,) = self._run_feeds(
+                {DECODED_FRAMES_INPUT: frames, RESIZE_INPUT: [video.resize_input() for video in chunk]}
+            )
+            outputs = []
+            for i, video in enumerate(chunk):
+                sample = np.asarray(normalized[i])
+                expected = (len(video.frame_indices), 3, video.out_height, video.out_width)
+                if sample.shape != expected:
+                    raise RuntimeError(f"video {i}: got frames of shape {sample.shape}, expected {expected}")
+                outputs.append(patchify_video(sample, self._transform))  # a copy, out of DALI's buffer
+            return outputs
         except RuntimeError:
-            self._pipeline = self._build()
-            bad = self._find_undecodable(chunk)
-            if bad is None:
-                LOGGER.exception("DALI failed on a video batch whose videos decode one by one")
-                raise EpdError("video preprocessing failed", ErrorCode.INTERNAL) from None
-            raise invalid_arg(f"video[{first_index + bad}] cannot be decoded: corrupt or truncated data") from None
-
-    def _run(self, chunk: list[PreparedVideo]) -> list[np.ndarray]:
-        self._pipeline.feed_input(VIDEO_INPUT, [np.frombuffer(video.data, dtype=np.uint8) for video in chunk])
-        self._pipeline.feed_input(
-            FRAME_INDICES_INPUT, [np.asarray(video.frame_indices, dtype=np.int32) for video in chunk]
-        )
-        self._pipeline.feed_input(RESIZE_INPUT, [video.resize_input() for video in chunk])
-        (frames,) = self._pipeline.run()
-        outputs = []
-        for i, video in enumerate(chunk):
-            sample = np.asarray(frames[i])
-            expected = (len(video.frame_indices), 3, video.out_height, video.out_width)
-            if sample.shape != expected:  # DALI returned fewer frames than asked: broken stream
-                raise RuntimeError(f"video {i}: got frames of shape {sample.shape}, expected {expected}")
-            outputs.append(patchify_video(sample, self._transform))  # a copy, out of DALI's buffer
-        return outputs
-
-    def _find_undecodable(self, chunk: list[PreparedVideo]) -> int | None:
-        for index, video in enumerate(chunk):
-            try:
-                self._run([video])
-            except RuntimeError:
-                self._pipeline = self._build()
-                return index
-        return None
+            # The frames were decoded and checked already: a failure here is ours, not the client's.
+            self._rebuild()
+            LOGGER.exception("DALI failed on a batch of decoded video frames")
+            raise EpdError("video preprocessing failed", ErrorCode.INTERNAL) from None

@@ -2,7 +2,8 @@
 builders/repository.py, one model per encoder of the target description).
 
 image(s) in -> content key -> store claim (hit / join another request's encode / encode through
-the `encode` ensemble and write the store) -> references out. Embeddings never leave this
+the `encode` ensemble and write the store) -> references out. Video(s) the same way, encoded by
+the video pipeline + `vit_encoder` (python_backends.video_encode; cpu target). Embeddings never leave this
 process through Triton; `epd` and `prefill` get references. Called by `epd` for the images it
 did not find, and by clients that pre-encode media (then `mm_hash` is what they send later).
 
@@ -20,8 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from python_backends import contract
-from python_backends.cached_encoder import CachedEncoder, cache_namespace, parse_encoder_inputs
+from python_backends.cached_encoder import (
+    CachedEncoder,
+    cache_namespace,
+    parse_encoder_inputs,
+    parse_encoder_videos,
+    parse_lease_owner,
+)
+from python_backends.dali_video import VideoTransformConfig
 from python_backends.errors import invalid_arg
+from python_backends.llm_video import VideoInputLimits
 from python_backends.scaleout.digest import by_value_answer
 from python_backends.store import EmbeddingStore, KeyConfig
 from python_backends.tenants import request_parameters, request_tenant
@@ -29,6 +38,8 @@ from python_backends.triton_edge.bls import BlsEncode
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import CacheMetrics
 from python_backends.triton_edge.responses import bytes_tensor, response, tensor
+from python_backends.video_encode import VideoEncode
+from python_backends.video_preprocess import DaliVideoPreprocessor
 
 
 class TritonPythonModel(DecoupledModel):
@@ -41,25 +52,47 @@ class TritonPythonModel(DecoupledModel):
         self.store = EmbeddingStore(params.store_config())
         self.engine = BlsEncode(params.string(contract.ENCODE_MODEL_KEY))
         repository = Path(args["model_repository"]).parent
+        self.videos = VideoInputLimits.from_params(params)  # None: no video (max_videos 0)
+        preprocessor_config = Path(params.string(contract.PREPROCESSOR_CONFIG))
         keys = KeyConfig.from_files(
-            Path(params.string(contract.PREPROCESSOR_CONFIG)), repository / params.string(contract.ENCODER_FILE)
+            preprocessor_config,
+            repository / params.string(contract.ENCODER_FILE),
+            self.videos.sampling.loader_kwargs() if self.videos else None,
         )
+        encode_video = None
+        if self.videos is not None:
+            video_pipeline = DaliVideoPreprocessor.from_file(
+                repository / contract.PREPROCESS_MODEL / "1" / contract.VIDEO_DALI_FILE,
+                VideoTransformConfig.from_file(preprocessor_config.parent),
+                sampling=self.videos.sampling,
+                limits=self.videos.limits,
+                max_batch_size=1,
+                num_threads=params.integer(contract.DALI_NUM_THREADS),
+            )
+            encode_video = VideoEncode(video_pipeline, self.engine.encode_pixels)
         policy = params.cache_policy()
         namespace = cache_namespace(policy.scope, self.model_name)
-        self.encoder = CachedEncoder(self.store, keys, self.engine, namespace=namespace, tenant_policy=policy.tenants)
+        self.encoder = CachedEncoder(
+            self.store, keys, self.engine, namespace=namespace, tenant_policy=policy.tenants, encode_video=encode_video
+        )
         self.cache_metrics = CacheMetrics(self.metrics, self.store)
 
     def parse(self, inputs, request):
-        images, lease_owner = parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
+        videos = parse_encoder_videos(inputs, self.videos.limits if self.videos else None)
+        if videos is None:
+            items, lease_owner = parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
+        else:
+            items, lease_owner = videos, parse_lease_owner(inputs)
         parameters = request_parameters(request.parameters())
         by_value = parameters.get(contract.BY_VALUE) is True
-        if by_value and (len(images) != 1 or lease_owner is not None):
+        if by_value and (len(items) != 1 or lease_owner is not None or videos is not None):
             raise invalid_arg(f"'{contract.BY_VALUE}' takes one image and no lease_owner")
-        return images, lease_owner, request_tenant(parameters), by_value
+        modality = contract.IMAGE if videos is None else contract.VIDEO  # modalities are named as their inputs
+        return items, lease_owner, request_tenant(parameters), by_value, modality
 
     async def serve(self, parsed, request_id):
-        images, lease_owner, tenant, by_value = parsed
-        answers = await self.encoder.references(images, os.getpid() if by_value else lease_owner, tenant)
+        images, lease_owner, tenant, by_value, modality = parsed
+        answers = await self.encoder.references(images, os.getpid() if by_value else lease_owner, tenant, modality)
         for answer in answers:
             self.cache_metrics.count(answer.outcome.value)
         yield answers, by_value_answer(self.store, answers[0].reference) if by_value else None

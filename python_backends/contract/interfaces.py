@@ -106,6 +106,17 @@ class ModelInterface:
             self.vllm_env,
         )
 
+    def taking_videos(self, max_videos: int) -> ModelInterface:
+        """The interface a config declares for a model whose ``max_videos`` is ``max_videos``:
+        without the ``video`` input when it is 0. A model that takes no video does not declare it:
+        a client sees in the model's metadata that it takes none, a video is refused by Triton
+        itself (unexpected input), and a client that must cover every optional input (perf_analyzer
+        2.41's ``--shared-memory``) is not asked for a video an image request does not have."""
+        if max_videos > 0:
+            return self
+        inputs = tuple(t for t in self.inputs if t.name != n.VIDEO)
+        return ModelInterface(self.name, inputs, self.outputs, self.parameters, self.vllm_env)
+
     def accepts_parameter(self, key: str) -> bool:
         if key == n.TEST_PAUSES:  # any decoupled python model (the test servers' pauses)
             return True
@@ -126,7 +137,7 @@ GENERATE_OUTPUTS = (
 )
 _PROMPT = _tensor(n.TEXT_INPUT, "TYPE_STRING", 1)
 _ENCODED_IMAGES = _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True)  # one or more encoded files
-_ENCODED_VIDEOS = _tensor(n.VIDEO, "TYPE_STRING", -1, optional=True)  # llm: encoded video files
+_ENCODED_VIDEOS = _tensor(n.VIDEO, "TYPE_STRING", -1, optional=True)  # llm, epd, encoders: video files
 _IMAGE_REFERENCES = _tensor(n.REFERENCES, "TYPE_STRING", -1, optional=True)  # <= 1 KB JSON each
 _ERRORS_AS_OUTPUTS = _tensor(n.ERRORS_AS_OUTPUTS, "TYPE_BOOL", 1, optional=True)
 _ERROR = _tensor(n.ERROR, "TYPE_STRING", 1)
@@ -159,7 +170,7 @@ ENSEMBLE = ModelInterface(
 # client that wants the code asks for the error in the ``error`` output (JSON code + message).
 EPD = ModelInterface(
     n.EPD_MODEL,
-    (_PROMPT, _ENCODED_IMAGES, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS),
+    (_PROMPT, _ENCODED_IMAGES, _ENCODED_VIDEOS, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS),
     (
         *GENERATE_OUTPUTS,
         *(_tensor(n.timing_output(stage), "TYPE_FP32", 1) for stage in n.TIMING_STAGES),
@@ -169,6 +180,7 @@ EPD = ModelInterface(
     ),
     (
         *n.LIMITS,
+        *n.VIDEO_LIMITS,
         *_STORE_USER,
         *_CONTENT_KEYS,
         n.ENCODER_MODELS_KEY,
@@ -234,11 +246,16 @@ ENCODE_ONE_IMAGE = ModelInterface(
     (_tensor(n.IMAGE, "TYPE_UINT8", 1, -1),),
     (_tensor(n.IMAGE_EMBEDS, "TYPE_FP32", 1, -1, n.HIDDEN_SIZE), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 1, 3)),
 )
-# ``encoder_<i>``: media in, store write, references out. ``lease_owner``: the pid of the
-# process the leases are for (epd); absent: no lease (warm-up).
+# ``encoder_<i>``: media in (images, or videos), store write, references out. ``lease_owner``: the
+# pid of the process the leases are for (epd); absent: no lease (warm-up).
 ENCODER = ModelInterface(
     n.ENCODER_MODEL_PREFIX + "<i>",
-    (_tensor(n.IMAGE, "TYPE_STRING", -1), _tensor(n.LEASE_OWNER, "TYPE_INT64", 1, optional=True), _ERRORS_AS_OUTPUTS),
+    (
+        _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True),
+        _ENCODED_VIDEOS,
+        _tensor(n.LEASE_OWNER, "TYPE_INT64", 1, optional=True),
+        _ERRORS_AS_OUTPUTS,
+    ),
     (
         _tensor(n.REFERENCES, "TYPE_STRING", -1),
         _tensor(n.MM_HASH, "TYPE_STRING", -1),
@@ -249,7 +266,15 @@ ENCODER = ModelInterface(
         _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3),
         _tensor(n.EMBEDDING_DIGEST, "TYPE_STRING", -1),
     ),
-    (*_STORE_USER, *_CONTENT_KEYS, n.ENCODE_MODEL_KEY, n.MAX_IMAGE_BYTES, n.MAX_IMAGES_PER_REQUEST),
+    (
+        *_STORE_USER,
+        *_CONTENT_KEYS,
+        n.ENCODE_MODEL_KEY,
+        n.MAX_IMAGE_BYTES,
+        n.MAX_IMAGES_PER_REQUEST,
+        *n.VIDEO_LIMITS,
+        n.DALI_NUM_THREADS,
+    ),
 )
 # ``prefill``: vLLM KV producer; prompt + references in, first token + KV transfer parameters out.
 PREFILL = ModelInterface(
@@ -283,11 +308,12 @@ DECODE = ModelInterface(
     vllm_env=True,
 )
 
-# Every interface by model name; a name may have one per target (cpu first, then gpu).
+# Every interface by model name; a name may have one per target (cpu first, then gpu), and the
+# models that take video one without ``video`` for ``max_videos`` 0 (``taking_videos``).
 INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
-    n.LLM_MODEL: (LLM,),
+    n.LLM_MODEL: (LLM, LLM.taking_videos(0)),
     n.ENSEMBLE_MODEL: (ENSEMBLE,),
-    n.EPD_MODEL: (EPD,),
+    n.EPD_MODEL: (EPD, EPD.taking_videos(0)),
     n.PREPROCESS_MODEL: (PREPROCESS,),
     n.VIT_ENCODER_MODEL: (VIT_ENCODER, VIT_ENCODER_TENSORRT),
     n.VIT_POSITIONS_MODEL: (VIT_POSITIONS,),
@@ -300,7 +326,7 @@ INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
 def interfaces_of(model: str) -> tuple[ModelInterface, ...]:
     """The interfaces a model of this name may have (``encoder_<i>``: the encoder's)."""
     if model.startswith(n.ENCODER_MODEL_PREFIX) and model[len(n.ENCODER_MODEL_PREFIX) :].isdigit():
-        return (ENCODER,)
+        return (ENCODER, ENCODER.taking_videos(0))
     try:
         return INTERFACES[model]
     except KeyError:

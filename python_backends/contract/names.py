@@ -92,7 +92,7 @@ MAX_IMAGE_PIXELS = "max_image_pixels"
 MAX_TOKENS_LIMIT = "max_tokens_limit"
 MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
 LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
-# Video limits of ``llm`` (issue 16; ``epd`` does not take video yet). ``max_frames`` caps the frame
+# Video limits of ``llm``, ``epd`` and the encoders (issue 16). ``max_frames`` caps the frame
 # sampler (python_backends/video.py) and is passed to vLLM's loader; ``video_codecs`` are the
 # codecs the target's decoder reads (comma-separated).
 MAX_VIDEOS = "max_videos"

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.generation import GenerationChunk
-from python_backends.llm_engine import input_rejections, unfinished_requests
+from python_backends.llm_engine import engine_exit_grace_s, input_rejections, unfinished_requests
 from python_backends.pd import transfer as tx
 from python_backends.sampling import DEFAULT_MAX_TOKENS
 
@@ -85,24 +85,38 @@ class ImageEmbeds:
     # the connector then refuses the transfer ("multimodal inputs differ"). Measured: 2 of
     # 4 server starts. Empty: let vLLM hash (fine within one process).
     uuid: str = ""
+    # "image" or "video" (a video's embeddings: its frames' tokens, grid t = frames / 2).
+    modality: str = "image"
 
 
-def multi_modal_data(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
-    """vLLM's ``enable_mm_embeds`` input: embeddings concatenated, grids stacked."""
-    if not images:
+def _by_modality(items: Sequence[ImageEmbeds]) -> dict[str, list[ImageEmbeds]]:
+    groups: dict[str, list[ImageEmbeds]] = {}
+    for item in items:
+        groups.setdefault(item.modality, []).append(item)
+    return groups
+
+
+def multi_modal_data(items: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
+    """vLLM's ``enable_mm_embeds`` input per modality: embeddings concatenated, grids stacked
+    (``image_embeds`` + ``image_grid_thw``, ``video_embeds`` + ``video_grid_thw``), each
+    modality's items in their prompt order."""
+    if not items:
         return None
     import torch
 
-    embeds = torch.cat([img.embeds for img in images], dim=0)
-    grids = torch.tensor([list(img.grid_thw) for img in images], dtype=torch.int64)
-    return {"image": {"image_embeds": embeds, "image_grid_thw": grids}}
+    data: dict[str, Any] = {}
+    for modality, group in _by_modality(items).items():
+        embeds = torch.cat([item.embeds for item in group], dim=0)
+        grids = torch.tensor([list(item.grid_thw) for item in group], dtype=torch.int64)
+        data[modality] = {f"{modality}_embeds": embeds, f"{modality}_grid_thw": grids}
+    return data
 
 
-def multi_modal_uuids(images: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
-    """vLLM's ``multi_modal_uuids`` when every image has an identity, else None."""
-    if not images or not all(img.uuid for img in images):
+def multi_modal_uuids(items: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
+    """vLLM's ``multi_modal_uuids`` when every item has an identity, else None."""
+    if not items or not all(item.uuid for item in items):
         return None
-    return {"image": [img.uuid for img in images]}
+    return {modality: [item.uuid for item in group] for modality, group in _by_modality(items).items()}
 
 
 def pd_engine_args(
@@ -268,7 +282,7 @@ class KvEngine:
         await self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.engine.shutdown(timeout=engine_exit_grace_s())
 
 
 class PrefillEngine(KvEngine):

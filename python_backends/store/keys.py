@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,29 +75,58 @@ def _canonical_config(config: Mapping[str, Any]) -> bytes:
         raise invalid_arg(f"preprocessing config must be plain JSON data to be part of a key: {exc}") from None
 
 
+MODALITIES = ("image", "video")
+
+
 @dataclass(frozen=True)
 class KeyConfig:
     """What a content key covers besides the media bytes: the preprocessing config and the
     encoder version (the digest of the served encoder file). Every model that computes keys
-    (``epd``, the ``encoder_<i>`` models) builds it from the same two files."""
+    (``epd``, the ``encoder_<i>`` models) builds it from the same files and parameters.
+
+    A video's key also covers the video processor's config (``video_preprocessor_config.json``
+    beside the image one, when there is one) and the frame sampling (``video_sampling``: fps,
+    frame bounds, as :class:`python_backends.video.VideoSamplingConfig` gives them): other
+    frames or another frame size are other embeddings. Image keys are what they always were."""
 
     preprocess_config: Mapping[str, Any]
     encoder_version: str
+    video_config: Mapping[str, Any] = field(default_factory=dict)
+    video_sampling: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_files(cls, preprocessor_config: Path, encoder_file: Path) -> KeyConfig:
+    def from_files(
+        cls, preprocessor_config: Path, encoder_file: Path, video_sampling: Mapping[str, Any] | None = None
+    ) -> KeyConfig:
         if not encoder_file.is_file():
             raise ValueError(f"encoder file {encoder_file} does not exist; regenerate the repository")
         digest = hashlib.sha256()
         with encoder_file.open("rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
-        return cls(json.loads(preprocessor_config.read_text()), digest.hexdigest())
+        video_file = preprocessor_config.parent / "video_preprocessor_config.json"
+        video_config = json.loads(video_file.read_text()) if video_file.is_file() else {}
+        image_config = json.loads(preprocessor_config.read_text())
+        return cls(image_config, digest.hexdigest(), video_config, dict(video_sampling or {}))
 
-    def key(self, media: bytes, namespace: str = "") -> str:
-        return content_key(media, self.preprocess_config, self.encoder_version, namespace)
+    def _config_of(self, modality: str) -> Mapping[str, Any]:
+        if modality == "image":
+            return self.preprocess_config
+        if modality == "video":
+            return {
+                "modality": "video",
+                "image": self.preprocess_config,
+                "video": self.video_config,
+                "sampling": self.video_sampling,
+            }
+        raise invalid_arg(f"no content key for modality {modality!r}; one of {', '.join(MODALITIES)}")
 
-    def scoped(self, media: bytes, tenant: str | None, namespace: str = "") -> tuple[str, str]:
+    def key(self, media: bytes, namespace: str = "", modality: str = "image") -> str:
+        return content_key(media, self._config_of(modality), self.encoder_version, namespace)
+
+    def scoped(
+        self, media: bytes, tenant: str | None, namespace: str = "", modality: str = "image"
+    ) -> tuple[str, str]:
         """(the client's ``mm_hash``, the store key in ``tenant``'s space) of ``media``."""
-        public = self.key(media, namespace)
+        public = self.key(media, namespace, modality)
         return public, tenant_key(public, tenant)

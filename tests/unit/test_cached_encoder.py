@@ -204,3 +204,29 @@ def test_bad_encoder_inputs_are_invalid_arg(inputs, fragment):
     with pytest.raises(EpdError) as info:
         parse_encoder_inputs(inputs, 8, 1 << 20)
     assert info.value.code is ErrorCode.INVALID_ARG and fragment in info.value.message
+
+
+def test_a_video_key_covers_the_video_config_and_the_frame_sampling(tmp_path: Path):
+    """Other frames (sampling) or another frame size (the video processor's config) are other
+    embeddings: another key. An image's key does not depend on either, and the same bytes sent
+    as an image and as a video are two keys."""
+    config = tmp_path / "preprocessor_config.json"
+    onnx = tmp_path / "model.onnx"
+    config.write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056}))
+    onnx.write_bytes(b"encoder graph v1")
+    media = b"the same bytes"
+
+    def keys(sampling: dict[str, int]) -> tuple[str, str]:
+        loaded = KeyConfig.from_files(config, onnx, sampling)
+        return loaded.key(media), loaded.key(media, modality="video")
+
+    image, video = keys({"max_frames": 768})
+    assert image != video
+    assert keys({"max_frames": 768}) == (image, video)
+    image_capped, video_capped = keys({"max_frames": 32})
+    assert image_capped == image and video_capped != video
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"max_pixels": 100352}))
+    image_sized, video_sized = keys({"max_frames": 768})
+    assert image_sized == image and video_sized not in (video, video_capped)
+    with pytest.raises(EpdError, match="no content key for modality 'audio'"):
+        KEYS.key(media, modality="audio")

@@ -115,6 +115,16 @@ def test_every_generated_config_is_the_contract(target: str, repositories: dict[
             assert {*step.input_map.values(), *step.output_map.values()} <= contract.tensor_names()
 
 
+def test_an_image_only_repository_is_the_contract(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``max_videos`` 0: the models that take video declare the contract's interface less ``video``."""
+    fake_artifact_builds(monkeypatch)
+    write_repository("cpu", build_default_model(), tmp_path / "repository", tmp_path / "stamps", max_videos=0)
+    configs = {c.name: c for c in generated_configs(tmp_path / "repository")}
+    for name in ("llm", "epd", *TARGETS["cpu"].cache.encoder_models):
+        with_video = contract.interfaces_of(name)[0].input_names
+        assert declared_interface(configs[name]).input_names == tuple(i for i in with_video if i != contract.VIDEO)
+
+
 def test_store_users_carry_the_cache_policy_and_read_it_back(repositories: dict[str, Path]) -> None:
     for target, root in repositories.items():
         policy = TARGETS[target].cache

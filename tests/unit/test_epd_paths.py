@@ -200,3 +200,79 @@ def test_cancelling_a_colocated_stream_aborts_the_engine_request_and_releases(st
     assert asyncio.run(go()).token_ids == [200]
     assert engine.aborted == ["cancel-me"]
     assert store.metrics()["active_leases"] == 0 and p.cost.in_flight[COLOCATED_PATH] == 0
+
+
+def test_colocated_takes_videos_as_embeddings_from_the_store(store):
+    """A request with a video: the video (and the request's new images) go through the encoders
+    into the store, and the engine gets every item as embeddings by modality (never the video
+    bytes: llm's own video loading is the baseline, not a path of epd); again: 0 encodes."""
+    from tests.unit.test_epd_pipeline import video_request
+
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    req = video_request([PHOTO], [b"vid-1", b"vid-2"])
+    chunks = run(p, req, path=COLOCATED_PATH)
+    assert chunks[-1].serving_path == COLOCATED_PATH
+    data = engine.prompts[0]["multi_modal_data"]
+    assert data["image"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert data["video"]["video_grid_thw"].tolist() == [[2, 4, 4], [2, 4, 4]]
+    assert data["video"]["video_embeds"].shape == (16, 8)
+    uuids = engine.prompts[0]["multi_modal_uuids"]
+    assert len(uuids["image"]) == 1 and len(uuids["video"]) == 2
+    run(p, req, path=COLOCATED_PATH, request_id="r2")
+    assert len(stages.encoded) == 1 and len(stages.encoded_videos) == 2
+    assert torch.equal(engine.prompts[1]["multi_modal_data"]["video"]["video_embeds"], data["video"]["video_embeds"])
+    assert store.metrics()["active_leases"] == 0
+
+
+@pytest.mark.parametrize("path", [COLOCATED_PATH, DISAGGREGATED_PATH])
+def test_the_decision_hook_runs_after_the_first_token_and_before_the_last(store, path):
+    """``on_decision`` (epd: /metrics, round trips to the server) is off the time to first token:
+    told once the first chunk went out, and always before the last chunk (a client that saw the
+    end finds the decision counted)."""
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    seen: list[Any] = []
+    told_at: list[int] = []
+
+    async def go():
+        sent = 0
+        async for chunk in p.run(request([PHOTO]), "r1", path=path, on_decision=lambda d, c: seen.append(d)):
+            told_at.append(len(seen))
+            sent += 1
+            assert not chunk.finished or len(seen) == 1
+        return sent
+
+    sent = asyncio.run(go())
+    assert sent > 2 and told_at[0] == 0 and told_at[1:] == [1] * (sent - 1)
+    assert [d.path for d in seen] == [path]
+
+
+def test_the_decision_hook_hears_of_a_request_that_failed_or_was_closed_before_any_token(store):
+    stages, engine = FakeStages(store), FakeEngine(hang_after_first=True)
+    p = pipeline(stages, engine)
+    seen: list[Any] = []
+
+    async def closed_at_first():
+        gen = p.run(request([PHOTO]), "r1", path=COLOCATED_PATH, on_decision=lambda d, c: seen.append(d))
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(closed_at_first())
+    assert [d.path for d in seen] == [COLOCATED_PATH]
+
+    class Broken(FakeEngine):
+        async def generate_prompt(self, prompt, req, request_id):
+            raise EpdError("engine gone", ErrorCode.INTERNAL)
+            yield  # an async generator
+
+    failing = pipeline(FakeStages(store), Broken())
+    with pytest.raises(EpdError):
+        asyncio.run(_drain(failing.run(request([PHOTO]), "r2", path=COLOCATED_PATH,
+                                       on_decision=lambda d, c: seen.append(d))))
+    assert [d.path for d in seen] == [COLOCATED_PATH, COLOCATED_PATH]
+    assert store.metrics()["active_leases"] == 0
+
+
+async def _drain(gen):
+    return [c async for c in gen]

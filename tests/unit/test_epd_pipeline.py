@@ -44,17 +44,20 @@ class FakeStages:
     hang_decode: bool = False
     routed: list[str] = field(default_factory=list)
     encoders: dict[str, CachedEncoder] = field(default_factory=dict)
+    encoded_videos: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ENCODERS:
             namespace = cache_namespace(self.scope, name)
-            self.encoders[name] = CachedEncoder(self.store, KEYS, self.encode, namespace=namespace)
+            self.encoders[name] = CachedEncoder(
+                self.store, KEYS, self.encode, namespace=namespace, encode_video=self.encode_video
+            )
 
     async def encode_reference(
-        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
     ) -> tuple[bytes, bool]:
         self.routed.append(encoder)
-        answer = await self.encoders[encoder].reference(image, lease_owner, tenant)
+        answer = await self.encoders[encoder].reference(image, lease_owner, tenant, modality)
         return answer.reference.to_bytes(), answer.cache_hit
 
     async def encode(self, image: bytes) -> EncodedImage:
@@ -65,6 +68,14 @@ class FakeStages:
             raise EpdError("image 0 is not an image", ErrorCode.INVALID_ARG)
         seed = int.from_bytes(image[:4].ljust(4, b"\0"), "little")
         return EncodedImage(np.random.default_rng(seed).standard_normal((4, HIDDEN)).astype(np.float32), (1, 4, 4))
+
+    async def encode_video(self, video: bytes) -> EncodedImage:
+        """A video: 8 rows (grid 2 x 4 x 4, merge 2); "bad-video" fails as the preprocessing does."""
+        self.encoded_videos.append(video)
+        if video == b"bad-video":
+            raise EpdError("video[0] uses codec h264, which this target does not decode", ErrorCode.INVALID_ARG)
+        seed = int.from_bytes(video[:4].ljust(4, b"\0"), "little")
+        return EncodedImage(np.random.default_rng(seed).standard_normal((8, HIDDEN)).astype(np.float32), (2, 4, 4))
 
     async def prefill(self, prompt, references, sampling) -> GenerationChunk:
         self.prefill_refs.append(list(references))
@@ -293,4 +304,46 @@ def test_an_encoder_error_names_the_image_by_its_index_in_the_request(store):
         collect(make_pipeline(stages), request([b"img-a", b"corrupt"]))
     assert info.value.code is ErrorCode.INVALID_ARG
     assert info.value.message == "encode: image[1] cannot be read: corrupt header"
+    assert store.metrics()["active_leases"] == 0
+
+
+def video_request(images: list[bytes], videos: list[bytes]) -> GenerateRequest:
+    return GenerateRequest(
+        prompt="<|image_pad|>" * len(images) + "<|video_pad|>" * len(videos) + "hi",
+        images=images,  # type: ignore[arg-type]
+        stream=True,
+        sampling={"max_tokens": 4, "temperature": 0.0},
+        exclude_input_in_output=True,
+        videos=videos,
+    )
+
+
+def test_videos_are_encoded_stored_and_referenced_like_images(store):
+    """Images and videos in one request: each through its encoder as its modality, references in
+    prompt order (images, then videos) to prefill and decode; the same request again encodes
+    nothing (a stored video skips decode and encode), and a video's key is not its bytes' image key."""
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
+    req = video_request([b"img-a"], [b"vid-1", b"vid-2"])
+    first = collect(pipeline, req)
+    assert first[-1].finished and stages.encoded == [b"img-a"] and sorted(stages.encoded_videos) == [b"vid-1", b"vid-2"]
+    refs = [parse_reference(r) for r in stages.prefill_refs[0]]
+    assert [r.modality for r in refs] == ["image", "video", "video"]
+    assert [r.grid_thw for r in refs] == [(1, 4, 4), (2, 4, 4), (2, 4, 4)]
+    assert stages.decode_refs[0] == stages.prefill_refs[0]
+    second = collect(pipeline, req, "r2")
+    assert len(stages.encoded) == 1 and len(stages.encoded_videos) == 2  # 0 encodes the second time
+    assert second[-1].cache_hits == 3 and second[-1].fast_hits == 3
+    assert [parse_reference(r).key for r in stages.prefill_refs[1]] == [r.key for r in refs]
+    # The same bytes sent as an image and as a video are two entries.
+    assert KEYS.key(b"vid-1") != KEYS.key(b"vid-1", modality="video")
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_a_bad_video_is_named_by_its_index_and_leaks_nothing(store):
+    stages = FakeStages(store)
+    with pytest.raises(EpdError) as info:
+        collect(make_pipeline(stages), video_request([b"img-a"], [b"vid-1", b"bad-video"]))
+    assert info.value.code is ErrorCode.INVALID_ARG
+    assert "video[1] uses codec h264" in info.value.message, info.value.message
     assert store.metrics()["active_leases"] == 0

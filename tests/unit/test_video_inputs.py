@@ -109,3 +109,66 @@ def test_bad_videos_in_bounded_memory() -> None:
     grown_mib = (numbers["peak_after_kib"] - numbers["peak_before_kib"]) / 1024
     print(f"bad videos, RSS and peak RSS (KiB): {numbers}; peak grew by {grown_mib:.1f} MiB")
     assert grown_mib < 64, numbers
+
+
+def test_video_encode_runs_the_pipeline_then_the_encoder_on_its_grid(preprocessor: DaliVideoPreprocessor) -> None:
+    """The encoders' video step (python_backends/video_encode.py): the preprocessed pixels of one
+    video go to the vision encoder with the video's grid, rows come back per merged patch; a bad
+    video is the preprocessing's INVALID_ARG, the encoder never called."""
+    import asyncio
+
+    import numpy as np
+
+    from python_backends.video_encode import VideoEncode
+
+    calls: list[tuple[tuple[int, ...], list[list[int]]]] = []
+
+    async def encode_pixels(pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        calls.append((pixels.shape, grid.tolist()))
+        t, h, w = grid[0]
+        return np.ones((1, t * h * w // 4, 8), dtype=np.float32)
+
+    encode = VideoEncode(preprocessor, encode_pixels)
+    clip = make_clip(ClipSpec("vp9", 160, 120, 10, 2.0))
+    expected = preprocessor.preprocess([clip])
+    encoded = asyncio.run(encode(clip))
+    assert encoded.grid_thw == tuple(expected.video_grid_thw[0].tolist()) == (2, 8, 12)
+    assert calls == [((1, 2 * 8 * 12, expected.pixel_values_videos.shape[1]), [[2, 8, 12]])]
+    assert encoded.embeds.shape == (2 * 8 * 12 // 4, 8)
+    make, words = BAD_VIDEOS["corrupt bytes"]
+    with pytest.raises(EpdError) as caught:
+        asyncio.run(encode(make()))
+    assert caught.value.code is ErrorCode.INVALID_ARG and "video[0]" in caught.value.message
+    assert len(calls) == 1
+
+
+def test_encoder_and_epd_video_inputs() -> None:
+    """What the encoders and epd check themselves (count, bytes, base64); the container checks
+    are the preprocessing's (above)."""
+    import base64
+
+    import numpy as np
+
+    from python_backends.cached_encoder import parse_encoder_videos
+    from python_backends.generate_request import GenerateRequest, raw_videos
+
+    clip = make_clip(ClipSpec("vp8", 64, 64, 5, 1))
+    as_sent = {"video": np.array([clip, base64.b64encode(clip)], dtype=np.object_)}
+    assert parse_encoder_videos(as_sent, VideoLimits()) == [clip, clip]
+    assert parse_encoder_videos({"image": np.array([b"x"], dtype=np.object_)}, VideoLimits()) is None
+    cases = [
+        (as_sent, None, "takes no video"),
+        ({**as_sent, "image": np.array([b"x"], dtype=np.object_)}, VideoLimits(), "not both"),
+        (as_sent, VideoLimits(max_videos=1), "above the limit of 1 (max_videos)"),
+        (as_sent, VideoLimits(max_video_bytes=100), "max_video_bytes"),
+        ({"video": np.array([b"not a video"], dtype=np.object_)}, VideoLimits(), "video[0] is neither"),
+    ]
+    for inputs, limits, words in cases:
+        with pytest.raises(EpdError) as caught:
+            parse_encoder_videos(inputs, limits)
+        assert caught.value.code is ErrorCode.INVALID_ARG and words in caught.value.message, caught.value.message
+    request = GenerateRequest("p", [], True, {}, True, videos=[base64.b64encode(clip), clip])
+    assert raw_videos(request, VideoLimits()).videos == [clip, clip]
+    small = GenerateRequest("p", [], True, {}, True, videos=[b"RIFF0000AVI ", clip])
+    with pytest.raises(EpdError, match=r"video\[1\] has .*max_video_bytes"):
+        raw_videos(small, VideoLimits(max_video_bytes=20))

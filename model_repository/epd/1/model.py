@@ -1,6 +1,6 @@
 """`epd`: the main entry point (decoupled), same interface as `llm`.
 
-hash media -> embedding store lookup -> choose a path (request parameter `path`, else the
+hash media (images and videos) -> embedding store lookup -> choose a path (request parameter `path`, else the
 deployment's `path_policy`, adaptive by default) -> disaggregated (encode misses -> prefill ->
 first token at once -> stream decode, over BLS) or colocated (epd's own vLLM engine, store hits
 as embeddings). The steps live in python_backends.epd_pipeline and its path modules
@@ -13,8 +13,9 @@ from pathlib import Path
 
 from python_backends import contract
 from python_backends.epd_pipeline import EpdPipeline, pinned_encoder, requested_path
-from python_backends.generate_request import check_image_headers, parse_generate_request, request_limits
+from python_backends.generate_request import check_image_headers, parse_generate_request, raw_videos, request_limits
 from python_backends.llm_engine import LlmEngine
+from python_backends.llm_video import VideoInputLimits
 from python_backends.scaleout.remote import with_remote_encoders
 from python_backends.store import EmbeddingStore, KeyConfig
 from python_backends.tenants import request_parameters, request_tenant
@@ -29,12 +30,16 @@ class TritonPythonModel(DecoupledModel):
 
     def setup(self, args):
         params = self.params
-        self.limits = request_limits(params, accept_mm_hash=True)
+        self.videos = VideoInputLimits.from_params(params)  # None: no video (max_videos 0)
+        max_videos = self.videos.limits.max_videos if self.videos else 0
+        self.limits = request_limits(params, accept_mm_hash=True, max_videos=max_videos)
         self.store = EmbeddingStore(params.store_config())
         self.engine = BlsStages(params.string(contract.PREFILL_MODEL_KEY), params.string(contract.DECODE_MODEL_KEY))
         repository = Path(args["model_repository"]).parent
         keys = KeyConfig.from_files(
-            Path(params.string(contract.PREPROCESSOR_CONFIG)), repository / params.string(contract.ENCODER_FILE)
+            Path(params.string(contract.PREPROCESSOR_CONFIG)),
+            repository / params.string(contract.ENCODER_FILE),
+            self.videos.sampling.loader_kwargs() if self.videos else None,
         )
         encoders = params.string(contract.ENCODER_MODELS_KEY).split(",")
         cache = params.cache_policy()
@@ -58,6 +63,8 @@ class TritonPythonModel(DecoupledModel):
     def parse(self, inputs, request):
         parsed = parse_generate_request(inputs, self.limits)
         check_image_headers(parsed, self.limits)
+        if self.videos is not None:  # raw bytes, as the encoders key them; their containers are checked there
+            parsed = raw_videos(parsed, self.videos.limits)
         raw = request.parameters()
         return parsed, pinned_encoder(raw), request_tenant(request_parameters(raw)), requested_path(raw)
 
@@ -75,8 +82,3 @@ class TritonPythonModel(DecoupledModel):
         super().request_done()
         self.cache_metrics.refresh()
         self.path_metrics.refresh(self.pipeline.cost)
-
-    def finalize(self):
-        super().finalize()
-        if self.colocated is not None:
-            self.colocated.shutdown()
