@@ -22,12 +22,14 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine, one_line
 from bench.metrics import distribution
-from bench.server_stats import counter_deltas, scrape, sum_counter
+from bench.server_stats import counter_deltas, scrape_required, sum_counter
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
 
@@ -45,15 +47,30 @@ def images(count: int) -> list[bytes]:
     return [photo_like_jpeg(448, 336, seed=10_000 + i) for i in range(count)]
 
 
+def private_repository(repo: Path) -> Path:
+    """A fresh copy of model_repository/'s model code at ``repo``, for a benchmark's own server;
+    the caller generates its configs (``encoder_<i>`` folders too: their number is a setting)."""
+    shutil.rmtree(repo, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "encoder_*")
+    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=ignore)
+    return repo
+
+
+@contextmanager
+def ready_server(
+    options: ServerOptions, log_path: Path, timeout_s: float = 900
+) -> Iterator[tuple[TritonServer, float]]:
+    """A started server once it is ready, with the seconds that took; stopped on the way out."""
+    with TritonServer(options, log_path) as server:
+        yield server, server.wait_ready(timeout_s=timeout_s)
+
+
 def _repository(scope: str) -> Path:
     """A private copy of the repository, generated with ``scope``."""
     from builders.launcher import prepare
     from builders.repository import TARGETS
 
-    repo = WORK_DIR / f"repo-{scope}"
-    shutil.rmtree(repo, ignore_errors=True)
-    ignore = shutil.ignore_patterns("__pycache__", "encoder_*")
-    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=ignore)
+    repo = private_repository(WORK_DIR / f"repo-{scope}")
     cache = dataclasses.replace(TARGETS["cpu"].cache, scope=scope, path=STORE_PATH, encoders=2)
     prepare("cpu", None, repo, cache)
     shutil.rmtree(STORE_PATH, ignore_errors=True)  # both scopes start cold
@@ -69,26 +86,10 @@ def _phase(url: str, batch: list[bytes], encoder: str, concurrency: int) -> list
             result = client.generate(prompt, [image], SAMPLING, parameters={"encoder": encoder})
         finally:
             client.close()
-        return {
-            "ttft_s": result.chunk_times[0] - result.started_at,
-            "e2e_s": result.chunk_times[-1] - result.started_at,
-            "cache_hits": result.cache_hits,
-            "token_ids": result.token_ids,
-        }
+        return result.summary()
 
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, batch))
-
-
-def _snapshot(url: str) -> Any:
-    """/metrics now; a busy 2-core machine can be slow to answer, but a missing snapshot
-    would silently read as zero encodes, so it is an error."""
-    for _ in range(5):
-        snapshot = scrape(url, timeout_s=30.0)
-        if snapshot is not None:
-            return snapshot
-        time.sleep(1.0)
-    raise RuntimeError(f"cannot read {url}")
 
 
 def _of_model(deltas: dict[str, float], model: str) -> dict[str, float]:
@@ -99,14 +100,13 @@ def run_scope(scope: str, batch: list[bytes], concurrency: int) -> dict[str, Any
     repo = _repository(scope)
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in MODELS))
     options = ServerOptions(repo, Ports.free(), extra_args=args)
-    with TritonServer(options, WORK_DIR / f"server-{scope}.log") as server:
-        started = server.wait_ready(timeout_s=900)
+    with ready_server(options, WORK_DIR / f"server-{scope}.log") as (server, started):
         metrics_url = server.metrics_url
         phases: dict[str, Any] = {}
         for phase, encoder in (("A", "encoder_0"), ("B", "encoder_1")):
-            before = _snapshot(metrics_url)
+            before = scrape_required(metrics_url)
             records = _phase(server.grpc_url, batch, encoder, concurrency)
-            deltas = counter_deltas(before, _snapshot(metrics_url))
+            deltas = counter_deltas(before, scrape_required(metrics_url))
             phases[phase] = {
                 "encoder": encoder,
                 "requests": len(records),

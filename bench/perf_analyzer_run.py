@@ -11,10 +11,14 @@ One set of seeded requests (``bench.workload``) is written as perf_analyzer ``--
 the same entries. Per (model, concurrency, shared memory): perf_analyzer (the build ``make
 tools`` installs) with ``-i grpc --streaming`` and count windows; its CSV (throughput, p50
 latency), its profile export (requests recorded, each with its response times) and Triton's
-success/failure counters around the run. Right after perf_analyzer's run of ``--compare-model``
-at concurrency 1, the harness on the same requests at concurrency 1: its TTFT and e2e p50 next to
-perf_analyzer's p50 and the first- and last-response p50 of perf_analyzer's own export
-(:func:`comparison` says which is compared with which, and why).
+success/failure counters around the run.
+
+Then the comparison on ``--compare-model`` at concurrency 1, like with like: after one untimed
+pass of every entry (so that neither client meets a cold entry), ``--compare-rounds`` rounds that
+each run perf_analyzer and then the harness on the same entries (the order alternates from round
+to round), so that both see the same load on a shared machine, and the first-response times of
+perf_analyzer's exports are pooled against the harness's TTFTs (and last response against e2e).
+:func:`comparison` says which is compared with which, and why.
 
 Writes ``results.json`` and ``results.md`` (with the command) under ``--out``.
 """
@@ -44,8 +48,9 @@ from builders.tritonserver import REPO_ROOT
 STABILITY_PERCENT = 1000
 # perf_analyzer 2.41's shared memory refuses a model with an optional input the data leaves out:
 # ``llm`` declares ``image_embeds``/``image_grid_thw`` (by-value embeddings), which an image request
-# cannot also carry, and ``epd`` declares ``errors_as_outputs`` (for BLS callers), which these
-# inputs leave out (2026-12-01: perf_analyzer stopped with "does not support optional inputs").
+# cannot also carry. ``epd``: its ``errors_as_outputs`` is filled with ``false``
+# (bench.perf_analyzer.data_entry), but since e681360 it also declares ``video``, which an image
+# request leaves out (refused again at 07:40 on 2026-12-01; see tests/server/test_perf_analyzer.py).
 SHM_MODELS: tuple[str, ...] = ()
 
 
@@ -92,13 +97,21 @@ def read_run(out: Path) -> dict[str, Any]:
         "requests_without_response": sum(1 for r in requests if not r["response_timestamps"]),
         "export_first_response_p50_ms": statistics.median(first_ms) if first_ms else None,
         "export_last_response_p50_ms": statistics.median(last_ms) if last_ms else None,
+        "export_first_response_ms": [round(x, 3) for x in first_ms],
+        "export_last_response_ms": [round(x, 3) for x in last_ms],
     }
 
 
 def run_perf_analyzer(
-    tool: PerfAnalyzer, args: argparse.Namespace, model: str, inputs: Path, concurrency: int, shm: bool
+    tool: PerfAnalyzer,
+    args: argparse.Namespace,
+    model: str,
+    inputs: Path,
+    concurrency: int,
+    shm: bool,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    out = args.out / "runs" / f"{model}-c{concurrency}{'-shm' if shm else ''}"
+    out = args.out / "runs" / (name or f"{model}-c{concurrency}{'-shm' if shm else ''}")
     out.mkdir(parents=True, exist_ok=True)
     command = perf_analyzer_command(tool, model, args.url, inputs, concurrency, shm, out, args.window_requests)
     before = counters(args.metrics_url, model)
@@ -118,7 +131,10 @@ def run_perf_analyzer(
     return result
 
 
-async def harness_ttft(url: str, model: str, requests: Sequence[Any], reps: int) -> dict[str, Any]:
+async def harness_pass(url: str, model: str, requests: Sequence[Any], reps: int) -> dict[str, Any]:
+    """Our harness on ``requests`` at concurrency 1, ``reps`` times: its TTFT and e2e per request
+    (``bench.metrics``: from the call that opens the request's stream to its first / last response
+    with output)."""
     from bench.loadgen import closed_loop
     from bench.metrics import e2e_s, ttft_s
     from bench.triton_target import TritonGrpcTarget
@@ -126,7 +142,6 @@ async def harness_ttft(url: str, model: str, requests: Sequence[Any], reps: int)
     target = TritonGrpcTarget(url)
     try:
         prepared = [target.prepare(r, model) for r in requests]
-        await closed_loop(lambda p: target.send(model, p, 600), prepared[:2], 1, 600, lambda: None)  # warm-up
         records = []
         for _ in range(reps):
             records += (await closed_loop(lambda p: target.send(model, p, 600), prepared, 1, 600, lambda: None)).records
@@ -136,14 +151,63 @@ async def harness_ttft(url: str, model: str, requests: Sequence[Any], reps: int)
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
-        "ttft_p50_ms": statistics.median(ttft_s(r) for r in ok) * 1000.0,
-        "e2e_p50_ms": statistics.median(e2e_s(r) for r in ok) * 1000.0,
+        "ttft_ms": [round(ttft_s(r) * 1000.0, 3) for r in ok],
+        "e2e_ms": [round(e2e_s(r) * 1000.0, 3) for r in ok],
     }
 
 
-def is_base(run: dict[str, Any], model: str) -> bool:
-    """The run the harness is compared with: ``model`` at concurrency 1, no shared memory, exit 0."""
-    return run["model"] == model and run["concurrency"] == 1 and run["shared_memory"] == "none" and not run["exit_code"]
+def compare_rounds(
+    tool: PerfAnalyzer, args: argparse.Namespace, model: str, inputs: Path, requests: Sequence[Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """perf_analyzer and the harness on ``model`` at c=1, interleaved (see the module docstring):
+    the rounds, perf_analyzer's pooled numbers (shaped like a run) and the harness's."""
+    asyncio.run(harness_pass(args.url, model, requests, 1))  # every entry once, untimed
+    rounds = []
+    for i in range(args.compare_rounds):
+        print(f"[compare] {model} round {i}", file=sys.stderr, flush=True)
+        steps = ["perf_analyzer", "harness"] if i % 2 == 0 else ["harness", "perf_analyzer"]
+        row: dict[str, Any] = {"round": i, "order": steps}
+        for step in steps:
+            if step == "perf_analyzer":
+                row["perf_analyzer"] = run_perf_analyzer(tool, args, model, inputs, 1, False, f"compare-{model}-r{i}")
+            else:
+                row["harness"] = asyncio.run(harness_pass(args.url, model, requests, args.harness_reps))
+        rounds.append(row)
+    ran = [r["perf_analyzer"] for r in rounds if not r["perf_analyzer"]["exit_code"]]
+    first = [x for run in ran for x in run["export_first_response_ms"]]
+    last = [x for run in ran for x in run["export_last_response_ms"]]
+    pooled_pa = {
+        "p50_latency_ms": statistics.median(run["p50_latency_ms"] for run in ran) if ran else None,
+        "export_first_response_p50_ms": statistics.median(first) if first else None,
+        "export_last_response_p50_ms": statistics.median(last) if last else None,
+        "requests_recorded": len(first),
+    }
+    ttft = [x for r in rounds for x in r["harness"]["ttft_ms"]]
+    e2e = [x for r in rounds for x in r["harness"]["e2e_ms"]]
+    pooled_harness = {
+        "requests": sum(r["harness"]["requests"] for r in rounds),
+        "errors": sum(r["harness"]["errors"] for r in rounds),
+        "ttft_p50_ms": statistics.median(ttft) if ttft else None,
+        "e2e_p50_ms": statistics.median(e2e) if e2e else None,
+    }
+    return rounds, pooled_pa, pooled_harness
+
+
+def round_ratios(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per round: perf_analyzer's first/last-response p50 over the harness's TTFT/e2e p50."""
+    out = []
+    for r in rounds:
+        pa, h = r["perf_analyzer"], r["harness"]
+        if pa["exit_code"] or not h["ttft_ms"]:
+            continue
+        ttft, e2e = statistics.median(h["ttft_ms"]), statistics.median(h["e2e_ms"])
+        first, last = pa["export_first_response_p50_ms"], pa["export_last_response_p50_ms"]
+        out.append({
+            "round": r["round"], "order": " then ".join(r["order"]),
+            "perf_analyzer_first_p50_ms": first, "harness_ttft_p50_ms": ttft, "first_vs_ttft": first / ttft,
+            "perf_analyzer_last_p50_ms": last, "harness_e2e_p50_ms": e2e, "last_vs_e2e": last / e2e,
+        })  # fmt: skip
+    return out
 
 
 def comparison(model: str, base: dict[str, Any], harness: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +255,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{summary['window_requests']} requests (stability check off: shared 2-core machine); inputs: "
         f"{summary['inputs']}. No run uses `--shared-memory system`: perf_analyzer 2.41 refuses shared "
         "memory for a model with an optional input the data leaves out (`llm`: `image_embeds`; `epd`: "
-        "`errors_as_outputs`).", "",
+        "`video`).", "",
         "| model | c | shm | exit | infer/s | p50 latency ms | recorded | no response | server ok | server failed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -204,22 +268,34 @@ def markdown(summary: dict[str, Any]) -> str:
     c = summary.get("comparison")
     if c:
         lines += [
-            "", f"## `{c['model']}`, concurrency 1: perf_analyzer vs our harness, same requests", "",
-            "| measure | ms | perf_analyzer p50 / this |", "|---|---|---|",
-            f"| perf_analyzer p50 latency | {c['perf_analyzer_p50_ms']:.1f} | 1.00 |",
-            f"| harness TTFT p50 | {c['harness_ttft_p50_ms']:.1f} | {c['ratio_vs_ttft']:.3f} |",
-            f"| harness e2e p50 | {c['harness_e2e_p50_ms']:.1f} | {c['ratio_vs_e2e']:.3f} |",
+            "", f"## `{c['model']}`, concurrency 1: perf_analyzer vs our harness, same requests, interleaved", "",
+            f"{len(c['rounds'])} rounds, each perf_analyzer (count windows) and the harness ({c['harness_reps']} "
+            "passes over the entries) one after the other, the order alternating; one untimed pass of every entry "
+            f"before. Pooled: perf_analyzer {c['perf_analyzer_requests']} requests recorded, harness "
+            f"{c['harness']['requests']} requests ({c['harness']['errors']} errors).", "",
+            "| measure | ms | perf_analyzer CSV p50 / this |", "|---|---|---|",
+            f"| perf_analyzer CSV p50 latency (median of the rounds) | {c['perf_analyzer_p50_ms']:.1f} | 1.00 |",
             f"| perf_analyzer export, first response p50 | {c['export_first_response_p50_ms']:.1f} | "
             f"{c['perf_analyzer_p50_ms'] / c['export_first_response_p50_ms']:.3f} |",
             f"| perf_analyzer export, last response p50 | {c['export_last_response_p50_ms']:.1f} | "
             f"{c['perf_analyzer_p50_ms'] / c['export_last_response_p50_ms']:.3f} |",
-            "", "| like with like | perf_analyzer ms | harness ms | ratio |", "|---|---|---|---|",
+            f"| harness TTFT p50 | {c['harness_ttft_p50_ms']:.1f} | {c['ratio_vs_ttft']:.3f} |",
+            f"| harness e2e p50 | {c['harness_e2e_p50_ms']:.1f} | {c['ratio_vs_e2e']:.3f} |",
+            "", "| like with like (pooled) | perf_analyzer ms | harness ms | ratio |", "|---|---|---|---|",
             f"| first response vs TTFT p50 | {c['export_first_response_p50_ms']:.1f} | "
             f"{c['harness_ttft_p50_ms']:.1f} | {c['ratio_first_response_vs_ttft']:.3f} |",
             f"| last response vs e2e p50 | {c['export_last_response_p50_ms']:.1f} | "
             f"{c['harness_e2e_p50_ms']:.1f} | {c['ratio_last_response_vs_e2e']:.3f} |",
-            "", c["reading"],
+            "", "| round | order | PA first p50 | harness TTFT p50 | ratio | PA last p50 | harness e2e p50 | ratio |",
+            "|---|---|---|---|---|---|---|---|",
         ]  # fmt: skip
+        for r in c["rounds"]:
+            lines.append(
+                f"| {r['round']} | {r['order']} | {r['perf_analyzer_first_p50_ms']:.1f} | "
+                f"{r['harness_ttft_p50_ms']:.1f} | {r['first_vs_ttft']:.3f} | {r['perf_analyzer_last_p50_ms']:.1f} | "
+                f"{r['harness_e2e_p50_ms']:.1f} | {r['last_vs_e2e']:.3f} |"
+            )
+        lines += ["", c["reading"]]
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +311,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="MODEL:CONCURRENCY, also with system shared memory where perf_analyzer can")  # fmt: skip
     parser.add_argument("--window-requests", type=int, default=16)
     parser.add_argument("--compare-model", default="llm")
-    parser.add_argument("--harness-reps", type=int, default=3)
+    parser.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=4,
+        help="interleaved perf_analyzer/harness rounds on --compare-model at c=1 (0: none)",
+    )
+    parser.add_argument("--harness-reps", type=int, default=3, help="harness passes over the entries per round")
     parser.add_argument("--timeout-s", type=float, default=600)
     _workload_arguments(parser)
     args = parser.parse_args(argv)
@@ -245,21 +327,38 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def server_for(args: argparse.Namespace, timeout_s: float = 900) -> Iterator[None]:
+def server_for(args: argparse.Namespace, timeout_s: float = 900, start_attempts: int = 2) -> Iterator[None]:
     """``args.url``'s server, or one started here (and stopped afterwards) when none was given."""
     if args.url:
         yield
         return
     from builders.launcher import prepare
+    from builders.processes import StartError
     from builders.tritonserver import Ports, ServerOptions, TritonServer
 
     repository = REPO_ROOT / "model_repository"
     prepare("cpu", None, repository)
     args.out.mkdir(parents=True, exist_ok=True)
-    with TritonServer(ServerOptions(repository, Ports.free()), args.out / "server.log") as server:
-        server.wait_ready(timeout_s=timeout_s)
-        args.url, args.metrics_url = server.grpc_url, server.metrics_url
-        yield
+    for attempt in range(start_attempts):
+        # A loaded shared machine sometimes fails a model's load (a python-backend stub launch that
+        # TritonServer gives up on after 60 s, d36e5fe); one more start, on new ports, before giving up.
+        log = args.out / ("server.log" if attempt == 0 else f"server-{attempt + 1}.log")
+        server = TritonServer(ServerOptions(repository, Ports.free()), log)
+        try:
+            server.start()
+            server.wait_ready(timeout_s=timeout_s)
+        except StartError as exc:
+            server.stop()
+            if attempt + 1 == start_attempts:
+                raise
+            print(f"[server] start {attempt + 1} failed, starting again: {str(exc)[:300]}", file=sys.stderr)
+            continue
+        try:
+            args.url, args.metrics_url = server.grpc_url, server.metrics_url
+            yield
+        finally:
+            server.stop()
+        return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,24 +373,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -> int:
-    from bench.cli import _workload_spec
+    from bench.cli import _declared_inputs, _workload_spec
     from bench.workload import WorkloadBuilder
 
     spec = _workload_spec(args)
     requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")
     models = sorted({run.split(":")[0] for run in args.runs} | {args.compare_model})
-    write_inputs(requests, args.out / "inputs", models, "binary", None, args.url)
+    # Only the inputs each model declares, ``epd``'s ``errors_as_outputs`` filled in (shared memory).
+    declared = asyncio.run(_declared_inputs(args.url, models))
+    write_inputs(requests, args.out / "inputs", models, "binary", declared, args.url)
     runs = []
-    harness: dict[str, Any] | None = None
     for run in args.runs:
         model, concurrency = run.split(":")
         for shm in (False, True) if model in SHM_MODELS else (False,):
             print(f"[perf_analyzer] {model} c={concurrency} shm={shm}", file=sys.stderr, flush=True)
             inputs = args.out / "inputs" / f"{model}.json"
             runs.append(run_perf_analyzer(tool, args, model, inputs, int(concurrency), shm))
-            if harness is None and is_base(runs[-1], args.compare_model):
-                # At once, so that both see the same load on a shared machine.
-                harness = asyncio.run(harness_ttft(args.url, args.compare_model, requests, args.harness_reps))
     summary: dict[str, Any] = {
         "command": "python -m bench.perf_analyzer_run " + shlex.join(argv),
         "perf_analyzer": version_of(tool),
@@ -300,13 +397,26 @@ def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -
         f"output tokens {args.output_tokens}",
         "runs": runs,
     }
-    base = next((r for r in runs if is_base(r, args.compare_model)), None)
-    if base is not None and harness is not None:
-        summary["comparison"] = comparison(args.compare_model, base, harness)
+    if args.compare_rounds:
+        model = args.compare_model
+        rounds, pooled_pa, pooled_harness = compare_rounds(
+            tool, args, model, args.out / "inputs" / f"{model}.json", requests
+        )
+        if pooled_pa["requests_recorded"] and pooled_harness["ttft_p50_ms"] is not None:
+            summary["comparison"] = {
+                **comparison(model, pooled_pa, pooled_harness),
+                "perf_analyzer_requests": pooled_pa["requests_recorded"],
+                "rounds": round_ratios(rounds),
+                "harness_reps": args.harness_reps,
+            }
+        summary["compare_rounds"] = rounds
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(summary))
     print((args.out / "results.md").read_text())
-    failed = [r for r in runs if r["exit_code"] != 0 or r["server_failure"] or r.get("requests_without_response")]
+    compared = [r["perf_analyzer"] for r in summary.get("compare_rounds", [])]
+    failed = [
+        r for r in runs + compared if r["exit_code"] != 0 or r["server_failure"] or r.get("requests_without_response")
+    ]
     return 1 if failed else 0
 
 

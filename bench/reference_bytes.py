@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,29 +85,39 @@ def measure(server: TritonServer) -> list[dict[str, Any]]:
     return rows
 
 
+def report_head(title: str, machine: dict[str, Any], command: str) -> list[str]:
+    """A results.md's first lines: the title, the machine and the command that made it."""
+    return [f"# {title}", "", f"Machine: {one_line(machine)}", "", f"Command: `{command}`", ""]
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A Markdown table: a header row, its rule and one line per row (cells already formatted)."""
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
 def markdown(summary: dict[str, Any]) -> str:
+    columns = ("image", "tokens", "reference bytes", "by-value bytes (tiny, fp32)", "ratio", "Qwen2-VL-2B bf16",
+               "Qwen2-VL-7B bf16")  # fmt: skip
+    rows = [
+        (row["image"], row["tokens"], f"{row['reference_bytes']:.0f}", f"{row['by_value_bytes']:,}",
+         f"{row['by_value_over_reference']:.0f}x", f"{row['by_value_bytes_Qwen2-VL-2B_bf16']:,}",
+         f"{row['by_value_bytes_Qwen2-VL-7B_bf16']:,}")  # fmt: skip
+        for row in summary["rows"]
+    ]
     lines = [
-        "# Bytes per image between the encoder and the LLM: reference (`epd`) vs by value (`ensemble`)",
-        "",
-        f"Machine: {one_line(summary['machine'])}",
-        "",
-        f"Command: `{summary['command']}`",
-        "",
+        *report_head(
+            "Bytes per image between the encoder and the LLM: reference (`epd`) vs by value (`ensemble`)",
+            summary["machine"],
+            summary["command"],
+        ),
         "`epd`: what `prefill` received per image, from the server's counters "
         '(`epd_prefill_input_bytes{kind="reference"}` / `epd_prefill_references`; `kind="media"` stays 0). '
         "By value: the `image_embeds` that `encode` returns and `ensemble` passes to `llm` (fp32, tiny model, "
         "hidden 128); the last two columns are the same token count at Qwen2-VL-2B/7B width in bf16.",
         "",
-        "| image | tokens | reference bytes | by-value bytes (tiny, fp32) | ratio | Qwen2-VL-2B bf16 | Qwen2-VL-7B "
-        "bf16 |",
-        "|---|---|---|---|---|---|---|",
+        *table(columns, rows),
     ]
-    for row in summary["rows"]:
-        lines.append(
-            f"| {row['image']} | {row['tokens']} | {row['reference_bytes']:.0f} | {row['by_value_bytes']:,} | "
-            f"{row['by_value_over_reference']:.0f}x | {row['by_value_bytes_Qwen2-VL-2B_bf16']:,} | "
-            f"{row['by_value_bytes_Qwen2-VL-7B_bf16']:,} |"
-        )
     return "\n".join(lines) + "\n"
 
 

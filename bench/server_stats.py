@@ -73,6 +73,17 @@ def scrape(url: str | None, timeout_s: float = 5.0) -> MetricsSnapshot | None:
         return None
 
 
+def scrape_required(url: str, tries: int = 5) -> MetricsSnapshot:
+    """/metrics now, where the caller's numbers depend on it: a busy 2-core machine can be slow
+    to answer, but a missing snapshot would silently read as zero encodes, so it is an error."""
+    for _ in range(tries):
+        snapshot = scrape(url, timeout_s=30.0)
+        if snapshot is not None:
+            return snapshot
+        time.sleep(1.0)
+    raise RuntimeError(f"cannot read {url}")
+
+
 def _label_text(labels: tuple[tuple[str, str], ...]) -> str:
     return ",".join(f'{k}="{v}"' for k, v in labels)
 

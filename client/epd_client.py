@@ -59,6 +59,24 @@ class GenerateResult:
     cache_hits: int | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times[0] - self.started_at
+
+    @property
+    def e2e_s(self) -> float:
+        return self.chunk_times[-1] - self.started_at
+
+    def summary(self) -> dict[str, Any]:
+        """What the benchmarks record per request."""
+        return {
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "cache_hits": self.cache_hits,
+            "timings_ms": dict(self.timings_ms),
+            "token_ids": self.token_ids,
+        }
+
     def add(self, outputs: dict[str, np.ndarray]) -> None:
         self.chunk_times.append(time.perf_counter())
         if "text_output" in outputs:

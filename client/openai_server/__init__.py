@@ -4,6 +4,6 @@
 
 Parts: ``schemas`` (the request and response bodies), ``errors`` (OpenAI-shaped errors and
 their HTTP status), ``prompt`` (the checkpoint's chat template, rendered as ``vllm serve``
-renders it, and the images of the messages), ``triton_backend`` (the gRPC stream to Triton),
+renders it, and the images and videos of the messages), ``triton_backend`` (the gRPC stream to Triton),
 ``app`` (the FastAPI routes) and ``__main__`` (``python -m client.openai_server``).
 """

@@ -1,16 +1,18 @@
-"""Chat messages -> (prompt text, images): the checkpoint's chat template rendered as ``vllm serve``
-renders it, and the encoded images in message order.
+"""Chat messages -> (prompt text, images, videos): the checkpoint's chat template rendered as
+``vllm serve`` renders it, and the encoded images and videos, each in message order.
 
 vLLM (``vllm/renderers/chat_utils.py`` and ``hf.py``) decides per template whether message content
 goes in as a string or as OpenAI-style parts: a template that loops over ``message['content']``
-gets parts, ``{"type": "text", "text": ...}`` for text and ``{"type": "image"}`` for each image
-(a string content becomes one text part); any other template gets the texts joined with newlines.
-It then calls the tokenizer's ``apply_chat_template(..., add_generation_prompt=True,
-tokenize=False)``. This module does the same, so the same chat gives the same prompt here and
-there.
+gets parts, ``{"type": "text", "text": ...}`` for text, ``{"type": "image"}`` for each
+``image_url`` part and ``{"type": "video"}`` for each ``video_url`` part (vLLM's extension; a
+string content becomes one text part); any other template gets the texts joined with newlines
+(and a chat with media is refused here). It then calls the tokenizer's
+``apply_chat_template(..., add_generation_prompt=True, tokenize=False)``. This module does the
+same, so the same chat gives the same prompt here and there.
 
-Images come only from ``data:`` URIs or from ``file://`` URLs under a configured folder: the
-server never fetches from the network (a remote URL is a 400).
+Images and videos come only from ``data:`` URIs or from ``file://`` URLs under a configured
+folder, through one loader with a byte limit per kind: the server never fetches from the network
+(a remote URL is a 400).
 """
 
 from __future__ import annotations
@@ -22,73 +24,88 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from client.openai_server.errors import bad_request
-from client.openai_server.schemas import ImageUrlPart, Message, TextPart
+from client.openai_server.errors import OpenAIError, bad_request
+from client.openai_server.schemas import ImageUrlPart, Message, TextPart, VideoUrlPart
+from python_backends import contract
 
 _DATA_URI = re.compile(r"\Adata:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 
 
+MediaKind = Literal["image", "video"]
+
+
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where images may come from. ``file_root``: the folder ``file://`` URLs may read (None: no
-    files); ``max_image_bytes``: refused before any decode (the models check their own limits too)."""
+    """Where images and videos may come from. ``file_root``: the folder ``file://`` URLs may read
+    (None: no files); ``max_image_bytes`` / ``max_video_bytes``: refused before any decode (the
+    models check their own limits too; these defaults are the models' defaults)."""
 
     file_root: Path | None = None
-    max_image_bytes: int = 20 << 20
+    max_image_bytes: int = int(contract.default_of(contract.MAX_IMAGE_BYTES))
+    max_video_bytes: int = int(contract.default_of(contract.MAX_VIDEO_BYTES))
+
+    def max_bytes(self, kind: MediaKind) -> int:
+        return self.max_video_bytes if kind == "video" else self.max_image_bytes
 
 
-def decode_data_uri(url: str, param: str, max_bytes: int) -> bytes:
+def _too_large(kind: MediaKind, size: int, max_bytes: int, param: str) -> OpenAIError:
+    return bad_request(f"the {kind} has {size} bytes, over the limit of {max_bytes}", param, f"{kind}_too_large")
+
+
+def decode_data_uri(url: str, param: str, kind: MediaKind, max_bytes: int) -> bytes:
+    invalid = f"invalid_{kind}_url"
     match = _DATA_URI.match(url)
     if match is None:
-        raise bad_request("a data URI must look like data:<mime type>;base64,<data>", param, "invalid_image_url")
+        raise bad_request("a data URI must look like data:<mime type>;base64,<data>", param, invalid)
     payload = url[match.end() :]
     if match["b64"] is None:
         data = urllib.parse.unquote_to_bytes(payload)
     else:
-        if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
-            raise bad_request(f"the image is over the limit of {max_bytes} bytes", param, "image_too_large")
+        if len(payload) > (max_bytes + 2) // 3 * 4 + 4:  # over the limit before a byte is decoded
+            raise bad_request(f"the {kind} is over the limit of {max_bytes} bytes", param, f"{kind}_too_large")
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise bad_request(f"the data URI is not valid base64: {exc}", param, "invalid_image_url") from None
+            raise bad_request(f"the data URI is not valid base64: {exc}", param, invalid) from None
     if not data:
-        raise bad_request("the data URI holds no data", param, "invalid_image_url")
+        raise bad_request("the data URI holds no data", param, invalid)
     if len(data) > max_bytes:
-        raise bad_request(f"the image has {len(data)} bytes, over the limit of {max_bytes}", param, "image_too_large")
+        raise _too_large(kind, len(data), max_bytes, param)
     return data
 
 
-def read_file_url(url: str, param: str, policy: MediaPolicy) -> bytes:
+def read_file_url(url: str, param: str, kind: MediaKind, policy: MediaPolicy) -> bytes:
     if policy.file_root is None:
-        raise bad_request("file:// image URLs are off (the server was started without a media folder)", param)
+        raise bad_request(f"file:// {kind} URLs are off (the server was started without a media folder)", param)
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
-        raise bad_request("a file:// URL must name a local file", param, "invalid_image_url")
+        raise bad_request("a file:// URL must name a local file", param, f"invalid_{kind}_url")
     root = policy.file_root.resolve()
     path = Path(urllib.parse.unquote(parsed.path)).resolve()  # symlinks and '..' resolved first
     if not path.is_relative_to(root):
-        raise bad_request(f"file:// URLs may only read files under {root}", param, "invalid_image_url")
+        raise bad_request(f"file:// URLs may only read files under {root}", param, f"invalid_{kind}_url")
     try:
         size = path.stat().st_size
-        if size > policy.max_image_bytes:
-            raise bad_request(f"the image has {size} bytes, over the limit of {policy.max_image_bytes}", param)
+        if size > policy.max_bytes(kind):
+            raise _too_large(kind, size, policy.max_bytes(kind), param)
         return path.read_bytes()
     except OSError as exc:
-        raise bad_request(f"cannot read {path}: {exc.strerror}", param, "invalid_image_url") from None
+        raise bad_request(f"cannot read {path}: {exc.strerror}", param, f"invalid_{kind}_url") from None
 
 
-def load_image(url: str, param: str, policy: MediaPolicy) -> bytes:
+def load_media(url: str, param: str, kind: MediaKind, policy: MediaPolicy) -> bytes:
+    """The bytes of an ``image_url`` or ``video_url`` part, never fetched from the network."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return decode_data_uri(url, param, policy.max_image_bytes)
+        return decode_data_uri(url, param, kind, policy.max_bytes(kind))
     if scheme == "file":
-        return read_file_url(url, param, policy)
+        return read_file_url(url, param, kind, policy)
     if scheme in ("http", "https"):
-        message = "remote image URLs are not fetched; send the image as a data: URI"
-        raise bad_request(message, param, "invalid_image_url")
-    raise bad_request("an image URL must be a data: URI (or a file:// URL under the media folder)", param)
+        message = f"remote {kind} URLs are not fetched; send the {kind} as a data: URI"
+        raise bad_request(message, param, f"invalid_{kind}_url")
+    raise bad_request(f"the {kind} URL must be a data: URI (or a file:// URL under the media folder)", param)
 
 
 def template_takes_parts(chat_template: str) -> bool:
@@ -141,6 +158,7 @@ def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, A
 class RenderedChat:
     prompt: str
     images: list[bytes]
+    videos: list[bytes]
 
 
 class ChatRenderer:
@@ -163,10 +181,10 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[Message]) -> RenderedChat:
         conversation: list[dict[str, Any]] = []
-        images: list[bytes] = []
+        media: dict[MediaKind, list[bytes]] = {"image": [], "video": []}
         for m_index, message in enumerate(messages):
             content = message.content
-            parts: list[TextPart | ImageUrlPart] = (
+            parts: list[TextPart | ImageUrlPart | VideoUrlPart] = (
                 []
                 if content is None
                 else list(content)
@@ -178,15 +196,21 @@ class ChatRenderer:
                 if isinstance(part, TextPart):
                     converted.append({"type": "text", "text": part.text})
                     continue
-                param = f"messages[{m_index}].content[{p_index}].image_url"
+                kind: MediaKind
+                kind, url = (
+                    ("image", part.image_url.url) if isinstance(part, ImageUrlPart) else ("video", part.video_url.url)
+                )
+                param = f"messages[{m_index}].content[{p_index}].{kind}_url"
                 if message.role != "user":
-                    raise bad_request("images are only taken in user messages", param)
-                images.append(load_image(part.image_url.url, param, self.policy))
-                converted.append({"type": "image"})
+                    raise bad_request(f"{kind}s are only taken in user messages", param)
+                media[kind].append(load_media(url, param, kind, self.policy))
+                converted.append({"type": kind})  # vLLM's part for the template: {"type": "image" | "video"}
             if self.takes_parts:
                 entry: dict[str, Any] = {"role": message.role, "content": converted}
-            elif any(part["type"] == "image" for part in converted):
-                raise bad_request("this checkpoint's chat template takes no image parts", f"messages[{m_index}]")
+            elif any(part["type"] != "text" for part in converted):
+                raise bad_request(
+                    "this checkpoint's chat template takes no image or video parts", f"messages[{m_index}]"
+                )
             else:
                 entry = {"role": message.role, "content": "\n".join(part["text"] for part in converted)}
             if message.name is not None:
@@ -202,4 +226,4 @@ class ChatRenderer:
             str(prompt).encode("utf-8")  # lone surrogates survive JSON but not the wire
         except UnicodeEncodeError:
             raise bad_request("the messages are not valid Unicode text", "messages") from None
-        return RenderedChat(str(prompt), images)
+        return RenderedChat(str(prompt), media["image"], media["video"])

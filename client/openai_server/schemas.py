@@ -35,7 +35,18 @@ class ImageUrlPart(_Strict):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+class VideoUrl(_Strict):
+    url: str
+
+
+class VideoUrlPart(_Strict):
+    """vLLM's extension: an encoded video file (``data:`` URI or ``file://`` URL)."""
+
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart | VideoUrlPart, Field(discriminator="type")]
 
 
 class Message(_Strict):

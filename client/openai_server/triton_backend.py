@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from client.epd_client import build_inputs
 from client.openai_server.errors import OpenAIError, from_triton_message, not_ready
 
-# The user-facing models that take a chat prompt and images (``ensemble`` takes exactly one image).
+# The user-facing models that take a chat prompt, images and videos (``ensemble`` takes exactly one image).
 CHAT_MODELS = ("epd", "llm")
 log = logging.getLogger("openai_server")
 
@@ -23,7 +23,8 @@ log = logging.getLogger("openai_server")
 @dataclass(frozen=True)
 class ChatRequest:
     """One chat as Triton gets it: the model, the rendered prompt, the images in message order,
-    the sampling parameters, the request id and the Triton request parameters (the tenant)."""
+    the sampling parameters, the request id, the Triton request parameters (the tenant) and the
+    videos in message order (the ``video`` input)."""
 
     model: str
     prompt: str
@@ -31,6 +32,7 @@ class ChatRequest:
     sampling: dict[str, Any]
     request_id: str
     parameters: dict[str, Any] | None = None
+    videos: Sequence[bytes] = ()
 
 
 @dataclass
@@ -121,7 +123,9 @@ class TritonChatBackend:
         return [model for model in self.models if await self.model_state(model)]
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[Chunk]:
-        inputs = build_inputs(self._grpc, request.prompt, request.images, True, request.sampling, None)
+        inputs = build_inputs(
+            self._grpc, request.prompt, request.images, True, request.sampling, None, videos=request.videos
+        )
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {

@@ -2,8 +2,9 @@
 
 The app runs as ``python -m client.openai_server`` (its own process, as ``triton-epd-serve
 --openai-port`` starts it) in front of the session's tritonserver. Chats with 0, 1 and 3 images,
-streamed and not, to ``llm`` and ``epd``, must give exactly the greedy tokens of a direct ``llm``
-call on the same prompt (the chat template renders the prompt ``chat_prompt`` builds), with
+streamed and not, and with one video (a ``video_url`` part), streamed, to ``llm`` and ``epd``, must
+give exactly the greedy tokens of a direct ``llm`` call on the same prompt (the chat template
+renders the prompt ``chat_prompt`` builds, with the video's placeholder for a video), with
 Triton's token counts as usage; a client that goes away mid-stream leaves nothing running; bad
 requests get OpenAI-shaped errors with their status and the server keeps serving.
 """
@@ -26,8 +27,10 @@ import pytest
 from builders.processes import ProcessGroup, http_ok, wait_until_ready
 from builders.tritonserver import TritonServer, free_port
 from client.epd_client import GrpcClient, chat_prompt
+from python_backends.generate_request import VIDEO_PLACEHOLDER
 from tests.images import flat_png, synthetic_image
 from tests.server.conftest import LOG_DIR, open_node_store
+from tests.videos import ClipSpec, corrupt_clip, make_clip
 
 pytestmark = pytest.mark.server
 
@@ -118,12 +121,53 @@ def test_chat_gives_llms_greedy_tokens_and_tritons_counts(
         model=model, messages=user_turn(text, images), max_completion_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=extra,
     )  # fmt: skip
+    assert_stream_is(stream, expected)
+
+
+def assert_stream_is(stream: Any, expected: Any) -> None:
+    """A streamed chat (``return_token_ids``, ``include_usage``) gave ``expected``'s tokens, text and counts."""
     chunks = list(stream)
     token_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
     assert token_ids == expected.token_ids
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (expected.num_input_tokens, expected.num_output_tokens)
+
+
+CLIP = make_clip(ClipSpec("vp8", 96, 64, 10, 2.0, seed=601))
+OTHER_CLIP = make_clip(ClipSpec("vp8", 96, 64, 10, 2.0, seed=602))
+
+
+def _video_uri(data: bytes) -> str:
+    return "data:video/webm;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("model", ["llm", "epd"])
+def test_a_chat_with_a_video_gives_llms_greedy_tokens(server: TritonServer, client, llm: GrpcClient, model: str):
+    text = "What happens in the clip?"
+    prompt = chat_prompt(text, 0).replace("<|im_start|>user\n", f"<|im_start|>user\n{VIDEO_PLACEHOLDER}")
+    expected = llm.generate(prompt, [], GREEDY, videos=[CLIP])
+    assert expected.num_output_tokens == len(expected.token_ids) > 0
+    # The tokens depend on the video: an API that sent another one would be caught.
+    assert llm.generate(prompt, [], GREEDY, videos=[OTHER_CLIP]).token_ids != expected.token_ids
+    if model != "llm":  # the text as the model itself sends it (test_chat_gives_llms_greedy_tokens...)
+        direct = GrpcClient(server.grpc_url, model)
+        try:
+            same_model = direct.generate(prompt, [], GREEDY, videos=[CLIP])
+        finally:
+            direct.close()
+        assert same_model.token_ids == expected.token_ids
+        expected.text = same_model.text
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": _video_uri(CLIP)}},
+                                     {"type": "text", "text": text}]},
+    ]  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert_stream_is(stream, expected)
 
 
 def test_epd_text_is_llms_text(llm: GrpcClient, epd: GrpcClient):
@@ -173,6 +217,10 @@ def _with_image(url: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
 
 
+def _with_video(url: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}]}
+
+
 def _png_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -187,6 +235,8 @@ BAD_REQUESTS = [
     ("ill-typed parameter", {"max_tokens": "ten"}, 400, "max_tokens"),
     ("out-of-range for the model", {"max_tokens": 10**6}, 400, "max_tokens"),
     ("remote image URL", _with_image("http://127.0.0.1:9/cat.jpg"), 400, "remote image URLs are not fetched"),
+    ("corrupt video", _with_video(_video_uri(corrupt_clip(ClipSpec("vp8", 64, 64, 5, 1.0)))), 400, "cannot be opened"),
+    ("remote video URL", _with_video("https://127.0.0.1:9/a.webm"), 400, "remote video URLs are not fetched"),
     ("n=2", {"n": 2}, 400, "n=1"),
 ]
 

@@ -109,3 +109,31 @@ def test_perf_analyzer_comparison_pairs_like_with_like():
     assert "(within 15%)" in c["reading"] and "(outside 15%)" in c["reading"]
     first = comparison("llm", {**base, "p50_latency_ms": 42.0}, {"ttft_p50_ms": 45.0, "e2e_p50_ms": 200.0})
     assert first["csv_p50_measures"] == "first response"
+
+
+def test_perf_analyzer_rounds_pair_each_round_and_render():
+    from bench.perf_analyzer_run import comparison, markdown, round_ratios
+
+    pa = {"exit_code": 0, "export_first_response_p50_ms": 40.0, "export_last_response_p50_ms": 160.0}
+    rounds = [
+        {"round": 0, "order": ["perf_analyzer", "harness"], "perf_analyzer": pa,
+         "harness": {"ttft_ms": [30.0, 50.0, 60.0], "e2e_ms": [150.0, 200.0, 210.0]}},
+        {"round": 1, "order": ["harness", "perf_analyzer"], "perf_analyzer": {**pa, "exit_code": 99},
+         "harness": {"ttft_ms": [45.0], "e2e_ms": [170.0]}},
+    ]  # fmt: skip
+    ratios = round_ratios(rounds)
+    assert [r["round"] for r in ratios] == [0]  # a failed perf_analyzer run pairs with nothing
+    assert ratios[0]["first_vs_ttft"] == pytest.approx(40.0 / 50.0)
+    assert ratios[0]["last_vs_e2e"] == pytest.approx(160.0 / 200.0)
+    assert ratios[0]["order"] == "perf_analyzer then harness"
+    base = {"p50_latency_ms": 163.0, **pa}
+    harness = {"requests": 4, "errors": 0, "ttft_p50_ms": 47.5, "e2e_p50_ms": 185.0}
+    summary = {
+        "command": "c", "perf_analyzer": "v", "window_requests": 8, "inputs": "i", "runs": [],
+        "comparison": {**comparison("llm", base, harness), "rounds": ratios, "harness_reps": 1,
+                       "perf_analyzer_requests": 30},
+    }  # fmt: skip
+    text = markdown(summary)
+    assert "| first response vs TTFT p50 | 40.0 | 47.5 | 0.842 |" in text
+    assert "| 0 | perf_analyzer then harness | 40.0 | 50.0 | 0.800 | 160.0 | 200.0 | 0.800 |" in text
+    assert "perf_analyzer 30 requests recorded, harness 4 requests (0 errors)" in text

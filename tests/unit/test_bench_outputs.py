@@ -162,3 +162,11 @@ def test_pipeline_timings_drive_the_reading():
     assert "decode dominates (85%" in reading and "only 5%" in reading and "below" not in reading
     encode_heavy = stage_breakdown(_records(0.1, 1.0, {"preprocess": 30.0, "encode": 50.0, "decode": 20.0}), {}, None)
     assert "disaggregate E" in disaggregation_reading("epd", "c=64", encode_heavy, 64)
+
+
+def test_perf_analyzer_data_covers_errors_as_outputs_where_declared():
+    # perf_analyzer 2.41's --shared-memory refuses a model whose optional inputs the data leaves out.
+    declared = {"text_input", "image", "stream", "errors_as_outputs"}
+    assert data_entry(_request((b"abc",)), "binary", declared=declared)["errors_as_outputs"] == [False]
+    assert "errors_as_outputs" not in data_entry(_request((b"abc",)), "binary")
+    assert "errors_as_outputs" not in data_entry(_request((b"abc",)), "binary", declared={"text_input", "image"})

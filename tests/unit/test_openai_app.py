@@ -23,7 +23,9 @@ from client.openai_server.app import _sse, create_app
 from client.openai_server.errors import from_triton_message
 from client.openai_server.prompt import ChatRenderer, MediaPolicy
 from client.openai_server.triton_backend import ChatRequest, Chunk
+from python_backends.generate_request import VIDEO_PLACEHOLDER
 from tests.images import synthetic_image
+from tests.videos import ClipSpec, make_clip
 
 
 @dataclass
@@ -124,6 +126,53 @@ def test_a_chat_becomes_one_triton_request(client: openai.OpenAI, backend: FakeB
     assert answer.model == "epd" and answer.id.startswith("chatcmpl-")
 
 
+CLIP = make_clip(ClipSpec("vp8", 64, 48, 5, 1.0, seed=8))
+CLIP_PART = {"type": "video_url", "video_url": {"url": "data:video/webm;base64," + base64.b64encode(CLIP).decode()}}
+
+
+def test_a_video_part_reaches_triton_as_a_video(client: openai.OpenAI, backend: FakeBackend):
+    user = {"role": "user", "content": [CLIP_PART, *USER_WITH_IMAGE["content"]]}
+    client.chat.completions.create(model="epd", messages=[user], max_tokens=3)  # type: ignore[list-item]
+    (call,) = backend.calls
+    assert call.prompt == chat_prompt("What?", 1).replace("user\n", f"user\n{VIDEO_PLACEHOLDER}")
+    assert (call.images, call.videos) == ([IMAGE], [CLIP])
+
+
+def test_the_triton_request_carries_the_videos_as_the_video_input():
+    from client.openai_server.triton_backend import TritonChatBackend
+
+    sent: list[dict[str, Any]] = []
+
+    class FakeStream:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+    class FakeClient:
+        def stream_infer(self, requests: AsyncIterator[dict[str, Any]]) -> FakeStream:
+            async def take() -> None:
+                sent.extend([request async for request in requests])
+
+            self.task = asyncio.ensure_future(take())
+            return FakeStream()
+
+    async def run() -> None:
+        backend = TritonChatBackend("unused:1")
+        backend._client = FakeClient()
+        request = ChatRequest("llm", "p", [IMAGE], {}, "id", videos=[CLIP, b"second"])
+        assert [chunk async for chunk in backend.generate(request)] == []
+        await backend._client.task
+
+    asyncio.run(run())
+    (request,) = sent
+    inputs = {item.name(): item for item in request["inputs"]}
+    assert {"text_input", "image", "video"} <= set(inputs)
+    assert inputs["video"].datatype() == "BYTES" and inputs["video"].shape() == [2]
+    assert CLIP in bytes(inputs["video"]._raw_content) and IMAGE not in bytes(inputs["video"]._raw_content)
+
+
 def test_max_tokens_is_taken_too(client: openai.OpenAI, backend: FakeBackend):
     client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert backend.calls[0].sampling == {"max_tokens": 5}
@@ -204,6 +253,21 @@ def chat(**fields: Any) -> dict[str, Any]:
             ),
             "messages[0].content[0].image_url",
             "remote image URLs are not fetched",
+        ),  # fmt: skip
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "x"},
+                            {"type": "video_url", "video_url": {"url": "http://x/a.mp4"}},
+                        ],
+                    }
+                ]
+            ),
+            "messages[0].content[1].video_url",
+            "remote video URLs are not fetched",
         ),  # fmt: skip
     ],
 )
