@@ -19,8 +19,8 @@ whether every answer equals ``llm``'s greedy tokens for the same image.
 
     python -m bench.scaleout [--requests 16] [--out results/latest/scaleout]
 
-Writes ``results.json`` and ``results.md`` under ``--out``. Starts tritonserver: run it through
-``/work/wt/server-slot.sh`` on the shared machine.
+Writes ``results.json`` and ``results.md`` under ``--out``. Starts up to three tritonservers (one with
+vLLM engines): on a shared machine, run it when no other server is up.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import describe_machine, one_line
+from bench.cache import private_repository, ready_server
+from bench.machine import describe_machine
 from bench.metrics import distribution
+from bench.reference_bytes import report_head, table
 from bench.server_stats import counter_deltas, scrape, sum_counter
 from bench.workload import synthetic_image
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
@@ -68,9 +70,7 @@ def _repository(name: str, role: str, node: str, remote: str = "") -> ServerOpti
     from builders.roles import load_model_args
     from python_backends.contract import DISAGGREGATED_PATH
 
-    repo = WORK_DIR / f"repo-{name}"
-    shutil.rmtree(repo, ignore_errors=True)
-    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__", "encoder_*"))
+    repo = private_repository(WORK_DIR / f"repo-{name}")
     store = STORE_ROOT / node
     cache = dataclasses.replace(TARGETS["cpu"].cache, path=str(store), node_id=node)
     write_repository("cpu", build_default_model(), repo, cache=cache, kv_store_path=str(STORE_ROOT / f"kv-{name}"),
@@ -81,12 +81,8 @@ def _repository(name: str, role: str, node: str, remote: str = "") -> ServerOpti
 
 @contextmanager
 def _server(options: ServerOptions, name: str) -> Iterator[TritonServer]:
-    server = TritonServer(options, WORK_DIR / f"server-{name}.log").start()
-    try:
-        server.wait_ready(timeout_s=900)
+    with ready_server(options, WORK_DIR / f"server-{name}.log") as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 @contextmanager
@@ -133,13 +129,7 @@ def _generate(url: str, model: str, image: bytes) -> dict[str, Any]:
         result = client.generate(PROMPT, [image], SAMPLING)
     finally:
         client.close()
-    return {
-        "ttft_s": result.chunk_times[0] - result.started_at,
-        "e2e_s": result.chunk_times[-1] - result.started_at,
-        "cache_hits": result.cache_hits,
-        "timings_ms": dict(result.timings_ms),
-        "token_ids": result.token_ids,
-    }
+    return result.summary()
 
 
 def _snapshots(servers: list[TritonServer]) -> list[Any]:
@@ -194,27 +184,25 @@ def render(results: dict[str, Any]) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f}"
 
-    lines = [
-        "# Scale-out benchmark: all vs 1E+1PD vs 2E+1PD",
-        "",
-        f"Machine: {one_line(results['machine'])}",
-        f"Command: `{results['command']}`; {results['requests']} requests per point, "
-        f"`max_tokens` {SAMPLING['max_tokens']}, greedy; ready times: "
-        + ", ".join(f"{k} {v:.0f} s" for k, v in results["ready_s"].items()),
-        "",
-        "| layout | images | c | req/s | TTFT p50 / p90 ms | e2e p50 / p90 ms | hash / lookup / encode / prefill / "
-        "decode ms (mean) | encodes | hits | cross-node bytes | remote encode ms | = llm |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    columns = ("layout", "images", "c", "req/s", "TTFT p50 / p90 ms", "e2e p50 / p90 ms",
+               "hash / lookup / encode / prefill / decode ms (mean)", "encodes", "hits", "cross-node bytes",
+               "remote encode ms", "= llm")  # fmt: skip
+    rows = []
     for p in results["points"]:
         stage = " / ".join(ms(p["stage_ms_mean"].get(s)) for s in ("hash", "lookup", "encode", "prefill", "decode"))
-        lines.append(
-            f"| {p['layout']} | {p['workload']} ({p['distinct_images']}) | {p['concurrency']} "
-            f"| {p['throughput_rps']:.2f} | {ms(p['ttft_ms']['p50'])} / {ms(p['ttft_ms']['p90'])} "
-            f"| {ms(p['e2e_ms']['p50'])} / {ms(p['e2e_ms']['p90'])} | {stage} | {p['encodes']:.0f} "
-            f"| {p['cache_hits']} | {p['cross_node_bytes']:.0f} | {ms(p['remote_encode_ms_mean'])} "
-            f"| {p['equal_to_llm']}/{p['requests']} |"
-        )
+        rows.append((
+            p["layout"], f"{p['workload']} ({p['distinct_images']})", p["concurrency"],
+            f"{p['throughput_rps']:.2f}", f"{ms(p['ttft_ms']['p50'])} / {ms(p['ttft_ms']['p90'])}",
+            f"{ms(p['e2e_ms']['p50'])} / {ms(p['e2e_ms']['p90'])}", stage, f"{p['encodes']:.0f}", p["cache_hits"],
+            f"{p['cross_node_bytes']:.0f}", ms(p["remote_encode_ms_mean"]), f"{p['equal_to_llm']}/{p['requests']}",
+        ))  # fmt: skip
+    lines = [
+        *report_head("Scale-out benchmark: all vs 1E+1PD vs 2E+1PD", results["machine"], results["command"]),
+        f"{results['requests']} requests per point, `max_tokens` {SAMPLING['max_tokens']}, greedy; ready times: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in results["ready_s"].items()),
+        "",
+        *table(columns, rows),
+    ]
     return "\n".join(lines) + "\n"
 
 

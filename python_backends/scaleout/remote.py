@@ -93,6 +93,8 @@ class ScaleoutStats:
     local_fallbacks: int = 0  # encoded on this server's own encoder models: no remote encoder left
     cross_node_bytes: int = 0
     refused: dict[str, int] = field(default_factory=dict)
+    lookup_failures: int = 0  # source lookups that found no encoder (a DNS name resolving to nothing, ...)
+    addresses_found: int = 0  # addresses the last lookup gave
 
     def of(self, address: str) -> EndpointStats:
         return self.endpoints.setdefault(address, EndpointStats())
@@ -266,6 +268,8 @@ class RemoteEncoders:
     async def refresh(self) -> None:
         """One round: re-read the source, admit newcomers, drop leavers, poll readiness."""
         addresses = await self.source.current()
+        self.stats.addresses_found = len(addresses)
+        self.stats.lookup_failures += bool(self.source.problem)
         for address in [a for a in self.servers if a not in addresses]:
             await self.servers.pop(address).client.close()
         for address in [a for a in self.unreachable if a not in addresses]:
@@ -439,6 +443,8 @@ class RemoteEncoders:
         for address, state in self.router.encoders.items():
             totals.append(("counter", "epd_remote_encoder_breaker_opens", "Times an encoder's circuit breaker opened",
                            {"endpoint": address}, state.breaker.opens))
+        totals.append(("counter", "epd_remote_encoder_lookup_failures",
+                       "Encoder lookups (DNS name, file) that found no encoder", {}, self.stats.lookup_failures))
         for address, refusals in self.stats.refused.items():
             totals.append(("counter", "epd_remote_encoder_refused", "Encoder servers refused at admission",
                            {"endpoint": address}, refusals))
@@ -449,6 +455,9 @@ class RemoteEncoders:
             if value > last:
                 handle.increment(value - last)
                 self._exported[key] = value
+        metrics.gauge("epd_remote_encoder_endpoints", "Encoder addresses the last lookup gave").set(
+            float(self.stats.addresses_found)
+        )
         for address, state in self.router.encoders.items():
             metrics.gauge("epd_remote_encoder_breaker_state", "0 closed, 1 open, 2 half-open",
                           endpoint=address).set(float(state.breaker.state))
@@ -492,8 +501,11 @@ class RemoteEncoderStages:
         self.local, self.remote, self.local_fallback = local, remote, local_fallback
 
     async def encode_reference(
-        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None
+        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
     ) -> tuple[bytes, bool]:
+        if modality != "image":  # remote encoders take images (by value): videos are encoded here
+            return await self.local.encode_reference(encoder, image, lease_owner, tenant, modality)  # type: ignore[no-any-return]
+
         async def here() -> tuple[bytes, bool]:
             return await self.local.encode_reference(encoder, image, lease_owner, tenant)  # type: ignore[no-any-return]
 

@@ -373,6 +373,57 @@ def test_unreachable_or_unresolvable_encoders_give_one_clear_unavailable_error(
     assert remote.unreachable if not spec.startswith("dns:") else remote.unreachable == {}
 
 
+class RecordingMetrics:
+    """What ``RemoteEncoders.export`` writes, as ``ModelMetrics`` would take it: name+labels -> value."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def _handle(self, name: str, labels: dict[str, str]) -> Any:
+        key, values = (name, tuple(sorted(labels.items()))), self.values
+        values.setdefault(key, 0.0)
+
+        class Handle:
+            def increment(self, by: float) -> None:
+                values[key] += by
+
+            def set(self, value: float) -> None:
+                values[key] = value
+
+        return Handle()
+
+    def counter(self, name: str, description: str, **labels: str) -> Any:
+        return self._handle(name, labels)
+
+    def gauge(self, name: str, description: str, **labels: str) -> Any:
+        return self._handle(name, labels)
+
+
+def test_a_lookup_that_finds_no_encoder_is_counted_and_exported(store: EmbeddingStore) -> None:
+    answer: list[list[tuple[Any, ...]]] = []
+
+    async def resolve(name: str, port: int, type: int) -> list[tuple[Any, ...]]:
+        if not answer:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return answer
+
+    servers = {"10.0.0.1:8001": FakeEncoderServer()}
+    remote = RemoteEncoders(DnsEndpoints("enc", 8001, resolve), store, KEYS, node_id="n", store_path="x",
+                            merge_size=2, connect=lambda address: servers[address].client(address))  # fmt: skip
+    metrics = RecordingMetrics()
+    for _ in range(2):
+        run(remote.refresh())
+    remote.export(metrics)
+    assert metrics.values[("epd_remote_encoder_lookup_failures", ())] == 2
+    assert metrics.values[("epd_remote_encoder_endpoints", ())] == 0
+    answer.append((socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", 8001)))  # the name resolves now
+    run(remote.refresh())
+    remote.export(metrics)
+    assert metrics.values[("epd_remote_encoder_lookup_failures", ())] == 2  # no new failure
+    assert metrics.values[("epd_remote_encoder_endpoints", ())] == 1
+    assert list(remote.router.encoders) == ["10.0.0.1:8001"]
+
+
 # --------------------------------------------------------------------------- local fallback
 
 
@@ -385,7 +436,9 @@ def test_with_no_encoder_left_a_server_with_its_own_encoders_encodes_locally(sto
     local_calls: list[tuple[str, bytes]] = []
 
     class LocalStages:  # the server's own BLS stages (encoder_<i> on this server)
-        async def encode_reference(self, encoder: str, image: bytes, owner: int, tenant: Any = None) -> Any:
+        async def encode_reference(
+            self, encoder: str, image: bytes, owner: int, tenant: Any = None, modality: str = "image"
+        ) -> Any:
             local_calls.append((encoder, image))
             return b"local reference", False
 
