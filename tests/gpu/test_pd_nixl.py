@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,15 +72,9 @@ def engines() -> Iterator[Any]:
         assert prefill.connector == decode.connector == NIXL_CONNECTOR
         yield Engines(loop, colocated, prefill, decode, store, prefill.engine.vllm_config.cache_config.block_size)
     finally:
-        for engine in reversed(started):
-            engine.shutdown()
-        loop.close()
-        shutil.rmtree(store, ignore_errors=True)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        from tests.integration.test_pd_transfer import stop_engines
+
+        stop_engines(loop, started, store, saved)
 
 
 def _cases() -> dict[str, tuple[str, list]]:

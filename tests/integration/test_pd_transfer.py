@@ -118,20 +118,25 @@ def engines():
         assert decode.engine.vllm_config.cache_config.enable_prefix_caching is False
         yield Engines(loop, colocated, prefill, decode, store, prefill.engine.vllm_config.cache_config.block_size)
     finally:
-        for engine in reversed(started):
-            engine.shutdown()
-        # AsyncLLM.shutdown() called off its loop only schedules the closing of its zmq sockets on
-        # that loop (vLLM's MPClient BackgroundResources): run the loop so they close. Left open,
-        # a later garbage collection of the client's zmq Context blocks forever in term() (it hung
-        # the next test module's setup in CI).
-        loop.run_until_complete(asyncio.sleep(0.2))
-        loop.close()
-        shutil.rmtree(store, ignore_errors=True)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        stop_engines(loop, started, store, saved)
+
+
+def stop_engines(loop: asyncio.AbstractEventLoop, started: list, store: Path, saved: dict[str, str | None]) -> None:
+    """Shut the engines down, close their loop, remove the KV store, restore the environment."""
+    for engine in reversed(started):
+        engine.shutdown()
+    # AsyncLLM.shutdown() called off its loop only schedules the closing of its zmq sockets on
+    # that loop (vLLM's MPClient BackgroundResources): run the loop so they close. Left open,
+    # a later garbage collection of the client's zmq Context blocks forever in term() (it hung
+    # the next test module's setup in CI).
+    loop.run_until_complete(asyncio.sleep(0.2))
+    loop.close()
+    shutil.rmtree(store, ignore_errors=True)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 async def _start_colocated(async_llm, async_engine_args, base: dict) -> Any:

@@ -22,7 +22,7 @@ from builders.tritonserver import TritonServer
 from client.epd_client import ClientError, GrpcClient, chat_prompt
 from python_backends.store import EmbeddingStore
 from tests.images import synthetic_image, with_note
-from tests.server.conftest import CACHE_POLICY, DISAGGREGATED, open_node_store
+from tests.server.conftest import CACHE_POLICY, DISAGGREGATED, encoder_references, open_node_store
 from tests.server.test_epd import _prefill_error
 
 pytestmark = pytest.mark.server
@@ -153,7 +153,7 @@ def test_an_evicted_reference_is_not_found_and_never_garbage(server, epd):
     victim = fresh_image(224, 224, seed=5200)
     client = GrpcClient(server.grpc_url, "epd")
     try:
-        response = _warm_up_references(server, [victim])
+        response = encoder_references(server, [victim])
         [reference] = response
         [victim_hash] = client.warm_up([victim])
         with open_node_store(capacity_bytes=3 * ENTRY_224):  # shrink: three 224x224 entries fit
@@ -169,28 +169,6 @@ def test_an_evicted_reference_is_not_found_and_never_garbage(server, epd):
         # Sending the bytes again works (and re-encodes).
         assert epd.generate(chat_prompt("Gone?", 1), [victim], GREEDY).num_output_tokens == 4
     finally:
-        client.close()
-
-
-def _warm_up_references(server: TritonServer, images: list[bytes]) -> list[bytes]:
-    """An encoder's raw answer: the signed references themselves (no lease)."""
-    import queue
-
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        image = grpcclient.InferInput("image", [len(images)], "BYTES")
-        image.set_data_from_numpy(np.array(images, dtype=np.object_))
-        client.async_stream_infer("encoder_0", [image])
-        result, error = responses.get(timeout=300)
-        assert error is None, error
-        return [bytes(r) for r in result.as_numpy("references").reshape(-1)]
-    finally:
-        client.stop_stream()
         client.close()
 
 

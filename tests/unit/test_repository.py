@@ -5,6 +5,7 @@ description is the only source, placeholders cannot survive, the folder is writt
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -14,13 +15,16 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from builders import repository
+from builders.model_configs import epd_video_limits
 from builders.repository import (
     TARGETS,
     CachePolicy,
+    Target,
     render_template,
     repository_files,
     write_repository,
 )
+from python_backends import contract
 from python_backends.contract import ContractError
 from python_backends.vit_onnx import INPUT_NAMES as VIT_INPUT_NAMES
 from python_backends.vit_onnx import OUTPUT_NAME as VIT_OUTPUT_NAME
@@ -290,7 +294,7 @@ def test_llm_takes_embeddings_checked_against_the_encoder(target: str, model_dir
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_llm_takes_video_with_its_limits_and_only_llm_engine_profiles_video(target: str, model_dir: Path) -> None:
+def test_llm_and_epd_take_video_with_their_limits(target: str, model_dir: Path) -> None:
     import json
 
     from python_backends.video import CPU_CODECS, GPU_CODECS, VideoLimits, VideoSamplingConfig
@@ -308,10 +312,87 @@ def test_llm_takes_video_with_its_limits_and_only_llm_engine_profiles_video(targ
     assert params["video_codecs"] == ",".join(CPU_CODECS if target == "cpu" else GPU_CODECS)
     engine = json.loads(files["llm/1/engine_args.json"])
     assert engine["limit_mm_per_prompt"] == {"image": 4, "video": limits.max_videos}
-    # Video changes vLLM's start-up profiling: no other engine takes it yet (issue 16).
+    # epd takes video on cpu (its engines profile it; its encoders encode it); not on gpu, where
+    # it would need the DALI backend's NVDEC pipeline (issue 16).
+    epd_videos = limits.max_videos if target == "cpu" else 0
+    built = configs(target, model_dir)
     for other in ("prefill", "decode", "epd"):
-        assert "video" not in json.loads(files[f"{other}/1/engine_args.json"])["limit_mm_per_prompt"], other
-        assert "video" not in {i.name for i in configs(target, model_dir)[other].input}, other
+        mm_limits = json.loads(files[f"{other}/1/engine_args.json"])["limit_mm_per_prompt"]
+        assert mm_limits == ({"image": 4, "video": epd_videos} if epd_videos else {"image": 4}), other
+    for model in ("epd", *TARGETS[target].cache.encoder_models):
+        # Declared where the model takes video only (test_video_input_is_declared_iff_max_videos_above_0).
+        assert ("video" in {i.name for i in built[model].input}) == (epd_videos > 0), model
+        model_params = {k: v.string_value for k, v in built[model].parameters.items()}
+        assert model_params["max_videos"] == str(epd_videos), model
+        assert model_params["max_frames"] == str(sampling.max_frames), model  # the keys' sampling = llm's
+    for stage in ("prefill", "decode"):  # references only, never media
+        assert "video" not in {i.name for i in built[stage].input}, stage
+
+
+def video_inputs(target: Target, model_dir: Path) -> dict[str, bool]:
+    """Model name -> whether its generated config declares the ``video`` input."""
+    files = repository_files(target, model_dir, FACTS)
+    parsed = [text_format.Parse(text, Config()) for path, text in files.items() if path.endswith("config.pbtxt")]
+    return {config.name: "video" in {i.name for i in config.input} for config in parsed}
+
+
+@pytest.mark.parametrize("max_videos", [None, 0, 1])
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_video_input_is_declared_iff_max_videos_above_0(target: str, max_videos: int | None, model_dir: Path) -> None:
+    """A model that takes no video (``max_videos`` 0) does not declare ``video``: perf_analyzer
+    2.41's ``--shared-memory`` refuses a model whose optional inputs its data leaves out (issue 15),
+    and a video sent anyway is refused by Triton as an unexpected input."""
+    import json
+
+    described = TARGETS[target]
+    if max_videos is not None:
+        described = dataclasses.replace(
+            described, video_limits={**described.video_limits, contract.MAX_VIDEOS: max_videos}
+        )
+    llm_videos = int(described.video_limits[contract.MAX_VIDEOS])
+    epd_videos = int(epd_video_limits(described)[contract.MAX_VIDEOS])
+    assert epd_videos == (0 if target == "gpu" else llm_videos)  # epd takes no video on gpu (issue 16)
+    declared = video_inputs(described, model_dir)
+    assert declared["llm"] == (llm_videos > 0)
+    for model in ("epd", *described.cache.encoder_models):
+        assert declared[model] == (epd_videos > 0), model
+    assert {model for model, has in declared.items() if has} <= {"llm", "epd", *described.cache.encoder_models}
+    files = repository_files(described, model_dir, FACTS)
+    for model, videos in (("llm", llm_videos), ("epd", epd_videos), ("prefill", epd_videos), ("decode", epd_videos)):
+        engine = json.loads(files[f"{model}/1/engine_args.json"])
+        assert engine["limit_mm_per_prompt"].get("video", 0) == videos, model
+
+
+def test_write_repository_max_videos_0_is_an_image_only_repository(
+    tmp_path: Path, model_dir: Path, fast_build: None
+) -> None:
+    out, stamps = tmp_path / "repo", tmp_path / "stamps"
+    write_repository("cpu", model_dir, out, stamps, max_videos=0)
+    for model in ("llm", "epd", "encoder_0", "encoder_1"):
+        config = text_format.Parse((out / model / "config.pbtxt").read_text(), Config())
+        assert "video" not in {i.name for i in config.input}, model
+        assert {k: v.string_value for k, v in config.parameters.items()}["max_videos"] == "0", model
+    write_repository("cpu", model_dir, out, stamps)  # the target's again: video declared
+    assert 'name: "video"' in (out / "epd" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="max_videos must be 0 \\(no video\\) or more, not -1"):
+        write_repository("cpu", model_dir, out, stamps, max_videos=-1)
+
+
+def test_max_videos_option_reaches_the_repository(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from builders import launcher
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(repository, "write_repository", lambda *a, **kw: calls.append(kw) or [])
+    repository.main(["--model", str(model_dir), "--out", str(tmp_path), "--max-videos", "0"])
+    assert launcher.parse_args(["--max-videos", "0"]).max_videos == 0
+    launcher.prepare("cpu", model_dir, tmp_path, max_videos=0)
+    repository.main(["--model", str(model_dir), "--out", str(tmp_path)])
+    assert [call["max_videos"] for call in calls] == [0, 0, None]  # None: the target's
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--max-videos", "-1"])
+    assert "--max-videos: must be 0 (no video) or more, not -1" in capsys.readouterr().err
 
 
 def test_one_image_request_has_the_same_wire_shapes_on_both_targets(model_dir: Path) -> None:
@@ -394,8 +475,6 @@ def test_every_store_user_gets_the_one_cache_policy(target: str, model_dir: Path
 
 
 def test_cache_policy_overrides_and_checks(model_dir: Path) -> None:
-    import dataclasses
-
     target = dataclasses.replace(TARGETS["cpu"], cache=CachePolicy(scope="instance", encoders=3, ttl_s=60))
     files = repository_files(target, model_dir, FACTS)
     assert "encoder_2/config.pbtxt" in files
