@@ -47,7 +47,7 @@ DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "crash"
 DEFAULT_CASES = ("stub:encoder_0", "stub:prefill", "stub:decode", "engine:decode", "tritonserver")
 WATCHED_MODELS = ("epd", "encoder_0", "prefill", "decode", "llm")
 # Lines of the server log that say what Triton did about a dead process.
-RECOVERY_MARKERS = ("not healthy", "stage crashed", "EngineDead", "stopped:", "recreated", "released")
+RECOVERY_MARKERS = ("not healthy", "stage crashed", "stage hung", "EngineDead", "stopped:", "recreated", "released")
 
 
 @dataclass

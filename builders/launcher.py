@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from builders.processes import ProcessGroup, StartError, StartTimeout, http_ok, wait_until_ready
 from builders.roles import ROLES, Role, load_model_args
-from builders.stage_watch import StageWatch
+from builders.stage_watch import HUNG_AFTER_S, StageWatch
 from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from python_backends.heartbeat import HEARTBEAT_DIR_ENV
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
 SAMPLE_PROMPT = "What is in this picture?"
@@ -82,6 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-file", type=Path, help="tritonserver log (default: the terminal)")
+    parser.add_argument("--hung-stage-s", type=float, default=HUNG_AFTER_S, metavar="S",
+                        help="stop the server (exit 3, like a crashed stage) when a python model's stub has run no "
+                        f"Python for S seconds: a deadlock inside Triton's python backend (default {HUNG_AFTER_S:.0f}; "
+                        "0: off, e.g. while a debugger holds a stub)")
     parser.add_argument("--exit-timeout-s", type=int, help="on stop, wait this long for in-flight requests and "
                         "model unloads before tritonserver gives up (default: Triton's, 30 s)")
     parser.add_argument("--demo", action="store_true", help="answer the bundled sample request, then stop")
@@ -190,13 +198,26 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     role_args = load_model_args(target_named(args.target, cache_policy(args)), args.role)
-    options = ServerOptions(args.model_repository, ports, extra_args=role_args, exit_timeout_s=args.exit_timeout_s)
+    # Each stub beats in this folder (python_backends/heartbeat.py); the stage watch reads it.
+    heartbeats = tempfile.mkdtemp(prefix="triton-epd-heartbeats-")
+    options = ServerOptions(
+        args.model_repository, ports, extra_args=role_args, exit_timeout_s=args.exit_timeout_s,
+        extra_env={HEARTBEAT_DIR_ENV: heartbeats},
+    )
+    try:
+        return run_server(args, options, model_dir, started)
+    finally:
+        shutil.rmtree(heartbeats, ignore_errors=True)
+
+
+def run_server(args: argparse.Namespace, options: ServerOptions, model_dir: Path, started: float) -> int:
+    """Serve (``serve``), then stop and say how the server stopped; the launcher's exit code."""
     server = TritonServer(options, args.log_file)
     print(f"model: {model_dir}\nrole: {args.role} (node {args.node_id or 'local'})", flush=True)
     print(f"starting: {' '.join(server.command())}", flush=True)
     openai = openai_app(args, model_dir, server)
     try:
-        code = serve(server, args.demo, started, openai)
+        code = serve(server, args.demo, started, openai, hung_stage_s=args.hung_stage_s)
     except (StartError, StartTimeout) as exc:  # serve stopped it; the reason (with the log's tail), no traceback
         print(f"tritonserver did not start: {exc}", flush=True)
         return 1
@@ -210,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     return code if not report.killed and report.exit_code == 0 else (code or 1)
 
 
-def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup | None = None) -> int:
+def serve(
+    server: TritonServer, demo: bool, started: float, openai: ProcessGroup | None = None,
+    hung_stage_s: float = HUNG_AFTER_S,
+) -> int:
     """Start, wait until ready, then the demo or serve until interrupted; the caller stops."""
     try:
         server.start()
@@ -231,13 +255,7 @@ def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup
         if demo:
             return run_demo(server, openai_url)
         print("serving; Ctrl-C to stop", flush=True)
-        watch = StageWatch(server.process.pid) if server.process is not None else None
-        while server.process is not None and server.process.poll() is None:
-            lost = watch.lost() if watch is not None else []
-            if lost:
-                return stop_after_stage_crash(server, lost)
-            time.sleep(0.5)
-        return server.process.returncode if server.process else 1
+        return watch_stages(server, hung_stage_s)
     except KeyboardInterrupt:
         print("\nstopping", flush=True)
         return 0
@@ -248,17 +266,37 @@ def serve(server: TritonServer, demo: bool, started: float, openai: ProcessGroup
         raise
 
 
-# Exit code of a launcher whose server lost a stage (a stub or a vLLM engine core died).
+def watch_stages(server: TritonServer, hung_after_s: float = HUNG_AFTER_S, poll_s: float = 0.5) -> int:
+    """Until tritonserver exits: its exit code; or, when a stage died or a stub hangs, stop it
+    and return ``STAGE_CRASHED``."""
+    if server.process is None:
+        return 1
+    heartbeats = server.options.extra_env.get(HEARTBEAT_DIR_ENV)
+    watch = StageWatch(server.process.pid, Path(heartbeats) if heartbeats else None, hung_after_s)
+    while server.process.poll() is None:
+        lost, hung = watch.lost(), watch.hung()
+        if lost or hung:
+            return stop_after_stage_crash(server, lost, hung)
+        time.sleep(poll_s)
+    return server.process.returncode
+
+
+# Exit code of a launcher whose server lost a stage (a stub or a vLLM engine core died, or a stub hangs).
 STAGE_CRASHED = 3
 # A dead stub's model never unloads: Triton would wait its whole exit timeout for it.
 STOP_AFTER_CRASH_S = 15.0
 
 
-def stop_after_stage_crash(server: TritonServer, lost: list[str]) -> int:
-    """A stage died: Triton cannot recover it (builders/stage_watch.py says why), so stop the
-    server at once; health checks then fail and the orchestrator starts it again on the same store."""
-    print(f"stage crashed: {', '.join(sorted(set(lost)))} died; stopping tritonserver so that its health "
-          "checks fail and an orchestrator restarts it (the embedding store is reused)", flush=True)
+def stop_after_stage_crash(server: TritonServer, lost: Sequence[str], hung: Sequence[str] = ()) -> int:
+    """A stage died or hangs: Triton cannot recover it (builders/stage_watch.py says why), so stop
+    the server at once; health checks then fail and the orchestrator starts it again on the same store."""
+    if lost:
+        print(f"stage crashed: {', '.join(sorted(set(lost)))} died", flush=True)
+    if hung:
+        print(f"stage hung: {', '.join(sorted(set(hung)))}: it runs no Python any more (a deadlock inside "
+              "Triton's python backend: its requests would never end)", flush=True)
+    print("stopping tritonserver so that its health checks fail and an orchestrator restarts it (the "
+          "embedding store is reused)", flush=True)
     server.stop(timeout_s=STOP_AFTER_CRASH_S)
     return STAGE_CRASHED
 

@@ -17,9 +17,12 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
+
+from python_backends.heartbeat import heartbeat_age_s
 
 STUB_BINARY = "triton_python_backend_stub"
 
@@ -127,9 +130,15 @@ def sample_process(pid: int) -> dict[str, Any] | None:
     return sample
 
 
+# A stub whose Python has not run for this long is hung (its heartbeat thread wakes every second).
+HUNG_AFTER_S = 60.0
+
+
 class StageWatch:
     """Notices a stage of a running tritonserver dying: a stub or a vLLM engine core that was
-    there when the server became ready and is gone (or a zombie) now.
+    there when the server became ready and is gone (or a zombie) now; and, given the servers'
+    heartbeat folder, a stub that is alive but runs no Python any more (a deadlock inside
+    Triton's python backend, python_backends/heartbeat.py).
 
     Why the launcher needs it: Triton 2.51's python backend neither restarts a dead stub nor
     marks its model not-ready; measured (results/2026-12-01/crash/triton-alone/): every later
@@ -139,13 +148,28 @@ class StageWatch:
     non-zero: health checks then fail and an orchestrator restarts it on the same store.
     """
 
-    def __init__(self, server_pid: int) -> None:
+    def __init__(self, server_pid: int, heartbeat_dir: Path | None = None, hung_after_s: float = HUNG_AFTER_S) -> None:
         self.server_pid = server_pid
         self.watched = {p.role + f"#{p.pid}": p.pid for p in server_processes(server_pid) if p.role != "tritonserver"}
+        self.heartbeat_dir = heartbeat_dir
+        self.hung_after_s = hung_after_s
 
     def lost(self) -> list[str]:
         """The roles (``stub:<model>``, ``engine:<model>``) whose process died since the start."""
         return [role.split("#")[0] for role, pid in self.watched.items() if not _running(pid)]
+
+    def hung(self) -> list[str]:
+        """The stubs alive but running no Python: their heartbeat (python_backends/heartbeat.py)
+        is older than ``hung_after_s``, each as ``stub:<model> (no heartbeat for N s)``. A stub
+        without a heartbeat file (none started, or it unloaded) is not judged."""
+        if self.heartbeat_dir is None or self.hung_after_s <= 0:
+            return []
+        hung = []
+        for role, pid in self.watched.items():
+            age = heartbeat_age_s(self.heartbeat_dir, pid) if role.startswith("stub:") else None
+            if age is not None and age >= self.hung_after_s and _running(pid):
+                hung.append(f"{role.split('#')[0]} (no heartbeat for {age:.0f} s)")
+        return hung
 
 
 def _running(pid: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from python_backends.heartbeat import Heartbeat, start_heartbeat
 from python_backends.model_params import ModelParameters
 from python_backends.triton_edge.logs import route_to_triton_log
 from python_backends.triton_edge.metrics import ModelMetrics
@@ -26,6 +27,7 @@ Outputs = Mapping[str, np.ndarray]
 
 class BatchedModel:
     INPUTS: tuple[str, ...] = ()
+    heartbeat: Heartbeat | None = None  # python_backends/heartbeat.py: stopped in finalize
 
     def setup(self, args: dict[str, str]) -> None:
         raise NotImplementedError
@@ -36,6 +38,7 @@ class BatchedModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
         route_to_triton_log(self.model_name)
+        self.heartbeat = start_heartbeat()  # for the launcher's stage watch: a stub that runs no Python
         self.config: dict[str, Any] = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(self.config)
         self.metrics = ModelMetrics(self.model_name)
@@ -59,4 +62,6 @@ class BatchedModel:
         pb_utils.Logger.log_info(message)
 
     def finalize(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.metrics.release()

@@ -43,6 +43,7 @@ from python_backends import contract
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.event_loop import EventLoopThread
 from python_backends.generation import GenerationChunk
+from python_backends.heartbeat import Heartbeat, start_heartbeat
 from python_backends.llm_engine import apply_vllm_environment, load_engine_args
 from python_backends.model_params import ModelParameters
 from python_backends.stage_pauses import START, StagePauses, pause_line
@@ -85,6 +86,7 @@ class DecoupledModel:
 
     engine: Any = None  # what serves requests: shut down (``shutdown()``) in finalize
     store: Any = None  # the node's embedding store, if the model opens it: closed in finalize
+    heartbeat: Heartbeat | None = None  # python_backends/heartbeat.py: stopped in finalize
     loop: EventLoopThread
     model_name: str
     params: ModelParameters
@@ -144,6 +146,7 @@ class DecoupledModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
         route_to_triton_log(self.model_name)
+        self.heartbeat = start_heartbeat()  # for the launcher's stage watch: a stub that runs no Python
         config = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(config)
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
@@ -258,6 +261,8 @@ class DecoupledModel:
             pb_utils.Logger.log_warn(f"{self.model_name} request {request_id}: final response failed: {exc!r}")
 
     def finalize(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self._accepting = False
         if isinstance(self.engine, BlsCaller):
             # No new BLS calls: a cancelled request's cleanup (epd's abort_decode) would call models

@@ -81,6 +81,34 @@ def test_the_launcher_stops_a_server_that_lost_a_stage(fake_stubs, capsys):
     assert "stage crashed: stub:encoder_0 died" in capsys.readouterr().out
 
 
+def test_a_live_stub_whose_heartbeat_is_stale_is_hung_and_the_launcher_stops_its_server(
+    fake_stubs, tmp_path: Path, capsys
+):
+    encoder, decode = fake_stubs
+    beats = tmp_path / "heartbeats"
+    beats.mkdir()
+    watch = StageWatch(os.getpid(), beats, hung_after_s=60)
+    assert watch.hung() == []  # no heartbeat file: not judged
+    (beats / str(encoder.pid)).touch()
+    (beats / str(decode.pid)).touch()
+    assert watch.hung() == []  # fresh
+    stale = time.time() - 75
+    os.utime(beats / str(decode.pid), (stale, stale))
+    assert watch.hung() == ["stub:decode (no heartbeat for 75 s)"]
+    assert StageWatch(os.getpid(), beats, hung_after_s=0).hung() == []  # --hung-stage-s 0: off
+    assert StageWatch(os.getpid()).hung() == []  # no heartbeat folder (a server not started by the launcher)
+    decode.kill()
+    decode.wait(10)
+    assert watch.hung() == [] and watch.lost() == ["stub:decode"]  # dead is lost, not hung
+
+    stops = []
+    server = SimpleNamespace(stop=lambda timeout_s: stops.append(timeout_s))
+    assert launcher.stop_after_stage_crash(server, [], ["stub:epd (no heartbeat for 75 s)"]) == launcher.STAGE_CRASHED
+    assert stops == [launcher.STOP_AFTER_CRASH_S]
+    out = capsys.readouterr().out
+    assert "stage hung: stub:epd (no heartbeat for 75 s)" in out and "stage crashed" not in out
+
+
 def test_a_stub_the_server_waits_on_for_good_is_killed_after_the_grace(fake_stubs):
     """Triton 2.51's python backend waits (wait4) for a stub whose launch it gave up on while
     the stub waits for a command: this process plays tritonserver, a thread of it blocks in
