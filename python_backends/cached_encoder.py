@@ -35,11 +35,11 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from python_backends import contract
-from python_backends.errors import EpdError, invalid_arg
+from python_backends.errors import EpdError, invalid_arg, item_renamed
 from python_backends.media import image_bytes
 from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
 from python_backends.tenants import key_space
-from python_backends.video import VideoLimits, check_video_size, video_bytes
+from python_backends.video import VideoLimits, sized_video_bytes
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,10 @@ def parse_encoder_videos(inputs: Mapping[str, np.ndarray], limits: VideoLimits |
         raise invalid_arg("input 'video' needs at least one encoded video (BYTES)")
     if array.size > limits.max_videos:
         raise invalid_arg(f"request has {array.size} videos, above the limit of {limits.max_videos} (max_videos)")
-    videos = [
-        video_bytes(bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"", i)
+    return [
+        sized_video_bytes(bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"", i, limits)
         for i, item in enumerate(array.reshape(-1))
     ]
-    for i, video in enumerate(videos):
-        check_video_size(video, i, limits)
-    return videos
 
 
 def parse_encoder_inputs(
@@ -243,6 +240,4 @@ async def _named(answer: Awaitable[EncoderAnswer], modality: str, index: int) ->
     try:
         return await answer
     except EpdError as exc:
-        if index and f"{modality}[0]" in exc.message:
-            raise EpdError(exc.message.replace(f"{modality}[0]", f"{modality}[{index}]", 1), exc.code) from None
-        raise
+        raise item_renamed(exc, modality, index) from None

@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from python_backends.errors import EpdError, ErrorCode
+from python_backends.errors import EpdError, ErrorCode, item_renamed
 from python_backends.generate_request import CachedImage
 from python_backends.generation import GenerationChunk
 from python_backends.store import EmbeddingStore, KeyConfig, Reference, tenant_key
@@ -188,7 +188,7 @@ class ImageReferences:
                 wire, cache_hit = await self.encode_reference(encoder, image, owner, leased.tenant, modality)
             except EpdError as exc:  # the encoder saw one item: name it as the client did
                 index = indices[key] - (leased.num_images if modality == "video" else 0)
-                raise EpdError(exc.message.replace(f"{modality}[0]", f"{modality}[{index}]", 1), exc.code) from None
+                raise item_renamed(exc, modality, index) from None
             ref = self.store.parse_reference(wire)
             leased.leases.append(ref)
             leased.found[key] = ref

@@ -30,3 +30,11 @@ class EpdError(Exception):
 
 def invalid_arg(message: str) -> EpdError:
     return EpdError(message, ErrorCode.INVALID_ARG)
+
+
+def item_renamed(exc: EpdError, what: str, index: int) -> EpdError:
+    """``exc`` with its item ``what[0]`` named ``what[index]``: a stage that was sent one item of
+    a request (an encoder, the video preprocessing) names it 0, the client knows it by its index."""
+    if not index or f"{what}[0]" not in exc.message:
+        return exc
+    return EpdError(exc.message.replace(f"{what}[0]", f"{what}[{index}]", 1), exc.code)

@@ -25,7 +25,7 @@ from python_backends.image_embeds import (
 from python_backends.media import ImageLimits, check_image_header, image_bytes
 from python_backends.model_params import ModelParameters
 from python_backends.sampling import parse_sampling_parameters
-from python_backends.video import VideoLimits, check_video_size, video_bytes
+from python_backends.video import VideoLimits, sized_video_bytes
 
 IMAGE_PAD = "<|image_pad|>"
 # An ``image`` item that names a pre-encoded image instead of carrying it (``epd`` only).
@@ -237,7 +237,4 @@ def raw_videos(request: GenerateRequest, limits: VideoLimits) -> GenerateRequest
     """``request`` with its videos as raw container bytes (base64 decoded), each within
     ``max_video_bytes`` (``epd``: content keys are taken over the raw bytes, as its encoders
     take them, so a video sent either way is one store entry)."""
-    videos = [video_bytes(item, i) for i, item in enumerate(request.videos)]
-    for i, video in enumerate(videos):
-        check_video_size(video, i, limits)
-    return replace(request, videos=videos)
+    return replace(request, videos=[sized_video_bytes(item, i, limits) for i, item in enumerate(request.videos)])

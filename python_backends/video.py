@@ -316,8 +316,7 @@ def checked_video(
     size, codec, frame size, frame count, fps, duration, the frames the sampler picks and the
     decoded bytes they need. Returns the raw bytes, the probe and the frame indices; raises
     INVALID_ARG naming the problem. Shared by ``preprocess`` (DALI) and ``llm`` (vLLM's loader)."""
-    data = video_bytes(item, index)
-    check_video_size(data, index, limits)
+    data = sized_video_bytes(item, index, limits)
     probe = probe_video(data, index)
     check_video(probe, len(data), index, limits, codecs)
     try:
@@ -333,11 +332,14 @@ def checked_video(
     return data, probe, indices
 
 
-def check_video_size(data: bytes, index: int, limits: VideoLimits) -> None:
+def sized_video_bytes(item: bytes, index: int, limits: VideoLimits) -> bytes:
+    """The raw container bytes of ``item`` (:func:`video_bytes`), within ``max_video_bytes``."""
+    data = video_bytes(item, index)
     if len(data) > limits.max_video_bytes:
         raise invalid_arg(
             f"video[{index}] has {len(data)} bytes, above the limit of {limits.max_video_bytes} (max_video_bytes)"
         )
+    return data
 
 
 def sample_frame_indices(total_frames: int, original_fps: float, config: VideoSamplingConfig) -> list[int]:
