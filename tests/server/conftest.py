@@ -89,16 +89,18 @@ def copy_model_code(repository: Path) -> Path:
     return repository
 
 
-def unclean_stop(report: StopReport | None) -> str | None:
-    """Why a stop was not clean (the report with its problem log lines), or None."""
+def unclean_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = None) -> str | None:
+    """Why a stop was not clean (the report with its problem log lines, and where the stubs of
+    a stuck stop hung), or None."""
     if report is None or report.clean:
         return None
-    return f"the server did not stop cleanly: {report.describe()}"
+    where = f"\n{stuck.describe()}" if stuck is not None and stuck.summary else ""
+    return f"the server did not stop cleanly: {report.describe()}{where}"
 
 
-def check_stop(report: StopReport | None) -> None:
+def check_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = None) -> None:
     """Fail on an unclean stop (SIGKILL, a stub crash, or Triton's exit timeout)."""
-    problem = unclean_stop(report)
+    problem = unclean_stop(report, stuck)
     if problem:
         pytest.fail(problem, pytrace=False)
 
@@ -120,15 +122,16 @@ def serving(options: ServerOptions, log_path: Path, timeout_s: float = 900) -> I
     # Triton counts those models as live until its exit timeout. Collect them first, as a
     # process that had finished with its clients would have.
     gc.collect()
-    report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
+    with stop_dump.watch_stuck_stop(server) as stuck:
+        report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
     if left_open:
-        problem = unclean_stop(report) or "the server then stopped cleanly"
+        problem = unclean_stop(report, stuck) or "the server then stopped cleanly"
         pytest.fail(
             f"BLS streams left open once every request had ended (they hold up the unload, issue 19): "
             f"{left_open}; {problem}",
             pytrace=False,
         )
-    check_stop(report)
+    check_stop(report, stuck)
 
 
 def streams_left_open(server: TritonServer, timeout_s: float = 30.0) -> dict[str, float]:

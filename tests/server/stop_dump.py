@@ -1,21 +1,31 @@
-"""Opt-in diagnostics for a server stop (issue 17): what each process was doing around SIGINT.
+"""Diagnostics for a server stop (issue 17): what each process was doing around SIGINT.
 
-Set ``TRITON_EPD_STOP_DUMP=<folder>`` and every server the tests stop through ``serving()``
+Always on: a stop still running STUCK_AFTER_S after SIGINT gets the stacks of the stubs of the
+models still loaded, summarized in the failed stop check's message (``watch_stuck_stop``).
+
+Opt-in: set ``TRITON_EPD_STOP_DUMP=<folder>`` and every server the tests stop through ``serving()``
 gets, in ``<folder>/<log stem>-<n>/``: Triton's model index and ``/metrics`` just before the
 stop, and ``py-spy dump`` stacks of tritonserver and every process below it (python-backend
 stubs, vLLM engine cores) before SIGINT and again some seconds after. py-spy is taken from
-``TRITON_EPD_PY_SPY`` or PATH; without it only the index and metrics are written.
+``TRITON_EPD_PY_SPY``, PATH or beside the test's Python (requirements/cpu.txt installs it);
+without it only the index and metrics are written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -38,6 +48,12 @@ def _fetch(url: str) -> str:
             return response.read().decode(errors="replace")
     except Exception as error:  # a diagnostic: record why it failed and go on
         return f"<failed: {error!r}>"
+
+
+def _py_spy() -> str | None:
+    beside_python = Path(sys.executable).parent / "py-spy"
+    found = os.environ.get("TRITON_EPD_PY_SPY") or shutil.which("py-spy")
+    return found or (str(beside_python) if beside_python.exists() else None)
 
 
 def _stacks(pid: int, py_spy: str | None) -> str:
@@ -68,7 +84,7 @@ def stop_with_dump(server: TritonServer) -> StopReport | None:
     """``server.stop()``, with the state dumps described above around it."""
     folder = Path(os.environ[DUMP_ENV]) / f"{server.log_path.stem if server.log_path else 'server'}-{next(_counter)}"
     folder.mkdir(parents=True, exist_ok=True)
-    py_spy = os.environ.get("TRITON_EPD_PY_SPY") or shutil.which("py-spy")
+    py_spy = _py_spy()
     pid = server.group.pid
     (folder / "index.json").write_text(_fetch(f"http://{server.http_url}/v2/repository/index"))
     (folder / "metrics.txt").write_text(_fetch(server.metrics_url))
@@ -88,3 +104,117 @@ def stop_with_dump(server: TritonServer) -> StopReport | None:
     report = server.stop()
     (folder / "report.txt").write_text(repr(report))
     return report
+
+
+# A stop that takes longer than this after SIGINT is stuck somewhere (a healthy one takes 5-20 s
+# here): the stubs of the models still loaded get their stacks taken, so that a failed stop
+# check (in CI too, where nothing but the failure message survives) says where they hung.
+STUCK_AFTER_S = 40.0
+SUMMARY_FRAMES = 3
+
+
+def models_still_loaded(log_text: str) -> list[str]:
+    """The models Triton's log shows loaded more often than unloaded."""
+    loaded = Counter(re.findall(r"successfully loaded '([^']+)'", log_text))
+    loaded.subtract(re.findall(r"successfully unloaded '([^']+)'", log_text))
+    return sorted(model for model, count in loaded.items() if count > 0)
+
+
+def _stub_pids(server_pid: int, model: str) -> list[int]:
+    try:
+        processes = psutil.Process(server_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    pids = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            command = process.cmdline()
+            if command and command[0].endswith("triton_python_backend_stub") and f"/{model}/1/" in " ".join(command):
+                pids.append(process.pid)
+    return pids
+
+
+def _native_stacks(pid: int) -> str:
+    """py-spy's Python and native stacks of every thread of ``pid`` (gdb's without py-spy)."""
+    py_spy = _py_spy()
+    gdb = shutil.which("gdb")
+    if py_spy:
+        command = [py_spy, "dump", "--native", "--pid", str(pid)]
+    elif gdb:
+        command = [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"]
+    else:
+        return "<neither py-spy nor gdb is installed>"
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)
+    except subprocess.TimeoutExpired:
+        return f"<{command[0]} took over 90 s>"
+    return result.stdout + result.stderr
+
+
+def _connections_to(port: int) -> int:
+    try:
+        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
+    except psutil.Error:
+        return -1
+
+
+def summarize_stacks(stacks: str, frames: int = SUMMARY_FRAMES) -> list[str]:
+    """Each thread of a ``py-spy dump`` with its first ``frames`` named frames (raw addresses
+    skipped): enough to tell a lock wait, a GIL wait and an idle thread apart."""
+    lines: list[str] = []
+    shown = frames
+    for line in stacks.splitlines():
+        if line.startswith("Thread "):
+            lines.append("  " + line.strip())
+            shown = 0
+        elif shown < frames and line.startswith("    ") and not line.strip().startswith("0x"):
+            lines.append("      " + line.strip()[:160])
+            shown += 1
+    return lines
+
+
+@dataclass
+class StuckStop:
+    """What ``watch_stuck_stop`` found: empty when the stop ended in time."""
+
+    summary: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return "\n".join(self.summary)
+
+
+@contextlib.contextmanager
+def watch_stuck_stop(server: TritonServer) -> Iterator[StuckStop]:
+    """Around ``server.stop()``: if the server still runs STUCK_AFTER_S later, the stacks of the
+    stubs of the models still loaded go to ``<log>.stuck-stop.txt`` and a summary into the result."""
+    found = StuckStop()
+    after_s = STUCK_AFTER_S
+    done = threading.Event()
+    pid = server.group.pid
+
+    def watch() -> None:
+        if done.wait(after_s) or pid is None or not psutil.pid_exists(pid) or server.log_path is None:
+            return
+        models = models_still_loaded(server.log_path.read_text(errors="replace"))
+        dump = []
+        found.summary.append(f"still loaded {after_s:.0f} s after SIGINT: {', '.join(models) or 'none'}")
+        # A gRPC stream a test left open holds its model live as much as a hung stub does.
+        connections = _connections_to(server.options.ports.grpc)
+        found.summary.append(f"this test process's connections to its gRPC port: {connections}")
+        for model in models:
+            for stub in _stub_pids(pid, model):
+                stacks = _native_stacks(stub)
+                dump.append(f"==== {model}: stub pid {stub}\n{stacks}")
+                found.summary.append(f"{model}'s stub (pid {stub}):")
+                found.summary.extend(summarize_stacks(stacks))
+        path = server.log_path.with_suffix(".stuck-stop.txt")
+        path.write_text("\n".join(dump))
+        found.summary.append(f"full stacks: {path}")
+
+    watcher = threading.Thread(target=watch, name="stuck-stop-watch", daemon=True)
+    watcher.start()
+    try:
+        yield found
+    finally:
+        done.set()
+        watcher.join()

@@ -23,6 +23,7 @@ import tritonclient.grpc as grpcclient
 
 from builders.tritonserver import Ports, ServerOptions, TritonServer
 from client.epd_client import ClientError, HttpClient
+from tests.server import stop_dump
 from tests.server.conftest import serving, unclean_stop
 from tests.server.tiny_models import relay_repository
 
@@ -91,7 +92,6 @@ instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 parameters: {{ key: "on_finalize", value: {{ string_value: "{on_finalize}" }} }}
 '''
 
-SHORT_EXIT_TIMEOUT_S = 3  # Triton's own (default 30 s), for the model that hangs
 
 
 def tiny_repository(root: Path, on_finalize: str) -> Path:
@@ -133,14 +133,23 @@ def test_a_stub_that_segfaults_fails_the_check_with_its_log_lines(tmp_path: Path
     assert server.stop_report is not None and not server.stop_report.killed  # a crash, not a forced kill
 
 
-def test_a_model_that_outlives_the_exit_timeout_fails_the_check(tmp_path: Path) -> None:
+def test_a_model_that_outlives_the_exit_timeout_fails_the_check_with_where_its_stub_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stop_dump, "STUCK_AFTER_S", 3.0)
     log = tmp_path / "hang.log"
     with pytest.raises(pytest.fail.Exception) as failure:
         repository = tiny_repository(tmp_path / "repo", "hang")
-        with serving(options(repository, SHORT_EXIT_TIMEOUT_S), log, timeout_s=120) as server:
+        with serving(options(repository, exit_timeout_s=20), log, timeout_s=120) as server:
             ask(server)
     message = str(failure.value)
     assert "Exit timeout expired" in message and "failed to stop server" in message
+    # Where it hung, from the stuck-stop watch: the model, its stub's threads, our finalize.
+    assert "still loaded 3 s after SIGINT: tiny" in message
+    assert "tiny's stub (pid " in message and "Thread " in message
+    assert re.search(r"finalize \(.*model\.py:\d+\)", message), message
+    assert "this test process's connections to its gRPC port: 0" in message
+    assert log.with_suffix(".stuck-stop.txt").read_text().count("==== tiny: stub pid") == 1
     report = server.stop_report
     assert report is not None and report.exit_code != 0
     assert report.leftovers >= 1  # the hung stub, killed with the group
