@@ -67,6 +67,14 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def _default_stop_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM back to their default actions. A process started
+    with SIGINT ignored (from a background job, under nohup) passes that on, and a Python child then
+    installs no KeyboardInterrupt handler: our SIGINT stop would do nothing to it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @dataclass
 class ProcessGroup:
     """``command`` in its own session, stdout+stderr to ``log_path`` (or the terminal).
@@ -88,7 +96,10 @@ class ProcessGroup:
         """Start with ``base_env`` (default: this process's environment) updated by ``env``."""
         env = {**(os.environ if base_env is None else base_env), **self.env}
         if self.log_path is None:
-            self.process = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_default_stop_signals,
+            )
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
@@ -97,7 +108,7 @@ class ProcessGroup:
                 log.flush()
             self.process = subprocess.Popen(
                 self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_default_stop_signals,
             )
         return self
 
