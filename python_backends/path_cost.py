@@ -12,17 +12,29 @@ images, how many the store lacks, their size bucket, output tokens) and asks
 
 Each term is an estimate of the stages' own timings (what each path measured on requests it
 served, per image-size bucket): the median of its last ``window`` samples (:class:`Estimate`),
-kept *per unit of load*: a sample taken while ``n`` requests
-were running on the engines it used counts ``time / n``, and a prediction multiplies by the
-load now plus one (processor sharing: an engine that runs n requests at once gives each about
-1/n of itself). ``shared_compute`` says the two paths' engines share the same processors (the
-cpu target: two cores for everything): then a path's load is every request in flight, not only
-its own, and the paths compete for the same cores.
+kept *per unit of load*: a sample taken while ``n`` requests were running on the engines it used
+counts ``time / n``, and a prediction multiplies by the load now plus one (processor sharing: an
+engine that runs n requests at once gives each about 1/n of itself). Processor sharing is only
+roughly true (batching makes a busy engine cheaper per request, two cores make it dearer), so the
+samples are also kept per load band (1, 2-3, 4-7, 8+): a prediction uses its band's samples once
+there are ``min_samples`` of them. ``shared_compute`` says the two paths' engines share the same
+processors (the cpu target: two cores for everything): then a path's load is every request in
+flight, not only its own, and the paths compete for the same cores.
 
 A path with fewer than ``min_samples`` samples of a term, or whose estimate is older than
 ``probe_interval_s``, gets one request (a probe, one at a time) so that its estimate stays live;
-forced requests feed the estimates too. Everything here runs on epd's event loop thread (no
-locking).
+forced requests feed the estimates too. So does a path predicted within PLAUSIBLE_RATIO (2x) of
+the best one whose estimate lacks samples at the band of the load now: when the load changes, a
+path that might win there is measured at the new load within a few requests (in the 2026-12-01
+benchmark adaptive kept identical requests on the disaggregated path at c=4, 2.5x slower there
+than colocated, because colocated's estimate came from c=1).
+
+Under ``shared_compute``, while only one path has requests in flight, the other one is taken only
+when it is predicted ``switch_margin`` (20%) faster (reason ``kept`` otherwise): in that benchmark,
+points where adaptive split its requests between the paths were slower than either path alone
+(unique c=4: 11 colocated + 5 disaggregated, e2e p50 2878 ms against 482 and 2065), since two sets
+of busy engines on two cores slow everyone down, which the per-request estimates cannot see.
+Everything here runs on epd's event loop thread (no locking).
 
 Why a windowed median and not an EWMA (what this module first used): in the path benchmark of
 2026-12-01 the first request epd's colocated engine ever served took 1052 ms to its first token
@@ -85,28 +97,65 @@ class RequestShape:
         return "embeds" if self.misses == 0 else "media"
 
 
-class Estimate:
-    """One stage's service time: the median of its last ``window`` samples (module docstring)."""
+def load_band(load: int) -> int:
+    """Loads 1, 2-3, 4-7 and 8+ as 1, 2, 4 and 8: estimates are kept per band (module docstring)."""
+    band = 1
+    while band * 2 <= min(load, MAX_BAND):
+        band *= 2
+    return band
 
-    def __init__(self, window: int) -> None:
+
+MAX_BAND = 8
+
+
+class Estimate:
+    """One stage's service time per unit of load: the median of its last ``window`` samples in the
+    band of the load asked about once it has ``min_samples`` there, else of its last ``window``
+    samples at any load (module docstring)."""
+
+    def __init__(self, window: int, min_samples: int) -> None:
+        self.window = window
+        self.min_samples = min_samples
         self.recent: deque[float] = deque(maxlen=window)
+        self.by_band: dict[int, deque[float]] = {}
+        self.band_updated_at: dict[int, float] = {}
         self.samples = 0  # every sample ever added
         self.updated_at = 0.0
 
-    def add(self, sample: float, now: float) -> None:
+    def add(self, sample: float, load: int, now: float) -> None:
+        band = load_band(load)
         self.recent.append(sample)
+        self.by_band.setdefault(band, deque(maxlen=self.window)).append(sample)
+        self.band_updated_at[band] = now
         self.samples += 1
         self.updated_at = now
 
+    def _band_samples(self, load: int) -> deque[float]:
+        return self.by_band.get(load_band(load), deque())
+
+    def value_at(self, load: int) -> float:
+        band = self._band_samples(load)
+        return statistics.median(band if len(band) >= self.min_samples else self.recent) if self.recent else 0.0
+
     @property
     def value(self) -> float:
+        """Over every load (what /metrics shows)."""
         return statistics.median(self.recent) if self.recent else 0.0
+
+    def stale(self, now: float, max_age_s: float) -> bool:
+        """Too few samples, or none for ``max_age_s``."""
+        return self.samples < self.min_samples or now - self.updated_at > max_age_s
+
+    def stale_at(self, load: int, now: float, max_age_s: float) -> bool:
+        """Too few samples at this load's band, or none there for ``max_age_s``."""
+        band = load_band(load)
+        return len(self._band_samples(load)) < self.min_samples or now - self.band_updated_at[band] > max_age_s
 
 
 @dataclass(frozen=True)
 class Decision:
     path: str
-    reason: str  # "predicted", "probe", "forced", "policy", "only", "encoder pinned"
+    reason: str  # "predicted", "kept", "probe", "forced", "policy", "only", "encoder pinned"
     predicted_ms: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -118,6 +167,10 @@ PREFILL = "prefill"
 DISAGGREGATED_TOKEN = "token"
 
 
+# A path predicted slower than this times the best one is not probed at a new load band.
+PLAUSIBLE_RATIO = 2.0
+
+
 class PathCostModel:
     def __init__(
         self,
@@ -126,6 +179,7 @@ class PathCostModel:
         min_samples: int = 3,
         probe_interval_s: float = 10.0,
         shared_compute: bool = True,
+        switch_margin: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window < 1 or not 1 <= min_samples <= window:
@@ -134,6 +188,7 @@ class PathCostModel:
         self.min_samples = min_samples
         self.probe_interval_s = probe_interval_s
         self.shared_compute = shared_compute
+        self.switch_margin = switch_margin
         self.clock = clock
         self.estimates: dict[tuple[str, str, str], Estimate] = {}  # (path, stage, bucket) -> ms per unit of load
         self.in_flight = dict.fromkeys(contract.SERVING_PATHS, 0)
@@ -163,8 +218,8 @@ class PathCostModel:
     def _add(self, path: str, stage: str, bucket: str, ms: float, load: int) -> None:
         per_unit = ms / max(load, 1)
         now = self.clock()
-        for key in ((path, stage, bucket), (path, stage, ANY_BUCKET)):
-            self.estimates.setdefault(key, Estimate(self.window)).add(per_unit, now)
+        for key in dict.fromkeys(((path, stage, bucket), (path, stage, ANY_BUCKET))):  # once when bucket is "any"
+            self.estimates.setdefault(key, Estimate(self.window, self.min_samples)).add(per_unit, load, now)
 
     def observe_colocated(self, shape: RequestShape, first_ms: float, decode_ms: float, tokens: int, load: int) -> None:
         """A colocated request finished: time to its first token and to the rest."""
@@ -208,17 +263,26 @@ class PathCostModel:
         terms = self._terms(path, shape)
         if terms is None or any(est is None for est, times in terms if times):
             return None
-        unit = sum(est.value * times for est, times in terms if est is not None and times)
-        return unit * (self.load(path) + 1)
+        load = self.load(path) + 1
+        unit = sum(est.value_at(load) * times for est, times in terms if est is not None and times)
+        return unit * load
 
-    def _stale(self, path: str, shape: RequestShape) -> bool:
-        terms = self._terms(path, shape) or []
+    def _needs_probe(self, path: str, shape: RequestShape, predicted: float | None, best: float | None) -> bool:
+        """A term of ``path`` is unknown or stale, or stale at the load now while ``path`` is
+        predicted within PLAUSIBLE_RATIO of the best (a path far behind is not worth a probe at
+        every new load: each probe is one request on the slower path)."""
+        estimates = [est for est, times in self._terms(path, shape) or [] if times]
         now = self.clock()
-        return any(
-            est is None or est.samples < self.min_samples or now - est.updated_at > self.probe_interval_s
-            for est, times in terms
-            if times
-        )
+        if any(est is None or est.stale(now, self.probe_interval_s) for est in estimates):
+            return True
+        load = self.load(path) + 1
+        plausible = predicted is not None and best is not None and predicted < PLAUSIBLE_RATIO * best
+        return plausible and any(est.stale_at(load, now, self.probe_interval_s) for est in estimates if est)
+
+    def _busy_path(self) -> str | None:
+        """The one path with requests in flight, if exactly one has."""
+        busy = [path for path, count in self.in_flight.items() if count]
+        return busy[0] if len(busy) == 1 else None
 
     def choose(self, shape: RequestShape, available: Iterable[str]) -> Decision:
         """The path for ``shape`` among ``available`` ones (the rule of the module docstring)."""
@@ -231,9 +295,15 @@ class PathCostModel:
         else:
             known = {p: ms for p, ms in predicted.items() if ms is not None}
             best = min(known, key=lambda p: known[p]) if known else paths[-1]
-            stale = [p for p in paths if p != best and self._stale(p, shape)]
+            busy = self._busy_path()
+            stale = [p for p in paths if p != best and self._needs_probe(p, shape, predicted[p], known.get(best))]
             if stale and self._probing is None:
                 decision = Decision(stale[0], "probe", predicted)
+            elif (
+                self.shared_compute and busy in known and best != busy
+                and known[best] > (1 - self.switch_margin) * known[busy]
+            ):
+                decision = Decision(busy, "kept", predicted)
             else:
                 decision = Decision(best, "predicted", predicted)
         self.last = decision

@@ -158,14 +158,14 @@ class CacheMetrics:
 class PathMetrics:
     """``epd``'s serving paths on /metrics: what was chosen and why, and the cost model's inputs.
 
-    - ``epd_path_requests{path, reason}``: requests served per path; reason ``predicted`` or
-      ``probe`` (adaptive), ``forced`` (request parameter ``path``), ``policy`` (a fixed policy),
+    - ``epd_path_requests{path, reason}``: requests served per path; reason ``predicted``,
+      ``kept`` or ``probe`` (adaptive), ``forced`` (request parameter ``path``), ``policy`` (a fixed policy),
       ``only`` (one path available);
     - ``epd_path_last_decision{path}``: 1 for the path of the latest decision, 0 for the other;
     - ``epd_path_predicted_ms{path}``: the latest adaptive decision's predictions (-1: unknown);
     - ``epd_path_in_flight{path}``: requests running on each path now;
     - ``epd_path_estimate_ms{path, stage, bucket}``: each stage estimate (median of its recent
-      samples), ms per unit of load.
+      samples at any load), ms per unit of load.
     """
 
     def __init__(self, metrics: ModelMetrics, paths: Any) -> None:

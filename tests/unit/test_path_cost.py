@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH, SERVING_PATHS
-from python_backends.path_cost import PathCostModel, RequestShape, size_bucket
+from python_backends.path_cost import PathCostModel, RequestShape, load_band, size_bucket
 
 UNIQUE = RequestShape(images=1, misses=1, largest_pixels=640 * 480, output_tokens=33)
 HIT = RequestShape(images=1, misses=0, largest_pixels=640 * 480, output_tokens=33)
@@ -20,12 +20,15 @@ class Clock:
 
 
 def trained(colocated_first: float, colocated_token: float, encode: float, prefill: float, token: float,
-            clock: Clock | None = None, shared: bool = True) -> PathCostModel:
+            clock: Clock | None = None, shared: bool = True, loads: tuple[int, ...] = (1,)) -> PathCostModel:
+    """Every term known at each of ``loads``, with these times per unit of load."""
     model = PathCostModel(clock=clock or Clock(), shared_compute=shared)
-    for _ in range(model.min_samples):  # enough samples of every term to be trusted
-        for shape in (UNIQUE, HIT):
-            model.observe_colocated(shape, colocated_first, colocated_token * 32, 33, load=1)
-            model.observe_disaggregated(shape, {"encode": encode, "prefill": prefill, "decode": token * 32}, 33, 1, 1)
+    for load in loads:
+        for _ in range(model.min_samples):  # enough samples of every term to be trusted
+            for shape in (UNIQUE, HIT):
+                model.observe_colocated(shape, colocated_first * load, colocated_token * 32 * load, 33, load=load)
+                timings = {"encode": encode * load, "prefill": prefill * load, "decode": token * 32 * load}
+                model.observe_disaggregated(shape, timings, 33, load, 1)
     return model
 
 
@@ -57,7 +60,7 @@ def test_store_hits_change_the_decision() -> None:
 
 
 def test_load_scales_predictions_and_samples_are_per_unit_of_load() -> None:
-    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=False)
+    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=False, loads=(1, 4))
     idle = model.predict(COLOCATED_PATH, UNIQUE)
     for _ in range(3):
         model.started(COLOCATED_PATH)
@@ -71,7 +74,7 @@ def test_load_scales_predictions_and_samples_are_per_unit_of_load() -> None:
 
 
 def test_shared_compute_loads_both_paths_alike() -> None:
-    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=True)
+    model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=True, loads=(1, 8))
     for _ in range(7):
         model.started(COLOCATED_PATH)
     assert model.load(DISAGGREGATED_PATH) == model.load(COLOCATED_PATH) == 7
@@ -132,6 +135,69 @@ def test_a_path_with_too_few_samples_is_probed_before_it_is_trusted() -> None:
 def test_window_and_min_samples_are_checked() -> None:
     with pytest.raises(ValueError, match="min_samples"):
         PathCostModel(window=2, min_samples=3)
+
+
+def test_estimates_are_kept_per_load_band() -> None:
+    assert [load_band(n) for n in (0, 1, 2, 3, 4, 7, 8, 30)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    model = PathCostModel(shared_compute=False)
+    for _ in range(3):
+        model.observe_colocated(HIT, 100, 0, 1, load=1)  # 100 per unit alone
+        model.observe_colocated(HIT, 4 * 40, 0, 1, load=4)  # batching: 40 per unit at 4
+    estimate = model.estimates[(COLOCATED_PATH, "first_token/embeds", "medium")]
+    assert (estimate.value_at(1), estimate.value_at(5)) == (100, 40)
+    assert estimate.value_at(2) == pytest.approx(70)  # no samples at 2-3: every load's
+
+
+def test_a_new_load_is_probed_on_the_other_path_and_then_its_own_samples_decide() -> None:
+    """The 2026-12-01 benchmark's identical requests: at c=1 disaggregated was a little faster;
+    at c=4 colocated was 2.5x faster, but adaptive had only c=1 samples of it and stayed."""
+    model = trained(colocated_first=30, colocated_token=8, encode=0, prefill=25, token=7, loads=(1, 4))
+    model.estimates = {key: est for key, est in model.estimates.items() if key[0] == DISAGGREGATED_PATH}
+    for _ in range(3):
+        model.observe_colocated(HIT, 30, 8 * 32, 33, load=1)  # colocated known at load 1 only
+    assert model.choose(HIT, SERVING_PATHS).path == DISAGGREGATED_PATH
+    for _ in range(3):
+        model.started(DISAGGREGATED_PATH)
+    probes = 0
+    while (decision := model.choose(HIT, SERVING_PATHS)).reason == "probe":
+        assert decision.path == COLOCATED_PATH
+        probes += 1
+        model.started(COLOCATED_PATH, probe=True)
+        model.observe_colocated(HIT, 4 * 12, 4 * 3 * 32, 33, load=4)  # at load 4: 12 + 3/token per unit
+        model.finished(COLOCATED_PATH)
+    assert probes == model.min_samples
+    assert (decision.path, decision.reason) == (COLOCATED_PATH, "predicted")
+
+
+def test_a_path_far_behind_is_not_probed_at_each_new_load_only_when_it_ages() -> None:
+    clock = Clock()
+    model = trained(colocated_first=40, colocated_token=3, encode=300, prefill=200, token=10, clock=clock)
+    for _ in range(4):
+        model.started(COLOCATED_PATH)  # load 5: no samples of either path in band 4
+    decision = model.choose(UNIQUE, SERVING_PATHS)
+    assert (decision.path, decision.reason) == (COLOCATED_PATH, "predicted")  # disaggregated is 6x slower
+    clock.now = 11.0
+    model.observe_colocated(UNIQUE, 40 * 5, 3 * 32 * 5, 33, load=5)
+    assert model.choose(UNIQUE, SERVING_PATHS).reason == "probe"  # its estimate is older than 10 s
+
+
+def test_a_busy_path_is_kept_unless_the_other_is_clearly_faster() -> None:
+    """Splitting one load between both paths' engines on shared cores is slower than either alone."""
+    def with_one_busy_disaggregated_request(colocated_token: float, shared: bool = True) -> PathCostModel:
+        model = trained(colocated_first=40, colocated_token=colocated_token, encode=0, prefill=40, token=5,
+                        shared=shared, loads=(1, 2))
+        model.started(DISAGGREGATED_PATH)
+        return model
+
+    a_little_faster = with_one_busy_disaggregated_request(colocated_token=4.5)  # 184 vs 200 per unit
+    decision = a_little_faster.choose(HIT, SERVING_PATHS)
+    assert (decision.path, decision.reason) == (DISAGGREGATED_PATH, "kept")
+    clearly_faster = with_one_busy_disaggregated_request(colocated_token=3)  # 136 vs 200
+    assert clearly_faster.choose(HIT, SERVING_PATHS).path == COLOCATED_PATH
+    apart = with_one_busy_disaggregated_request(colocated_token=4.5, shared=False)  # own cores: no mixing cost
+    assert apart.choose(HIT, SERVING_PATHS).path == COLOCATED_PATH
+    idle = trained(colocated_first=40, colocated_token=4.5, encode=0, prefill=40, token=5)
+    assert idle.choose(HIT, SERVING_PATHS).path == COLOCATED_PATH
 
 
 def test_one_available_path_is_the_answer() -> None:
