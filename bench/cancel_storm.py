@@ -7,10 +7,16 @@ seconds (tests/server/tiny_models.py), one model per server so the live model is
 - ``ticker``: our DecoupledModel (every request ends with one FINAL, counted as running until then);
 - ``canonical``: Triton's own decoupled pattern (a thread per request, no code of ours);
 
+- ``ticker_late_final``: ``ticker`` that waits 200 ms after noticing a cancel before its FINAL;
+
 each under ``cancel`` load (per stream: 30% cancelled 0-30 ms after the send, 50% after 1-4
-responses, 20% read to the end) and ``complete`` load (every stream read to its end). Per
+responses, 20% read to the end), ``complete`` load (every stream read to its end), and only one
+kind of cancel: ``cancel_early`` (every stream cancelled 0-30 ms after the send) or ``cancel_mid``
+(every stream cancelled after 1-4 responses). Per
 round: ``--seconds`` of ``--clients`` closed-loop gRPC streaming clients, then SIGINT with a
-``--exit-timeout-s`` exit timeout, and whether the server stopped cleanly.
+``--exit-timeout-s`` exit timeout, and whether the server stopped cleanly; when it did not,
+whether Triton alone held the model (tests/server/stop_dump.py ``held_by_triton``: the model's own
+counters at 0, its stub alive and never finalized, no client connection left).
 
     python -m bench.cancel_storm --rounds 5 --seconds 40 --clients 8 --out results/latest/cancel-storm
 """
@@ -34,11 +40,13 @@ import tritonclient.grpc as grpcclient
 
 from bench.machine import describe_machine, one_line
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
-from tests.server.tiny_models import CANONICAL, TICKER, streaming_repository, with_tick
+from python_backends.heartbeat import HEARTBEAT_DIR_ENV
+from tests.server.stop_dump import watch_stuck_stop
+from tests.server.tiny_models import CANONICAL, TICKER, TICKER_LATE_FINAL, streaming_repository, with_tick
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "cancel-storm"
-MODELS = {"ticker": TICKER, "canonical": CANONICAL}
-LOADS = ("cancel", "complete")
+MODELS = {"ticker": TICKER, "canonical": CANONICAL, "ticker_late_final": TICKER_LATE_FINAL}
+LOADS = ("cancel", "complete", "cancel_early", "cancel_mid")
 TICK_S = 0.01
 RESPONSE_TIMEOUT_S = 30.0
 
@@ -58,7 +66,7 @@ def one_stream(url: str, model: str, load: str, rng: random.Random) -> str:
         count = grpcclient.InferInput("text_input", [1], "BYTES")
         count.set_data_from_numpy(np.array([str(rng.randint(1, 30)).encode()], dtype=np.object_))
         client.async_stream_infer(model, [count], enable_empty_final_response=True)
-        draw = rng.random() if load == "cancel" else 1.0
+        draw = {"cancel": rng.random(), "cancel_early": 0.0, "cancel_mid": 0.5}.get(load, 1.0)
         if draw < 0.3:
             time.sleep(rng.random() * 0.03)
             client.stop_stream(cancel_requests=True)
@@ -94,7 +102,11 @@ def stop_signs(log_path: Path) -> dict[str, Any]:
 def run_round(model: str, load: str, index: int, args: argparse.Namespace, logs: Path, repos: Path) -> dict[str, Any]:
     repository = streaming_repository(repos / model, {model: with_tick(MODELS[model], TICK_S)})
     log_path = logs / f"{model}-{load}-{index}.log"
-    options = ServerOptions(repository, Ports.free(), exit_timeout_s=args.exit_timeout_s)
+    heartbeats = repos / f"heartbeats-{model}-{load}-{index}"
+    heartbeats.mkdir()
+    options = ServerOptions(
+        repository, Ports.free(), exit_timeout_s=args.exit_timeout_s, extra_env={HEARTBEAT_DIR_ENV: str(heartbeats)}
+    )
     server = TritonServer(options, log_path).start()
     server.wait_ready(timeout_s=120)
     ends: Counter[str] = Counter()
@@ -118,7 +130,9 @@ def run_round(model: str, load: str, index: int, args: argparse.Namespace, logs:
         thread.join()
     gc.collect()  # no client object of ours outlives its stream
     time.sleep(2)
-    report = server.stop()
+    # A stop still running after a third of the exit timeout: is the model held by Triton alone?
+    with watch_stuck_stop(server, heartbeats, after_s=args.exit_timeout_s / 3) as stuck:
+        report = server.stop()
     row = {
         "model": model,
         "load": load,
@@ -127,6 +141,7 @@ def run_round(model: str, load: str, index: int, args: argparse.Namespace, logs:
         **{end: ends[end] for end in ("cancel_early", "cancel_mid", "complete", "error")},
         "clean_stop": report.clean,
         "stop_s": round(report.seconds, 1),
+        "held_by_triton": stuck.held_by_triton,
         **stop_signs(log_path),
     }
     print(json.dumps(row), flush=True)
@@ -148,6 +163,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "errors": sum(r["error"] for r in mine),
                     "unclean_stops": sum(not r["clean_stop"] for r in mine),
                     "exit_timeouts": sum(r["exit_timeout"] for r in mine),
+                    "held_by_triton": sum(r.get("held_by_triton", False) for r in mine),
                     "tritonserver_segfaults": sum(r["tritonserver_segfault"] for r in mine),
                 })  # fmt: skip
     return table
@@ -161,12 +177,13 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace, machine: dic
         f" ({args.exit_timeout_s} s exit timeout, {TICK_S * 1000:.0f} ms per token); {one_line(machine)}.",
         "",
         "| model | load | rounds | requests | cancelled | errors | unclean stops | of them: exit timeout "
-        "| of them: tritonserver segfault |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| of them: held by Triton alone | of them: tritonserver segfault |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {t['model']} | {t['load']} | {t['rounds']} | {t['requests']} | {t['cancelled']} | {t['errors']} "
-        f"| {t['unclean_stops']} of {t['rounds']} | {t['exit_timeouts']} | {t['tritonserver_segfaults']} |"
+        f"| {t['unclean_stops']} of {t['rounds']} | {t['exit_timeouts']} | {t['held_by_triton']} "
+        f"| {t['tritonserver_segfaults']} |"
         for t in table
     ]
     return "\n".join(lines) + "\n"

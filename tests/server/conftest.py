@@ -23,8 +23,10 @@ import fcntl
 import gc
 import re
 import shutil
+import tempfile
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -35,6 +37,7 @@ from builders.launcher import prepare
 from builders.repository import TARGETS
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, StopReport, TritonServer
 from client.epd_client import GrpcClient, HttpClient
+from python_backends.heartbeat import HEARTBEAT_DIR_ENV
 from python_backends.store import EmbeddingStore, StoreConfig
 from tests.server import stop_dump
 
@@ -99,31 +102,54 @@ def unclean_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = 
 
 
 def check_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = None) -> None:
-    """Fail on an unclean stop (SIGKILL, a stub crash, or Triton's exit timeout)."""
+    """Fail on an unclean stop (SIGKILL, a stub crash, or Triton's exit timeout), except the one
+    case of Triton 2.51 holding a model of ours that holds nothing (``stop_dump.held_by_triton``):
+    that is recorded and warned about instead."""
     problem = unclean_stop(report, stuck)
+    if problem and report is not None and stuck is not None and held_only_by_triton(report, stuck):
+        with (LOG_DIR.parent / "models-held-by-triton.txt").open("a") as record:
+            record.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {problem}\n\n")
+        warnings.warn(TritonHeldModel(problem), stacklevel=2)
+        return
     if problem:
         pytest.fail(problem, pytrace=False)
+
+
+class TritonHeldModel(UserWarning):
+    """A stop that hit Triton's exit timeout only because Triton 2.51's gRPC frontend kept a
+    cancelled stream's request (README "Stopping"; ``make cancel-storm``)."""
+
+
+def held_only_by_triton(report: StopReport, stuck: stop_dump.StuckStop) -> bool:
+    timeout_lines = ("Exit timeout expired", "failed to stop server")
+    exit_timeout_only = all(any(text in line for text in timeout_lines) for line in report.problems)
+    return stuck.held_by_triton and not report.killed and bool(report.problems) and exit_timeout_only
 
 
 @contextlib.contextmanager
 def serving(options: ServerOptions, log_path: Path, timeout_s: float = 900) -> Iterator[TritonServer]:
     """A ready server for the ``with`` body; stopped afterwards and failed if it stopped badly.
-    When the body raised, that error is the one reported (the server is stopped all the same)."""
-    server = TritonServer(options, log_path).start()
-    try:
-        server.wait_ready(timeout_s=timeout_s)
-        yield server
-    except BaseException:
-        server.stop()
-        raise
-    left_open = streams_left_open(server)
-    # Tests' tritonclient objects that are only kept alive by reference cycles (stream callbacks
-    # closing over their queues) still hold gRPC streams and connections to the server, and
-    # Triton counts those models as live until its exit timeout. Collect them first, as a
-    # process that had finished with its clients would have.
-    gc.collect()
-    with stop_dump.watch_stuck_stop(server) as stuck:
-        report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
+    When the body raised, that error is the one reported (the server is stopped all the same).
+    Its stubs beat a heartbeat file (``python_backends/heartbeat.py``): a stuck stop's check reads
+    them."""
+    with tempfile.TemporaryDirectory(prefix="triton-epd-heartbeats-") as folder:
+        heartbeats = Path(options.extra_env.get(HEARTBEAT_DIR_ENV, folder))
+        options = dataclasses.replace(options, extra_env={**options.extra_env, HEARTBEAT_DIR_ENV: str(heartbeats)})
+        server = TritonServer(options, log_path).start()
+        try:
+            server.wait_ready(timeout_s=timeout_s)
+            yield server
+        except BaseException:
+            server.stop()
+            raise
+        left_open = streams_left_open(server)
+        # Tests' tritonclient objects that are only kept alive by reference cycles (stream callbacks
+        # closing over their queues) still hold gRPC streams and connections to the server, and
+        # Triton counts those models as live until its exit timeout. Collect them first, as a
+        # process that had finished with its clients would have.
+        gc.collect()
+        with stop_dump.watch_stuck_stop(server, heartbeats) as stuck:
+            report = stop_dump.stop_with_dump(server) if stop_dump.enabled() else server.stop()
     if left_open:
         problem = unclean_stop(report, stuck) or "the server then stopped cleanly"
         pytest.fail(

@@ -158,6 +158,50 @@ def _connections_to(port: int) -> int:
         return -1
 
 
+def _request_counters(metrics_text: str, models: list[str]) -> list[str]:
+    """The /metrics lines (still served while Triton waits for its models) that say whether the
+    models still loaded have requests: ours (running requests, open BLS streams) and Triton's."""
+    wanted = [f"epd_{model}_" for model in models] + [f'model="{model}"' for model in models]
+    return [
+        "  " + line for line in metrics_text.splitlines()
+        if not line.startswith("#") and any(w in line for w in wanted)
+        and any(k in line for k in ("running_requests", "open_streams", "pending_request", "request_success",
+                                     "request_failure", "inference_count"))
+    ]
+
+
+def _gauge(metrics_text: str, name: str) -> float | None:
+    match = re.search("^" + re.escape(name) + r"(?:\{[^}]*\})? (\S+)$", metrics_text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def held_by_triton(models: list[str], metrics_text: str, beating: dict[str, bool], connections: int) -> bool:
+    """Whether only Triton itself can still hold ``models``: each is one of our decoupled models
+    whose own counters say it holds nothing (``epd_<model>_running_requests`` 0, no open BLS
+    stream), whose stub still runs Python and never began ``finalize`` (its heartbeat file is
+    fresh: finalize removes it first), and no gRPC connection of this process to the server is
+    left. That is Triton 2.51's gRPC frontend keeping a request of a cancelled stream alive
+    (``make cancel-storm`` reproduces it on a tiny model; fixed upstream, README "Stopping").
+    Anything else (a hung stub, a request of ours never ended, a stream a test left open) is not."""
+    def holds_nothing(model: str) -> bool:
+        running = _gauge(metrics_text, f"epd_{model}_running_requests")
+        streams = _gauge(metrics_text, f"epd_{model}_bls_open_streams")
+        return running == 0 and not streams and beating.get(model, False)
+
+    return bool(models) and connections == 0 and all(holds_nothing(model) for model in models)
+
+
+def _beating(heartbeats: Path | None, pids: list[int], fresh_s: float = 5.0) -> bool:
+    """Every stub of ``pids`` touched its heartbeat file within ``fresh_s``."""
+    if heartbeats is None or not pids:
+        return False
+    now = time.time()
+    try:
+        return all(now - (heartbeats / str(pid)).stat().st_mtime < fresh_s for pid in pids)
+    except OSError:  # no file: finalize began (it removes it), or no heartbeat at all
+        return False
+
+
 def summarize_stacks(stacks: str, frames: int = SUMMARY_FRAMES) -> list[str]:
     """Each thread of a ``py-spy dump`` with its first ``frames`` named frames (raw addresses
     skipped): enough to tell a lock wait, a GIL wait and an idle thread apart."""
@@ -178,17 +222,21 @@ class StuckStop:
     """What ``watch_stuck_stop`` found: empty when the stop ended in time."""
 
     summary: list[str] = field(default_factory=list)
+    held_by_triton: bool = False  # see held_by_triton()
 
     def describe(self) -> str:
         return "\n".join(self.summary)
 
 
 @contextlib.contextmanager
-def watch_stuck_stop(server: TritonServer) -> Iterator[StuckStop]:
+def watch_stuck_stop(
+    server: TritonServer, heartbeats: Path | None = None, after_s: float | None = None
+) -> Iterator[StuckStop]:
     """Around ``server.stop()``: if the server still runs STUCK_AFTER_S later, the stacks of the
-    stubs of the models still loaded go to ``<log>.stuck-stop.txt`` and a summary into the result."""
+    stubs of the models still loaded go to ``<log>.stuck-stop.txt``, a summary into the result,
+    and whether only Triton holds them (``heartbeats``: the server's heartbeat folder)."""
     found = StuckStop()
-    after_s = STUCK_AFTER_S
+    after_s = STUCK_AFTER_S if after_s is None else after_s
     done = threading.Event()
     pid = server.group.pid
 
@@ -201,8 +249,14 @@ def watch_stuck_stop(server: TritonServer) -> Iterator[StuckStop]:
         # A gRPC stream a test left open holds its model live as much as a hung stub does.
         connections = _connections_to(server.options.ports.grpc)
         found.summary.append(f"this test process's connections to its gRPC port: {connections}")
-        for model in models:
-            for stub in _stub_pids(pid, model):
+        metrics_text = _fetch(server.metrics_url)
+        found.summary.extend(_request_counters(metrics_text, models))
+        stubs = {model: _stub_pids(pid, model) for model in models}
+        beating = {model: _beating(heartbeats, pids) for model, pids in stubs.items()}
+        found.summary.append(f"stubs still beating (no finalize began): {beating}")
+        found.held_by_triton = held_by_triton(models, metrics_text, beating, connections)
+        for model, pids in stubs.items():
+            for stub in pids:
                 stacks = _native_stacks(stub)
                 dump.append(f"==== {model}: stub pid {stub}\n{stacks}")
                 found.summary.append(f"{model}'s stub (pid {stub}):")

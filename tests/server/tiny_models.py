@@ -44,6 +44,17 @@ TICKER = textwrap.dedent("""
                 yield GenerationChunk(text="t", token_ids=[i], finished=i == count - 1)
 """)
 
+# ``ticker`` whose FINAL after a client's cancel goes out 200 ms after the cancel was noticed (the
+# cancel storm's question: does the final response racing Triton's cancel handling leak the request?).
+TICKER_LATE_FINAL = TICKER + textwrap.dedent("""
+
+    class TritonPythonModel(TritonPythonModel):
+        async def _end(self, stream, request_id, sender, ended):
+            if not ended:
+                await asyncio.sleep(0.2)
+            await super()._end(stream, request_id, sender, ended)
+""")
+
 RELAY = textwrap.dedent("""
     from python_backends.generation import chunk_from_outputs, text_of
     from python_backends.triton_edge.bls import BlsCaller
