@@ -12,7 +12,9 @@ seconds (tests/server/tiny_models.py), one model per server so the live model is
 each under ``cancel`` load (per stream: 30% cancelled 0-30 ms after the send, 50% after 1-4
 responses, 20% read to the end), ``complete`` load (every stream read to its end), and only one
 kind of cancel: ``cancel_early`` (every stream cancelled 0-30 ms after the send) or ``cancel_mid``
-(every stream cancelled after 1-4 responses). Per
+(every stream cancelled after 1-4 responses); and ``cancel_after_final``: every stream read to its
+final response and then cancelled at once, as a grpc.aio call dropped after its final response is
+(grpc cancels a call it garbage-collects before the server has closed it). Per
 round: ``--seconds`` of ``--clients`` closed-loop gRPC streaming clients, then SIGINT with a
 ``--exit-timeout-s`` exit timeout, and whether the server stopped cleanly; when it did not,
 whether Triton alone held the model (tests/server/stop_dump.py ``held_by_triton``: the model's own
@@ -46,7 +48,7 @@ from tests.server.tiny_models import CANONICAL, TICKER, TICKER_LATE_FINAL, strea
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "cancel-storm"
 MODELS = {"ticker": TICKER, "canonical": CANONICAL, "ticker_late_final": TICKER_LATE_FINAL}
-LOADS = ("cancel", "complete", "cancel_early", "cancel_mid")
+LOADS = ("cancel", "complete", "cancel_early", "cancel_mid", "cancel_after_final")
 TICK_S = 0.01
 RESPONSE_TIMEOUT_S = 30.0
 
@@ -78,6 +80,8 @@ def one_stream(url: str, model: str, load: str, rng: random.Random) -> str:
             if error is not None:
                 return "error"
             if is_final(response):
+                if load == "cancel_after_final":  # the call dropped once its final response is in
+                    client.stop_stream(cancel_requests=True)
                 return "complete"
             received += 1
         client.stop_stream(cancel_requests=True)

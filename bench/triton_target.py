@@ -21,6 +21,7 @@ from typing import Any
 from bench.metrics import RequestRecord
 from bench.workload import BenchRequest
 from client.epd_client import ONE_IMAGE_MODELS, build_inputs
+from client.grpc_streams import end_stream
 
 TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"
 CACHE_HITS_OUTPUT = "cache_hits"
@@ -85,17 +86,24 @@ class TritonGrpcTarget:
                 request["parameters"] = prepared.parameters
             yield request
 
-        async for result, error in self.client.stream_infer(one_request()):
-            arrived = time.perf_counter() - started
-            if error is not None:
-                record.error = str(error.message() if hasattr(error, "message") else error)
-                return
-            response = result.get_response()
-            if read_response(result, response, record):
-                record.chunk_times.append(arrived)
-            final = response.parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return
+        responses = self.client.stream_infer(one_request())
+        finished = False  # its last response came: the server closes the stream (client/grpc_streams.py)
+        try:
+            async for result, error in responses:
+                arrived = time.perf_counter() - started
+                if error is not None:
+                    record.error = str(error.message() if hasattr(error, "message") else error)
+                    finished = True
+                    return
+                response = result.get_response()
+                if read_response(result, response, record):
+                    record.chunk_times.append(arrived)
+                final = response.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    finished = True
+                    return
+        finally:
+            await end_stream(responses, finished)
 
 
 def read_response(result: Any, response: Any, record: RequestRecord) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from client.epd_client import build_inputs
+from client.grpc_streams import end_stream
 from client.openai_server.errors import OpenAIError, from_triton_message, not_ready
 
 # The user-facing models that take a chat prompt, images and videos (``ensemble`` takes exactly one image).
@@ -160,5 +161,6 @@ class TritonChatBackend:
                     finished = True
                     return
         finally:
-            if not finished:
-                responses.cancel()  # the caller stopped early: Triton cancels the request
+            # The caller stopped early: cancel (Triton cancels the request). Done: let Triton
+            # close the stream; a dropped call is cancelled by grpc, which 2.51 can leak.
+            await end_stream(responses, finished)
