@@ -23,17 +23,20 @@ flight, not only its own, and the paths compete for the same cores.
 
 A path with fewer than ``min_samples`` samples of a term, or whose estimate is older than
 ``probe_interval_s``, gets one request (a probe, one at a time) so that its estimate stays live;
-forced requests feed the estimates too. So does a path predicted within PLAUSIBLE_RATIO (2x) of
-the best one whose estimate lacks samples at the band of the load now: when the load changes, a
-path that might win there is measured at the new load within a few requests (in the 2026-12-01
-benchmark adaptive kept identical requests on the disaggregated path at c=4, 2.5x slower there
-than colocated, because colocated's estimate came from c=1).
+forced requests feed the estimates too. Where the paths have hardware of their own
+(``shared_compute`` False), so does a path predicted within PLAUSIBLE_RATIO (2x) of the best one
+whose estimate lacks samples at the band of the load now: it is measured at a new load within a
+few requests. Not on shared processors: there each such probe puts a request on the other path
+while this one is busy, and mixing is what costs most (below).
 
-Under ``shared_compute``, while only one path has requests in flight, the other one is taken only
-when it is predicted ``switch_margin`` (20%) faster (reason ``kept`` otherwise): in that benchmark,
-points where adaptive split its requests between the paths were slower than either path alone
-(unique c=4: 11 colocated + 5 disaggregated, e2e p50 2878 ms against 482 and 2065), since two sets
-of busy engines on two cores slow everyone down, which the per-request estimates cannot see.
+Under ``shared_compute``, while one path has more requests in flight than the other, the other
+one is taken only when it is predicted ``switch_margin`` (20%) faster (reason ``kept``
+otherwise): in the 2026-12-01 benchmark, points where adaptive split its requests between the
+paths were slower than either path alone (unique c=4: 11 colocated + 5 disaggregated, e2e p50
+2878 ms against 482 and 2065), since two sets of busy engines on two cores slow everyone down,
+which the per-request estimates cannot see; and the samples taken while mixed, slow on both
+paths, then pushed the choice back and forth.
+
 Everything here runs on epd's event loop thread (no locking).
 
 Why a windowed median and not an EWMA (what this module first used): in the path benchmark of
@@ -275,14 +278,16 @@ class PathCostModel:
         now = self.clock()
         if any(est is None or est.stale(now, self.probe_interval_s) for est in estimates):
             return True
+        if self.shared_compute:  # a probe at every new load would mix the paths (see choose)
+            return False
         load = self.load(path) + 1
         plausible = predicted is not None and best is not None and predicted < PLAUSIBLE_RATIO * best
         return plausible and any(est.stale_at(load, now, self.probe_interval_s) for est in estimates if est)
 
     def _busy_path(self) -> str | None:
-        """The one path with requests in flight, if exactly one has."""
-        busy = [path for path, count in self.in_flight.items() if count]
-        return busy[0] if len(busy) == 1 else None
+        """The path with more requests in flight than the other (None when idle or even)."""
+        counts = sorted(self.in_flight.items(), key=lambda item: item[1], reverse=True)
+        return counts[0][0] if counts[0][1] > counts[1][1] else None
 
     def choose(self, shape: RequestShape, available: Iterable[str]) -> Decision:
         """The path for ``shape`` among ``available`` ones (the rule of the module docstring)."""
