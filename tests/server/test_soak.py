@@ -19,9 +19,11 @@ from tests.server.conftest import CACHE_POLICY
 
 # Kept out of `make test` (issue 17), `make test-soak` runs it: in two full runs on 2026-12-01 epd's
 # stub died under this mixed load ("double free or corruption (fasttop)" in the server log), not
-# seen in the 5 runs since; and its ~300 cancelled gRPC streams make Triton 2.51 keep epd from
-# unloading at the session's stop now and then (results/2026-12-01/cancel-storm/: a frontend
-# race fixed upstream after 2.51), which fails the suite's stop check.
+# seen in the 6 runs since; and its ~300 streams cancelled after their first response make Triton
+# 2.51 keep epd from unloading at the session's stop (results/2026-12-02/cancel-storm/: a frontend
+# race fixed upstream after 2.51). The stop check now reports that as a TritonHeldModel warning
+# (2026-12-02 01:22: passed, epd held, classified), but it costs every run Triton's 120 s exit
+# timeout and leaves the suite's stop unchecked for the rest.
 pytestmark = pytest.mark.skipif(
     not os.environ.get("TRITON_EPD_SOAK_TESTS"),
     reason="issue 17: epd stub crash, and Triton 2.51's stop hang after many cancels; `make test-soak`",
