@@ -100,15 +100,15 @@ class RequestShape:
         return "embeds" if self.misses == 0 else "media"
 
 
+MAX_BAND = 8
+
+
 def load_band(load: int) -> int:
     """Loads 1, 2-3, 4-7 and 8+ as 1, 2, 4 and 8: estimates are kept per band (module docstring)."""
     band = 1
     while band * 2 <= min(load, MAX_BAND):
         band *= 2
     return band
-
-
-MAX_BAND = 8
 
 
 class Estimate:

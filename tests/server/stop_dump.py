@@ -30,7 +30,10 @@ from pathlib import Path
 
 import psutil
 
+from bench.server_stats import MetricsSnapshot, parse_metrics
+from builders.stage_watch import server_processes
 from builders.tritonserver import StopReport, TritonServer
+from python_backends.heartbeat import heartbeat_age_s
 
 DUMP_ENV = "TRITON_EPD_STOP_DUMP"
 AFTER_SIGINT_S = (10.0, 45.0)
@@ -121,17 +124,7 @@ def models_still_loaded(log_text: str) -> list[str]:
 
 
 def _stub_pids(server_pid: int, model: str) -> list[int]:
-    try:
-        processes = psutil.Process(server_pid).children(recursive=True)
-    except psutil.Error:
-        return []
-    pids = []
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            command = process.cmdline()
-            if command and command[0].endswith("triton_python_backend_stub") and f"/{model}/1/" in " ".join(command):
-                pids.append(process.pid)
-    return pids
+    return [process.pid for process in server_processes(server_pid) if process.role == f"stub:{model}"]
 
 
 def _native_stacks(pid: int) -> str:
@@ -170,9 +163,8 @@ def _request_counters(metrics_text: str, models: list[str]) -> list[str]:
     ]
 
 
-def _gauge(metrics_text: str, name: str) -> float | None:
-    match = re.search("^" + re.escape(name) + r"(?:\{[^}]*\})? (\S+)$", metrics_text, re.MULTILINE)
-    return float(match.group(1)) if match else None
+def _gauge(metrics: MetricsSnapshot, name: str) -> float | None:
+    return next((value for (gauge, _), value in metrics.gauges.items() if gauge == name), None)
 
 
 def held_by_triton(models: list[str], metrics_text: str, beating: dict[str, bool], connections: int) -> bool:
@@ -183,23 +175,25 @@ def held_by_triton(models: list[str], metrics_text: str, beating: dict[str, bool
     left. That is Triton 2.51's gRPC frontend keeping a request of a cancelled stream alive
     (``make cancel-storm`` reproduces it on a tiny model; fixed upstream; README "Soak").
     Anything else (a hung stub, a request of ours never ended, a stream a test left open) is not."""
+    try:
+        metrics = parse_metrics(metrics_text)
+    except ValueError:  # /metrics did not answer (``_fetch``'s "<failed: ...>"): nothing is known
+        return False
+
     def holds_nothing(model: str) -> bool:
-        running = _gauge(metrics_text, f"epd_{model}_running_requests")
-        streams = _gauge(metrics_text, f"epd_{model}_bls_open_streams")
+        running = _gauge(metrics, f"epd_{model}_running_requests")
+        streams = _gauge(metrics, f"epd_{model}_bls_open_streams")
         return running == 0 and not streams and beating.get(model, False)
 
     return bool(models) and connections == 0 and all(holds_nothing(model) for model in models)
 
 
 def _beating(heartbeats: Path | None, pids: list[int], fresh_s: float = 5.0) -> bool:
-    """Every stub of ``pids`` touched its heartbeat file within ``fresh_s``."""
+    """Every stub of ``pids`` beat within ``fresh_s`` (no file: finalize began, it removes it first)."""
     if heartbeats is None or not pids:
         return False
-    now = time.time()
-    try:
-        return all(now - (heartbeats / str(pid)).stat().st_mtime < fresh_s for pid in pids)
-    except OSError:  # no file: finalize began (it removes it), or no heartbeat at all
-        return False
+    ages = [heartbeat_age_s(heartbeats, pid) for pid in pids]
+    return all(age is not None and age < fresh_s for age in ages)
 
 
 def summarize_stacks(stacks: str, frames: int = SUMMARY_FRAMES) -> list[str]:

@@ -41,6 +41,7 @@ def test_only_a_model_of_ours_that_holds_nothing_and_still_beats_is_held_by_trit
     assert not held_by_triton(["llm"], IDLE, {"llm": True}, connections=1)
     assert not held_by_triton(["ensemble"], IDLE, {"ensemble": True}, 0)
     assert not held_by_triton([], IDLE, {}, 0)
+    assert not held_by_triton(["llm"], "<failed: URLError()>", {"llm": True}, 0)  # /metrics unread
 
 
 def test_the_stack_summary_keeps_each_threads_first_named_frames() -> None:
