@@ -27,7 +27,10 @@ forced requests feed the estimates too. Where the paths have hardware of their o
 (``shared_compute`` False), so does a path predicted within PLAUSIBLE_RATIO (2x) of the best one
 whose estimate lacks samples at the band of the load now: it is measured at a new load within a
 few requests. Not on shared processors: there each such probe puts a request on the other path
-while this one is busy, and mixing is what costs most (below).
+while this one is busy, and mixing is what costs most (below). For the same reason, on shared
+processors a stale estimate is refreshed when epd is idle, and under load only once it is
+``BUSY_PROBE_FACTOR`` (6) intervals old: in the 2026-12-02 benchmark (run 2) the 10 s probes that
+fell on loaded points (2 of 16 requests at unique c=4) slowed that whole point 1.7x.
 
 Under ``shared_compute``, while one path has more requests in flight than the other, the other
 one is taken only when it is predicted ``switch_margin`` (20%) faster (reason ``kept``
@@ -172,6 +175,9 @@ DISAGGREGATED_TOKEN = "token"
 
 # A path predicted slower than this times the best one is not probed at a new load band.
 PLAUSIBLE_RATIO = 2.0
+# Under shared compute a stale path is probed at once when epd is idle, else only once its
+# estimate is this many probe intervals old.
+BUSY_PROBE_FACTOR = 6
 
 
 class PathCostModel:
@@ -276,10 +282,17 @@ class PathCostModel:
         every new load: each probe is one request on the slower path)."""
         estimates = [est for est, times in self._terms(path, shape) or [] if times]
         now = self.clock()
-        if any(est is None or est.stale(now, self.probe_interval_s) for est in estimates):
+        if any(est is None for est in estimates):
             return True
-        if self.shared_compute:  # a probe at every new load would mix the paths (see choose)
-            return False
+        if self.shared_compute:
+            # A probe while others run slows them all (see choose): it waits for an idle moment,
+            # unless the estimate has aged BUSY_PROBE_FACTOR intervals. No probe per load band:
+            # that too would mix the paths.
+            idle = not any(self.in_flight.values())
+            max_age = self.probe_interval_s * (1 if idle else BUSY_PROBE_FACTOR)
+            return any(est.stale(now, max_age) for est in estimates if est)
+        if any(est.stale(now, self.probe_interval_s) for est in estimates if est):
+            return True
         load = self.load(path) + 1
         plausible = predicted is not None and best is not None and predicted < PLAUSIBLE_RATIO * best
         return plausible and any(est.stale_at(load, now, self.probe_interval_s) for est in estimates if est)

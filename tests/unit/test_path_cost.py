@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH, SERVING_PATHS
-from python_backends.path_cost import PathCostModel, RequestShape, load_band, size_bucket
+from python_backends.path_cost import BUSY_PROBE_FACTOR, PathCostModel, RequestShape, load_band, size_bucket
 
 UNIQUE = RequestShape(images=1, misses=1, largest_pixels=640 * 480, output_tokens=33)
 HIT = RequestShape(images=1, misses=0, largest_pixels=640 * 480, output_tokens=33)
@@ -184,7 +184,26 @@ def test_a_path_far_behind_is_not_probed_at_each_new_load_only_when_it_ages() ->
     assert (decision.path, decision.reason) == (COLOCATED_PATH, "predicted")  # disaggregated is 6x slower
     clock.now = 11.0
     model.observe_colocated(UNIQUE, 40 * 5, 3 * 32 * 5, 33, load=5)
+    for _ in range(4):
+        model.finished(COLOCATED_PATH)
     assert model.choose(UNIQUE, SERVING_PATHS).reason == "probe"  # its estimate is older than 10 s
+
+
+def test_on_shared_cores_a_stale_path_is_probed_when_idle_or_once_long_stale() -> None:
+    """A probe under load slows every request in flight (shared cores): it waits for an idle
+    moment, up to BUSY_PROBE_FACTOR probe intervals."""
+    clock = Clock()
+    model = trained(colocated_first=40, colocated_token=3, encode=300, prefill=200, token=10, clock=clock)
+    model.started(COLOCATED_PATH)
+    clock.now = 11.0
+    model.observe_colocated(UNIQUE, 40 * 2, 3 * 32 * 2, 33, load=2)  # colocated fresh, disaggregated 11 s old
+    assert model.choose(UNIQUE, SERVING_PATHS).reason == "predicted"  # busy: not yet
+    model.finished(COLOCATED_PATH)
+    assert model.choose(UNIQUE, SERVING_PATHS).reason == "probe"  # idle: now
+    model.started(COLOCATED_PATH)
+    clock.now = model.probe_interval_s * BUSY_PROBE_FACTOR + 1
+    model.observe_colocated(UNIQUE, 40 * 2, 3 * 32 * 2, 33, load=2)
+    assert model.choose(UNIQUE, SERVING_PATHS).reason == "probe"  # too old to wait any longer
 
 
 def test_a_busy_path_is_kept_unless_the_other_is_clearly_faster() -> None:
