@@ -298,8 +298,13 @@ class PathCostModel:
         return plausible and any(est.stale_at(load, now, self.probe_interval_s) for est in estimates if est)
 
     def _busy_path(self) -> str | None:
-        """The path with more requests in flight than the other (None when idle or even)."""
-        counts = sorted(self.in_flight.items(), key=lambda item: item[1], reverse=True)
+        """The path with more requests in flight than the other (None when idle or even), not
+        counting a probe: a probe that made its path the busy one would keep every following
+        request there (2026-12-02: a probe at the start of a burst of 8 took 7 more with it)."""
+        in_flight = dict(self.in_flight)
+        if self._probing is not None:
+            in_flight[self._probing] -= 1
+        counts = sorted(in_flight.items(), key=lambda item: item[1], reverse=True)
         return counts[0][0] if counts[0][1] > counts[1][1] else None
 
     def choose(self, shape: RequestShape, available: Iterable[str]) -> Decision:

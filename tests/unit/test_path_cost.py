@@ -235,3 +235,16 @@ def test_one_available_path_is_the_answer() -> None:
     assert (decision.path, decision.reason) == (COLOCATED_PATH, "only")
     with pytest.raises(ValueError, match="no serving path"):
         model.choose(UNIQUE, [])
+
+
+def test_a_probe_in_flight_does_not_make_its_path_the_one_kept() -> None:
+    """The probe at the start of a burst goes to the other path; the requests that follow it must
+    not be kept there because that path is now the busier one."""
+    clock = Clock()
+    model = trained(colocated_first=40, colocated_token=4.5, encode=0, prefill=40, token=5, clock=clock)
+    clock.now = 11.0  # both estimates stale; idle: a probe
+    probe = model.choose(HIT, SERVING_PATHS)
+    assert probe.reason == "probe"
+    model.started(probe.path, probe=True)
+    follower = model.choose(HIT, SERVING_PATHS)
+    assert follower.reason == "predicted" and follower.path == COLOCATED_PATH, follower
