@@ -1,8 +1,8 @@
 """Fit a profile's stage costs on some measured bench points, then check it predicts the others.
 
 ``python -m bench.advisor.fit --measured SUMMARY.json --train 1 2 --profile cpu-2core --out-profile P``
-reads a ``python -m bench run`` summary (modes llm, llm:repeated, epd, epd:repeated, or the path
-benchmark's names for them, ``MODE_ALIASES``), fits the
+reads a ``python -m bench run`` summary (modes llm, llm:repeated, epd, epd:repeated,
+epd:colocated[:repeated], or the path benchmark's names for them, ``MODE_ALIASES``), fits the
 profile's free parameters on the training concurrencies (a deterministic pattern search in log
 space over e2e p50, TTFT p50 and, for epd, the encode/prefill/decode stage means), and writes the
 validity report: predicted vs measured e2e p50 on every point, as JSON, markdown and a plot.
@@ -29,6 +29,9 @@ MODE_SETUPS: dict[str, tuple[str, float]] = {
     "llm:repeated": ("colocated", 1.0),
     "epd": ("1E+1P+1D", 0.0),
     "epd:repeated": ("1E+1P+1D", 1.0),
+    # epd forced onto its colocated path: one engine in the model's process, as llm's.
+    "epd:colocated": ("colocated", 0.0),
+    "epd:colocated:repeated": ("colocated", 1.0),
 }
 # The same modes as issue 14's path benchmark names them (``MODEL[:PATH][:MEDIA]``): llm with
 # unique images is plain ``llm``; epd forced onto its disaggregated path is the ``epd`` above.
@@ -36,6 +39,7 @@ MODE_ALIASES: dict[str, str] = {
     "llm:unique": "llm",
     "epd:disaggregated:unique": "epd",
     "epd:disaggregated:repeated": "epd:repeated",
+    "epd:colocated:unique": "epd:colocated",
 }
 TOLERANCE = 0.20  # the issue's acceptance: predictions within +-20% on e2e p50
 
