@@ -18,7 +18,7 @@ help:
 	@echo "make test-scaleout     scale-out acceptance on loopback: 2 encoders + 1 PD (equality, bad topology, failover), then 1 encoder + 1 all server (local fallback); ~15 min"
 	@echo "make test-cancel       cancel at each point of epd's and llm's requests: nothing left, models unload (~6 min)"
 	@echo "make test-crash        SIGKILL encoder_0's stub under load; launcher stops, restarts, same store (~4 min)"
-	@echo "make test-soak         the 60 s soak test (out of make test while issue 17's epd stub crash under load is open)"
+	@echo "make test-soak         the 60 s soak test alone (make test runs it too)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
@@ -145,11 +145,11 @@ bench-perf-analyzer: setup tools
 	$(PY) -m bench.perf_analyzer_run --out $(BENCH_PA_OUT) --count 8 --output-tokens 16 --image-size 128x96 \
 		--window-requests 8 --runs llm:1 llm:2 epd:1 epd:2 epd:4 $(BENCH_ARGS)
 
-# Soak (issue 17): not in CI (tests/server/test_soak.py runs 60 s of it). CPU heavy: run it alone.
+# Soak (issue 17): the 10 min run, not in CI (`make test` runs 60 s of it: tests/server/test_soak.py). CPU heavy: run it alone.
 SOAK_OUT ?= results/latest/soak
-# The 60 s soak test, out of `make test` while issue 17's epd stub crash under this load is open.
+# The 60 s soak test alone (`make test` runs it with the other server tests).
 test-soak: setup
-	TRITON_EPD_SOAK_TESTS=1 $(PY) -m pytest tests/server/test_soak.py -v -rs
+	$(PY) -m pytest tests/server/test_soak.py -v -rs
 
 soak: setup
 	$(PY) -m bench soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
