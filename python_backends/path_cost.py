@@ -300,7 +300,7 @@ class PathCostModel:
     def _busy_path(self) -> str | None:
         """The path with more requests in flight than the other (None when idle or even), not
         counting a probe: a probe that made its path the busy one would keep every following
-        request there (2026-12-02: a probe at the start of a burst of 8 took 7 more with it)."""
+        request there (2026-12-02: a probe at the start of a burst of 8 took 6 of the other 7 along)."""
         in_flight = dict(self.in_flight)
         if self._probing is not None:
             in_flight[self._probing] -= 1
