@@ -154,9 +154,8 @@ class ServerOptions:
 # Lines of a tritonserver log that mean the stop (or the run) was not clean: a python-backend
 # stub crashed, tritonserver itself crashed (its own handler's line, main.cc), or a model did not
 # unload within Triton's exit timeout.
-PROBLEM_MARKERS = (
-    "Segfault encountered", "Signal (11) received", "Exit timeout expired", "failed to stop server",
-)
+EXIT_TIMEOUT_MARKERS = ("Exit timeout expired", "failed to stop server")
+PROBLEM_MARKERS = ("Segfault encountered", "Signal (11) received", *EXIT_TIMEOUT_MARKERS)
 
 
 class TritonServer:

@@ -35,7 +35,7 @@ import pytest
 
 from builders.launcher import prepare
 from builders.repository import TARGETS
-from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, StopReport, TritonServer
+from builders.tritonserver import EXIT_TIMEOUT_MARKERS, REPO_ROOT, Ports, ServerOptions, StopReport, TritonServer
 from client.epd_client import GrpcClient, HttpClient
 from python_backends.heartbeat import HEARTBEAT_DIR_ENV
 from python_backends.store import EmbeddingStore, StoreConfig
@@ -121,8 +121,7 @@ class TritonHeldModel(UserWarning):
 
 
 def held_only_by_triton(report: StopReport, stuck: stop_dump.StuckStop) -> bool:
-    timeout_lines = ("Exit timeout expired", "failed to stop server")
-    exit_timeout_only = all(any(text in line for text in timeout_lines) for line in report.problems)
+    exit_timeout_only = all(any(text in line for text in EXIT_TIMEOUT_MARKERS) for line in report.problems)
     return stuck.held_by_triton and not report.killed and bool(report.problems) and exit_timeout_only
 
 

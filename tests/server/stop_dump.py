@@ -123,8 +123,10 @@ def models_still_loaded(log_text: str) -> list[str]:
     return sorted(model for model, count in loaded.items() if count > 0)
 
 
-def _stub_pids(server_pid: int, model: str) -> list[int]:
-    return [process.pid for process in server_processes(server_pid) if process.role == f"stub:{model}"]
+def _stub_pids(server_pid: int, models: list[str]) -> dict[str, list[int]]:
+    """Each model's stub pids, from one walk of the server's process tree."""
+    processes = server_processes(server_pid)
+    return {model: [p.pid for p in processes if p.role == f"stub:{model}"] for model in models}
 
 
 def _native_stacks(pid: int) -> str:
@@ -245,7 +247,7 @@ def watch_stuck_stop(
         found.summary.append(f"this test process's connections to its gRPC port: {connections}")
         metrics_text = _fetch(server.metrics_url)
         found.summary.extend(_request_counters(metrics_text, models))
-        stubs = {model: _stub_pids(pid, model) for model in models}
+        stubs = _stub_pids(pid, models)
         beating = {model: _beating(heartbeats, pids) for model, pids in stubs.items()}
         found.summary.append(f"stubs still beating (no finalize began): {beating}")
         found.held_by_triton = held_by_triton(models, metrics_text, beating, connections)
