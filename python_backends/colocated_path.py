@@ -11,7 +11,10 @@ Images, after the shared hash and lookup (``epd_references.py``):
   ``image_embeds`` + ``image_grid_thw``, with the content key as the item's identity), so a
   hit never re-encodes;
 - no image in the store: the media go to the engine, which encodes them itself (as ``llm``
-  does; vLLM's own encoder and prefix caches serve repeats);
+  does; vLLM's own encoder and prefix caches serve repeats). Each item carries its content key
+  as its vLLM identity (``multi_modal_uuids``), so vLLM does not hash the pixels again, and an
+  image whose processed pixels the engine still holds (its processor cache, by that key) goes
+  as ``None``: no decode, no processing, no copy (results/2026-12-02/engine-held);
 - some of each: the missing ones are encoded by the encoder models first (into the store) and
   all go in as embeddings, because vLLM takes one form per modality in a prompt.
 
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from python_backends.epd_references import ImageReferences, LeasedReferences, ms_since, stage_error
@@ -46,7 +50,9 @@ class ColocatedEngine(Protocol):
 
     def generate_prompt(
         self, prompt: dict[str, Any], request: GenerateRequest, request_id: str
-    ) -> AsyncIterator[GenerationChunk]: ...
+    ) -> AsyncGenerator[GenerationChunk, None]: ...
+
+    def holds_media(self, uuid: str) -> bool: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -68,22 +74,33 @@ class ColocatedPath:
         self.limits = limits
 
     async def _prompt(
-        self, request: GenerateRequest, leased: LeasedReferences, encoder: str | None, timings: dict[str, float]
-    ) -> dict[str, Any]:
+        self,
+        request: GenerateRequest,
+        leased: LeasedReferences,
+        encoder: str | None,
+        timings: dict[str, float],
+        engine_held: bool = True,
+    ) -> tuple[dict[str, Any], bool]:
+        """vLLM's input for the request, and whether an item went as None (``engine_held``: the
+        media the engine holds go as None)."""
         prompt: dict[str, Any] = {"prompt": request.prompt}
         if not request.images and not request.videos:
-            return prompt
+            return prompt, False
         if not leased.found and not request.videos:  # every image is new: the engine encodes the media itself
-            media = [image for image in request.images if isinstance(image, bytes)]
-            prompt["multi_modal_data"] = {"image": await asyncio.to_thread(decode_images, media, self.limits)}
-            return prompt
+            keys = leased.keys[: leased.num_images]
+            held = {key for key in keys if engine_held and self.engine.holds_media(key)}
+            to_decode = [leased.missing[key] for key in keys if key not in held]
+            decoded = iter(await asyncio.to_thread(decode_images, to_decode, self.limits) if to_decode else ())
+            prompt["multi_modal_data"] = {"image": [None if key in held else next(decoded) for key in keys]}
+            prompt["multi_modal_uuids"] = {"image": keys}
+            return prompt, bool(held)
         await self.references.encode_missing(leased, encoder, timings)
         images = stored_embeds(self.references.store, leased.references)
         prompt["multi_modal_data"] = multi_modal_data(images)
         uuids = multi_modal_uuids(images)
         if uuids:
             prompt["multi_modal_uuids"] = uuids
-        return prompt
+        return prompt, False
 
     async def run(
         self,
@@ -96,22 +113,50 @@ class ColocatedPath:
         """Serve one request whose images were looked up into ``leased``; the last chunk carries
         the timings and cache counts. Closing early aborts the engine's request."""
         start = time.perf_counter()
-        prompt = await self._prompt(request, leased, encoder, timings)
         first_at: float | None = None
         finished = False
         try:
-            async for chunk in self.engine.generate_prompt(prompt, request, request_id):
-                if first_at is None:
-                    first_at = time.perf_counter()
-                    timings["prefill"] = (first_at - start) * 1000.0
-                if chunk.finished:
-                    finished = True
-                    timings["decode"] = ms_since(first_at)
-                    yield leased.measured(chunk, timings)
-                else:
-                    yield chunk
+            async with aclosing(self._chunks(request, request_id, leased, encoder, timings)) as chunks:
+                async for chunk in chunks:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                        timings["prefill"] = (first_at - start) * 1000.0
+                    if chunk.finished:
+                        finished = True
+                        timings["decode"] = ms_since(first_at)
+                        yield leased.measured(chunk, timings)
+                    else:
+                        yield chunk
         except EpdError as exc:
             raise stage_error("generate", exc) from None
         finally:
             if not finished:
                 await self.engine.abort(request_id)
+
+    async def _chunks(
+        self,
+        request: GenerateRequest,
+        request_id: str,
+        leased: LeasedReferences,
+        encoder: str | None,
+        timings: dict[str, float],
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """The engine's chunks. An item sent as None can leave the engine's cache between the check
+        and vLLM's processing, which then refuses the request before any token: then, once, the
+        prompt is built again with every item's media."""
+        prompt, held = await self._prompt(request, leased, encoder, timings)
+        stream = self.engine.generate_prompt(prompt, request, request_id)
+        try:
+            if held:
+                try:
+                    first = await anext(stream)
+                except EpdError:
+                    await stream.aclose()
+                    prompt, _ = await self._prompt(request, leased, encoder, timings, engine_held=False)
+                    stream = self.engine.generate_prompt(prompt, request, request_id)
+                    first = await anext(stream)
+                yield first
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()

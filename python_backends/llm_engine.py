@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,7 +146,7 @@ class LlmEngine:
 
     async def generate_prompt(
         self, prompt: dict[str, Any], request: GenerateRequest, request_id: str
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         """Serve ``request`` with ``prompt`` as vLLM's input (text plus ``multi_modal_data``, media
         or embeddings, and ``multi_modal_uuids``): ``epd``'s colocated path builds its own."""
         params = self.sampling_params(request)
@@ -177,6 +177,13 @@ class LlmEngine:
             raise EpdError(f"generation failed: {type(exc).__name__}", ErrorCode.INTERNAL) from None
         finally:
             self.active_requests.discard(request_id)
+
+    def holds_media(self, uuid: str) -> bool:
+        """Whether vLLM's processor cache holds the processed media of the item sent with ``uuid``
+        as its ``multi_modal_uuids`` entry: that item may then be sent as None (vLLM 0.32: the
+        renderer's cache, keyed by the uuid itself when no processor kwargs are given)."""
+        cache = self.engine.renderer.mm_processor_cache
+        return cache is not None and bool(cache.is_cached_item(uuid))
 
     def unfinished_requests(self) -> int:
         return unfinished_requests(self.engine)

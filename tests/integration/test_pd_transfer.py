@@ -398,3 +398,34 @@ def test_timings_prefill_decode_vs_colocated(engines: Engines) -> None:
         f"TTFT = prefill {med['pd_ttft']:.0f} ({low['pd_ttft']:.0f}), "
         f"decode {med['decode']:.0f} ({low['decode']:.0f}); e2e ratio of medians {med['pd_e2e'] / med['col_e2e']:.2f}"
     )
+
+
+def test_media_the_engine_holds_go_as_none(engines: Engines) -> None:
+    """epd's colocated path sends an image whose processed pixels vLLM's processor cache holds as
+    None under its uuid (python_backends/colocated_path.py): the real engine takes it and answers
+    as it did with the pixels, and refuses it before any token (the error that makes the path
+    send the pixels again) for a uuid it does not hold."""
+    from python_backends.generate_request import GenerateRequest
+    from python_backends.llm_engine import LlmEngine
+    from python_backends.media import ImageLimits, decode_images
+    from tests.images import synthetic_image
+
+    engine = LlmEngine(engines.colocated)
+    (picture,) = decode_images([synthetic_image(96, 80, seed=5)], ImageLimits())
+    key = f"engine-held-{uuid.uuid4().hex}"
+    request = GenerateRequest(IMAGE + TEXT[:100], [], stream=True, sampling=GREEDY, exclude_input_in_output=True)
+
+    async def tokens(item: Any) -> tuple[list[int], int]:
+        prompt = {"prompt": request.prompt, "multi_modal_data": {"image": [item]},
+                  "multi_modal_uuids": {"image": [key]}}
+        chunks = [chunk async for chunk in engine.generate_prompt(prompt, request, uuid.uuid4().hex)]
+        return [t for chunk in chunks for t in chunk.token_ids], chunks[0].num_input_tokens
+
+    assert not engine.holds_media(key)
+    with pytest.raises(EpdError) as refused:
+        engines.run(tokens(None))
+    assert "EngineGenerateError" in refused.value.message  # vLLM 0.32 wraps its "Cache miss ..." ValueError
+    with_pixels = engines.run(tokens(picture))
+    assert engine.holds_media(key)
+    assert engines.run(tokens(None)) == with_pixels and len(with_pixels[0]) == MAX_TOKENS
+    assert _unfinished(engines.colocated) == 0

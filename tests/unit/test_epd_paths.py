@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from python_backends import colocated_path
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
 from python_backends.epd_pipeline import EpdPipeline, requested_path
 from python_backends.errors import EpdError, ErrorCode
@@ -35,8 +36,24 @@ class FakeEngine:
     prompts: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     hang_after_first: bool = False
+    # vLLM's processor cache: the uuids of media items it processed (a None item names one).
+    held: set[str] = field(default_factory=set)
+    evict_before_next: bool = False  # the cache drops everything between the check and the request
+
+    def holds_media(self, uuid: str) -> bool:
+        return uuid in self.held
 
     async def generate_prompt(self, prompt: dict[str, Any], req: GenerateRequest, request_id: str):
+        images = prompt.get("multi_modal_data", {}).get("image")
+        if isinstance(images, list):  # media (not embeddings)
+            if self.evict_before_next:
+                self.held.clear()
+                self.evict_before_next = False
+            uuids = prompt["multi_modal_uuids"]["image"]
+            for item, uuid in zip(images, uuids, strict=True):
+                if item is None and uuid not in self.held:  # vLLM 0.32's refusal, as LlmEngine raises it
+                    raise EpdError("generation failed: EngineGenerateError", ErrorCode.INTERNAL)
+            self.held.update(uuids)
         self.prompts.append(prompt)
         total = req.sampling["max_tokens"]
         for n in range(1, total + 1):
@@ -68,8 +85,54 @@ def test_colocated_sends_new_media_to_the_engine(store):
     assert {"hash", "lookup", "prefill", "decode"} == set(chunks[-1].timings_ms)
     (image,) = engine.prompts[0]["multi_modal_data"]["image"]
     assert isinstance(image, Image.Image) and image.size == (64, 48)
+    assert engine.prompts[0]["multi_modal_uuids"] == {"image": [KEYS.key(PHOTO)]}  # vLLM does not hash it again
     assert stages.encoded == [] and stages.prefill_refs == []  # no encoder, no prefill/decode
     assert store.metrics()["active_leases"] == 0
+
+
+def test_colocated_sends_media_the_engine_holds_as_none(store, monkeypatch):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    decoded: list[int] = []
+    real_decode = colocated_path.decode_images
+
+    def counted_decode(media: list[bytes], limits: Any) -> list[Image.Image]:
+        decoded.append(len(media))
+        return real_decode(media, limits)
+
+    monkeypatch.setattr(colocated_path, "decode_images", counted_decode)
+    run(p, request([PHOTO]), path=COLOCATED_PATH)
+    chunks = run(p, request([PHOTO, OTHER]), path=COLOCATED_PATH)
+    assert [c.token_ids for c in chunks] == [[200], [201], [202], [203]]
+    photo, other = engine.prompts[1]["multi_modal_data"]["image"]
+    assert photo is None and isinstance(other, Image.Image)  # only the new one decoded
+    assert decoded == [1, 1]
+    assert engine.prompts[1]["multi_modal_uuids"] == {"image": [KEYS.key(PHOTO), KEYS.key(OTHER)]}
+    assert stages.encoded == [] and store.metrics()["active_leases"] == 0
+
+
+def test_media_the_engine_dropped_after_the_check_are_sent_again(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    run(p, request([PHOTO]), path=COLOCATED_PATH)
+    engine.evict_before_next = True
+    chunks = run(p, request([PHOTO]), path=COLOCATED_PATH, request_id="r2")
+    assert [c.token_ids for c in chunks] == [[200], [201], [202], [203]] and chunks[-1].finish_reason == "length"
+    assert len(engine.prompts) == 2  # the refused attempt reached no generation
+    (image,) = engine.prompts[1]["multi_modal_data"]["image"]
+    assert isinstance(image, Image.Image)
+    assert engine.aborted == [] and store.metrics()["active_leases"] == 0
+
+
+def test_a_stored_image_goes_as_embeddings_even_when_the_engine_holds_its_media(store):
+    """The engine's processor cache holds pixels, not embeddings: a store hit never relies on it."""
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    run(p, request([PHOTO]), path=COLOCATED_PATH)  # the engine holds its media
+    run(p, request([PHOTO]), path=DISAGGREGATED_PATH)  # now the store holds its embeddings
+    run(p, request([PHOTO]), path=COLOCATED_PATH)
+    assert set(engine.prompts[-1]["multi_modal_data"]["image"]) == {"image_embeds", "image_grid_thw"}
+    assert len(stages.encoded) == 1
 
 
 def test_colocated_hands_store_hits_over_as_embeddings(store):
