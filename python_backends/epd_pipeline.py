@@ -173,7 +173,7 @@ class EpdPipeline:
                 decision = self.decide(shape, path)
             timings["lookup"] += ms_since(start) - timings["lookup"] - timings["hash"]  # the decision is lookup's
             encodes = len(leased.missing)
-            load = self.cost.started(decision.path, probe=decision.reason == "probe")
+            mark = self.cost.started(decision.path, probe=decision.reason == "probe")
             # ``on_decision`` (epd: /metrics, a stub-to-server round trip per value) is told after
             # the first token went out, not before the engine starts: it is not on the request's
             # time to first token. A last chunk is never sent before it, nor a failure unrecorded.
@@ -187,7 +187,7 @@ class EpdPipeline:
                 async for chunk in self.paths[decision.path].run(request, request_id, leased, timings, encoder):
                     if chunk.finished:
                         chunk.serving_path = decision.path
-                        self._observe(decision.path, request, shape, chunk, timings, load, encodes)
+                        self._observe(decision.path, request, shape, chunk, timings, self.cost.mean_load(mark), encodes)
                         tell()
                     yield chunk
                     tell()
@@ -206,7 +206,7 @@ class EpdPipeline:
         shape: RequestShape,
         last: GenerationChunk,
         timings: dict[str, float],
-        load: int,
+        load: float,
         encodes: int,
     ) -> None:
         tokens = last.num_output_tokens

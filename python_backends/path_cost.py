@@ -14,7 +14,11 @@ Each term is an estimate of the stages' own timings (what each path measured on 
 served, per image-size bucket): the median of its last ``window`` samples (:class:`Estimate`),
 kept *per unit of load*: a sample taken while ``n`` requests were running on the engines it used
 counts ``time / n``, and a prediction multiplies by the load now plus one (processor sharing: an
-engine that runs n requests at once gives each about 1/n of itself). Processor sharing is only
+engine that runs n requests at once gives each about 1/n of itself). ``n`` is the load averaged
+over the request's life (:meth:`PathCostModel.mean_load`), not the load it started under: the
+first request of a burst of 8 starts alone but runs with 7 others, and counted at load 1 it made
+its path look 8x dearer per unit than it was (2026-12-02, run 6: at c=8 adaptive then left the
+faster path for 24 of 32 requests and kept to the slower one). Processor sharing is only
 roughly true (batching makes a busy engine cheaper per request, two cores make it dearer), so the
 samples are also kept per load band (1, 2-3, 4-7, 8+): a prediction uses its band's samples once
 there are ``min_samples`` of them. ``shared_compute`` says the two paths' engines share the same
@@ -128,8 +132,8 @@ class Estimate:
         self.samples = 0  # every sample ever added
         self.updated_at = 0.0
 
-    def add(self, sample: float, load: int, now: float) -> None:
-        band = load_band(load)
+    def add(self, sample: float, load: float, now: float) -> None:
+        band = load_band(max(1, round(load)))
         self.recent.append(sample)
         self.by_band.setdefault(band, deque(maxlen=self.window)).append(sample)
         self.band_updated_at[band] = now
@@ -156,6 +160,16 @@ class Estimate:
         """Too few samples at this load's band, or none there for ``max_age_s``."""
         band = load_band(load)
         return len(self._band_samples(load)) < self.min_samples or now - self.band_updated_at[band] > max_age_s
+
+
+@dataclass(frozen=True)
+class LoadMark:
+    """A request's start on its path's load-time integral (:meth:`PathCostModel.started`)."""
+
+    path: str
+    at: float
+    area: float
+    load: int  # the load it started under, itself included
 
 
 @dataclass(frozen=True)
@@ -201,6 +215,8 @@ class PathCostModel:
         self.clock = clock
         self.estimates: dict[tuple[str, str, str], Estimate] = {}  # (path, stage, bucket) -> ms per unit of load
         self.in_flight = dict.fromkeys(contract.SERVING_PATHS, 0)
+        self._load_area = dict.fromkeys(contract.SERVING_PATHS, 0.0)  # the integral of load(path) over time
+        self._integrated_at = clock()
         self._probing: str | None = None
         self.last: Decision | None = None
 
@@ -210,34 +226,53 @@ class PathCostModel:
         """Requests running on the engines ``path`` uses (all of epd's when they share compute)."""
         return sum(self.in_flight.values()) if self.shared_compute else self.in_flight[path]
 
-    def started(self, path: str, probe: bool = False) -> int:
-        """A request starts on ``path``: the load it starts under (itself included)."""
+    def _integrate(self) -> float:
+        """Bring every path's load-time integral up to now; returns now."""
+        now = self.clock()
+        for path in self._load_area:
+            self._load_area[path] += self.load(path) * (now - self._integrated_at)
+        self._integrated_at = now
+        return now
+
+    def started(self, path: str, probe: bool = False) -> LoadMark:
+        """A request starts on ``path``: where it starts on the load-time integral."""
+        now = self._integrate()
         self.in_flight[path] += 1
         if probe:
             self._probing = path
-        return self.load(path)
+        return LoadMark(path, now, self._load_area[path], self.load(path))
+
+    def mean_load(self, mark: LoadMark) -> float:
+        """The load ``mark``'s request has run under on average since it started, itself included."""
+        now = self._integrate()
+        if now <= mark.at:
+            return float(mark.load)
+        return max(1.0, (self._load_area[mark.path] - mark.area) / (now - mark.at))
 
     def finished(self, path: str) -> None:
+        self._integrate()
         self.in_flight[path] -= 1
         if self._probing == path:
             self._probing = None
 
     # ------------------------------------------------------------------ samples
 
-    def _add(self, path: str, stage: str, bucket: str, ms: float, load: int) -> None:
-        per_unit = ms / max(load, 1)
+    def _add(self, path: str, stage: str, bucket: str, ms: float, load: float) -> None:
+        per_unit = ms / max(load, 1.0)
         now = self.clock()
         for key in dict.fromkeys(((path, stage, bucket), (path, stage, ANY_BUCKET))):  # once when bucket is "any"
             self.estimates.setdefault(key, Estimate(self.window, self.min_samples)).add(per_unit, load, now)
 
-    def observe_colocated(self, shape: RequestShape, first_ms: float, decode_ms: float, tokens: int, load: int) -> None:
+    def observe_colocated(
+        self, shape: RequestShape, first_ms: float, decode_ms: float, tokens: int, load: float
+    ) -> None:
         """A colocated request finished: time to its first token and to the rest."""
         self._add(contract.COLOCATED_PATH, f"{COLOCATED_FIRST}/{shape.image_form}", shape.bucket, first_ms, load)
         if tokens > 1:
             self._add(contract.COLOCATED_PATH, COLOCATED_TOKEN, ANY_BUCKET, decode_ms / (tokens - 1), load)
 
     def observe_disaggregated(
-        self, shape: RequestShape, timings: dict[str, float], tokens: int, load: int, encoded: int
+        self, shape: RequestShape, timings: dict[str, float], tokens: int, load: float, encoded: int
     ) -> None:
         """A disaggregated request finished with its pipeline ``timings`` (ms per stage)."""
         path = contract.DISAGGREGATED_PATH

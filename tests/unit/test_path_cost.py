@@ -73,6 +73,30 @@ def test_load_scales_predictions_and_samples_are_per_unit_of_load() -> None:
     assert fresh.estimates[(COLOCATED_PATH, "first_token/media", "medium")].value == pytest.approx(100)
 
 
+def test_a_sample_counts_the_load_it_ran_under_not_the_one_it_started_under() -> None:
+    """The first request of a burst starts alone and runs with the rest of the burst."""
+    clock = Clock()
+    model = PathCostModel(clock=clock)
+    first = model.started(COLOCATED_PATH)
+    clock.now = 1.0
+    burst = [model.started(COLOCATED_PATH) for _ in range(7)]
+    assert first.load == 1 and [mark.load for mark in burst] == list(range(2, 9))
+    clock.now = 2.0
+    assert model.mean_load(first) == pytest.approx((1 * 1.0 + 8 * 1.0) / 2.0)
+    assert model.mean_load(burst[0]) == pytest.approx(8.0)
+    model.observe_colocated(UNIQUE, 900, 0, 1, load=model.mean_load(first))
+    assert model.estimates[(COLOCATED_PATH, "first_token/media", "medium")].value == pytest.approx(200)
+    for _ in range(7):
+        model.finished(COLOCATED_PATH)
+    clock.now = 4.0  # alone again for 2 s: (1 + 8 + 2) / 4
+    assert model.mean_load(first) == pytest.approx(11.0 / 4.0)
+    # Under shared compute the other path's requests count too.
+    other = model.started(DISAGGREGATED_PATH)
+    clock.now = 5.0
+    assert model.mean_load(other) == pytest.approx(2.0)
+    assert model.mean_load(model.started(COLOCATED_PATH)) == 3.0  # no time passed: the load it starts under
+
+
 def test_shared_compute_loads_both_paths_alike() -> None:
     model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=True, loads=(1, 8))
     for _ in range(7):

@@ -51,7 +51,7 @@ def test_a_gauge_is_sent_only_when_its_value_changes(sent):
 def _served(cost: PathCostModel, metrics: PathMetrics, shape: RequestShape, sent: list) -> tuple[int, int]:
     """One adaptive request as epd serves it: (values sent at its decision, at its end)."""
     decision = cost.choose(shape, PATHS)
-    load = cost.started(decision.path, probe=decision.reason == "probe")
+    load = cost.started(decision.path, probe=decision.reason == "probe").load
     before = len(sent)
     metrics.record(decision, cost)
     at_decision = len(sent) - before
