@@ -187,7 +187,8 @@ class EpdPipeline:
                 async for chunk in self.paths[decision.path].run(request, request_id, leased, timings, encoder):
                     if chunk.finished:
                         chunk.serving_path = decision.path
-                        self._observe(decision.path, request, shape, chunk, timings, self.cost.mean_load(mark), encodes)
+                        if (load := self.cost.sample_load(mark)) is not None:
+                            self._observe(decision.path, request, shape, chunk, timings, load, encodes)
                         tell()
                     yield chunk
                     tell()

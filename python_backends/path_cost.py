@@ -42,7 +42,8 @@ otherwise): in the 2026-12-01 benchmark, points where adaptive split its request
 paths were slower than either path alone (unique c=4: 11 colocated + 5 disaggregated, e2e p50
 2878 ms against 482 and 2065), since two sets of busy engines on two cores slow everyone down,
 which the per-request estimates cannot see; and the samples taken while mixed, slow on both
-paths, then pushed the choice back and forth.
+paths, then pushed the choice back and forth. So under ``shared_compute`` a request that ran
+while the other path had requests in flight adds no sample (:meth:`PathCostModel.sample_load`).
 
 Everything here runs on epd's event loop thread (no locking).
 
@@ -169,6 +170,7 @@ class LoadMark:
     path: str
     at: float
     area: float
+    other_area: float  # the other paths' requests in flight, integrated over time
     load: int  # the load it started under, itself included
 
 
@@ -216,6 +218,7 @@ class PathCostModel:
         self.estimates: dict[tuple[str, str, str], Estimate] = {}  # (path, stage, bucket) -> ms per unit of load
         self.in_flight = dict.fromkeys(contract.SERVING_PATHS, 0)
         self._load_area = dict.fromkeys(contract.SERVING_PATHS, 0.0)  # the integral of load(path) over time
+        self._other_area = dict.fromkeys(contract.SERVING_PATHS, 0.0)  # of the other paths' requests in flight
         self._integrated_at = clock()
         self._probing: str | None = None
         self.last: Decision | None = None
@@ -229,8 +232,10 @@ class PathCostModel:
     def _integrate(self) -> float:
         """Bring every path's load-time integral up to now; returns now."""
         now = self.clock()
+        elapsed, total = now - self._integrated_at, sum(self.in_flight.values())
         for path in self._load_area:
-            self._load_area[path] += self.load(path) * (now - self._integrated_at)
+            self._load_area[path] += self.load(path) * elapsed
+            self._other_area[path] += (total - self.in_flight[path]) * elapsed
         self._integrated_at = now
         return now
 
@@ -240,7 +245,7 @@ class PathCostModel:
         self.in_flight[path] += 1
         if probe:
             self._probing = path
-        return LoadMark(path, now, self._load_area[path], self.load(path))
+        return LoadMark(path, now, self._load_area[path], self._other_area[path], self.load(path))
 
     def mean_load(self, mark: LoadMark) -> float:
         """The load ``mark``'s request has run under on average since it started, itself included."""
@@ -248,6 +253,16 @@ class PathCostModel:
         if now <= mark.at:
             return float(mark.load)
         return max(1.0, (self._load_area[mark.path] - mark.area) / (now - mark.at))
+
+    def sample_load(self, mark: LoadMark) -> float | None:
+        """The load to count the timings of ``mark``'s request under (:meth:`mean_load`), or None
+        to drop them: under shared compute, when the other path had requests in flight meanwhile.
+        Such a sample is slow on both paths and says nothing of either alone (2026-12-02, run 7:
+        3 colocated requests that ran beside one disaggregated probe took 48 ms per token against
+        7.5 alone, and sent the next 29 requests of that point to the slower path)."""
+        load = self.mean_load(mark)
+        mixed = self._other_area[mark.path] - mark.other_area > 0.0
+        return None if self.shared_compute and mixed else load
 
     def finished(self, path: str) -> None:
         self._integrate()

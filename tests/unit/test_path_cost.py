@@ -97,6 +97,27 @@ def test_a_sample_counts_the_load_it_ran_under_not_the_one_it_started_under() ->
     assert model.mean_load(model.started(COLOCATED_PATH)) == 3.0  # no time passed: the load it starts under
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_sample_taken_beside_the_other_path_is_dropped_on_shared_compute(shared: bool) -> None:
+    clock = Clock()
+    model = PathCostModel(clock=clock, shared_compute=shared)
+    alone = model.started(COLOCATED_PATH)
+    clock.now = 1.0
+    assert model.sample_load(alone) == 1.0
+    probe = model.started(DISAGGREGATED_PATH, probe=True)
+    beside = model.started(COLOCATED_PATH)
+    clock.now = 2.0
+    model.finished(DISAGGREGATED_PATH)
+    clock.now = 3.0
+    if shared:  # both ran beside the other path for a while: slow on both, telling of neither
+        assert model.sample_load(beside) is None and model.sample_load(probe) is None
+        assert model.sample_load(alone) is None
+    else:  # the paths have hardware of their own: only a path's own load counts
+        assert model.sample_load(beside) == pytest.approx(2.0)  # it ran beside `alone`
+        assert model.sample_load(probe) == pytest.approx(1.0)
+    assert model.sample_load(model.started(COLOCATED_PATH)) == 3.0  # no time yet: the load it starts under
+
+
 def test_shared_compute_loads_both_paths_alike() -> None:
     model = trained(colocated_first=40, colocated_token=3, encode=55, prefill=25, token=5, shared=True, loads=(1, 8))
     for _ in range(7):
