@@ -172,6 +172,7 @@ class LoadMark:
     area: float
     other_area: float  # the other paths' requests in flight, integrated over time
     load: int  # the load it started under, itself included
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,7 @@ class PathCostModel:
         self.in_flight[path] += 1
         if probe:
             self._probing = path
-        return LoadMark(path, now, self._load_area[path], self._other_area[path], self.load(path))
+        return LoadMark(path, now, self._load_area[path], self._other_area[path], self.load(path), probe)
 
     def mean_load(self, mark: LoadMark) -> float:
         """The load ``mark``'s request has run under on average since it started, itself included."""
@@ -259,10 +260,12 @@ class PathCostModel:
         to drop them: under shared compute, when the other path had requests in flight meanwhile.
         Such a sample is slow on both paths and says nothing of either alone (2026-12-02, run 7:
         3 colocated requests that ran beside one disaggregated probe took 48 ms per token against
-        7.5 alone, and sent the next 29 requests of that point to the slower path)."""
+        7.5 alone, and sent the next 29 requests of that point to the slower path). A probe's own
+        sample is kept: under load a probe always runs beside the other path, and dropping it left
+        its path unknown, probed again at once (run 8: one request in 4 at unique c=4)."""
         load = self.mean_load(mark)
         mixed = self._other_area[mark.path] - mark.other_area > 0.0
-        return None if self.shared_compute and mixed else load
+        return None if self.shared_compute and mixed and not mark.probe else load
 
     def finished(self, path: str) -> None:
         self._integrate()
