@@ -139,8 +139,9 @@ def _sweep_arguments(
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="run point by point (every mode at a load point, then the next point) instead of mode by mode: "
-        "on a machine whose load drifts, the modes compared at a point then run minutes apart, not a sweep apart",
+        help="run point by point (every mode at a load point, then the next point) and at a point repetition by "
+        "repetition (round r: every mode's repetition r, order rotated per round) instead of mode by mode: "
+        "on a machine whose load drifts, the modes compared at a point then run seconds apart, not a sweep apart",
     )
     parser.add_argument("--slo-ttft-ms", type=float)
     parser.add_argument("--slo-tpot-ms", type=float)

@@ -9,9 +9,13 @@ loaded is reported as skipped.
 For each (mode, point): warm-up requests (excluded), then ``reps`` measured runs whose
 summaries are reduced to their median; /metrics and CPU time are read around each run.
 Modes run one after the other (every point of a mode, then the next mode), or with
-``interleave`` point by point (every mode at the first point, then every mode at the next), so
-that on a shared machine whose load drifts over minutes the modes compared at one point ran
-minutes apart at most, not a whole sweep apart.
+``interleave`` point by point (every mode at the first point, then every mode at the next) and
+within a point repetition by repetition (every mode's first repetition, then every mode's
+second, in an order rotated each round), so that on a shared machine whose load drifts the
+modes compared at one point ran seconds apart, not a sweep (or a mode's repetitions) apart.
+Until 2026-12-02 (issue 14, path benchmark runs 1-9) ``interleave`` ran a mode's repetitions
+back to back; within-mode spread then showed up as one mode's bias (the same path measured
+1.44x apart at one point of run 9).
 """
 
 from __future__ import annotations
@@ -248,7 +252,7 @@ class Sweep:
     ) -> dict[str, Any]:
         if self._over_budget():
             _log(f"[bench] time budget spent: {mode.label} {point.label} not run")
-            return {"mode": mode.label, "load_label": point.label, "status": f"not run: {share} was spent"}
+            return _not_run(mode, point, share)
         return await self._run_point(target, mode, layout, index, point)
 
     async def _run_mode(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -263,14 +267,32 @@ class Sweep:
     async def _run_interleaved(
         self, target: Any, modes: Sequence[ModeSpec]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Every mode at one point before the next point; the time budget is the sweep's."""
+        """Every mode at one point before the next point, and at a point repetition by
+        repetition: every mode's warm-up, then round r runs every mode's repetition r, the
+        order rotated by one mode per round (no mode always runs right after the same one).
+        The time budget is the sweep's."""
         budget = self.config.time_budget_s
         self.mode_deadline = None if budget is None else self.started + budget
         entries = [await self._mode_entry(target, mode) for mode in modes]
         per_mode: list[list[dict[str, Any]]] = [[] for _ in modes]
         for index, point in enumerate(self.config.points):
-            for mode, (_, layout), mode_points in zip(modes, entries, per_mode, strict=True):
-                mode_points.append(await self._point_or_skip(target, mode, layout, index, point, "--time-budget"))
+            if self._over_budget():
+                _log(f"[bench] time budget spent: {point.label} not run")
+                for mode, mode_points in zip(modes, per_mode, strict=True):
+                    mode_points.append(_not_run(mode, point, "--time-budget"))
+                continue
+            runs = [
+                _PointRun(self, target, mode, layout, index, point)
+                for mode, (_, layout) in zip(modes, entries, strict=True)
+            ]
+            for run in runs:
+                await run.warm()
+            for rep in range(self.config.reps):
+                shift = rep % len(runs)
+                for run in runs[shift:] + runs[:shift]:
+                    await run.measure(rep)
+            for run, mode_points in zip(runs, per_mode, strict=True):
+                mode_points.append(run.result())
         for mode, (entry, _), mode_points in zip(modes, entries, per_mode, strict=True):
             self._read(entry, mode, mode_points)
         return [entry for entry, _ in entries], [p for mode_points in per_mode for p in mode_points]
@@ -289,66 +311,11 @@ class Sweep:
     async def _run_point(
         self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint
     ) -> dict[str, Any]:
-        config = self.config
-        reuse = mode.reuse_ratio(config.workload)
-
-        async def send(prepared: Any) -> RequestRecord:
-            return await target.send(mode.model, prepared, config.request_timeout_s)
-
-        if config.warmup_requests:
-            # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
-            primers = self.builder.pool_primers() if reuse > 0 and config.prime_pool else []
-            warm = [
-                target.prepare(r, mode.model, **mode.prepare_options())
-                for r in primers + self.builder.build(
-                    config.warmup_requests, reuse, "warmup", index, 0, mode.identical, mode.media_namespace
-                )
-            ]
-            await closed_loop(send, warm, point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
-
-        reps, records = [], []
-        for rep in range(config.reps):
-            for attempt in range(config.noise_retries + 1):
-                # A retry gets fresh requests (its own key range): the discarded attempt's
-                # unique images are in the server's caches now.
-                key_rep = rep + NOISE_RETRY_KEY_STRIDE * attempt
-                built = self.builder.build(
-                    config.requests_per_point, reuse, "measure", index, key_rep, mode.identical, mode.media_namespace
-                )
-                items = [target.prepare(r, mode.model, **mode.prepare_options()) for r in built]
-                rep_summary, rep_records = await self._measure(send, items, point, index, rep, mode, layout)
-                other = rep_summary["cpu"].get("other_processes_cpu_share")
-                if (
-                    config.max_noise is None
-                    or other is None
-                    or other <= config.max_noise
-                    or attempt == config.noise_retries
-                ):
-                    break
-                _log(
-                    f"[bench] {mode.label} {point.label} rep {rep + 1}: other processes took {other:.0%} of the CPUs "
-                    f"(> {config.max_noise:.0%}); measuring this repetition again with fresh requests"
-                )
-            rep_summary["noisy_attempts_discarded"] = attempt
-            reps.append(rep_summary)
-            records.extend(rep_records)
-            self.raw.extend(
-                {"mode": mode.label, "load_label": point.label, "rep": rep, **r.to_json()} for r in rep_records
-            )
-        self.records[(mode.label, point.label)] = records
-        summary = median_summary(reps)
-        return {
-            "mode": mode.label,
-            "model": mode.model,
-            "status": "ran",
-            "load_kind": point.kind,
-            "pattern": point.pattern,
-            "load": point.value,
-            "load_label": point.label,
-            "summary": summary,
-            "reps": reps,
-            "stages": stage_breakdown(records, summary.get("per_model_server_ms", {}), layout),
-        }
+        run = _PointRun(self, target, mode, layout, index, point)
+        await run.warm()
+        for rep in range(self.config.reps):
+            await run.measure(rep)
+        return run.result()
 
     async def _measure(
         self, send: Any, items: list[Any], point: LoadPoint, index: int, rep: int, mode: ModeSpec, layout: ModeLayout
@@ -478,3 +445,87 @@ def harness_cost(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "other_processes_cpu_share_mean": float(np.mean(others)) if others else None,
         "other_processes_cpu_share_max": max(others) if others else None,
     }
+
+
+def _not_run(mode: ModeSpec, point: LoadPoint, share: str) -> dict[str, Any]:
+    return {"mode": mode.label, "load_label": point.label, "status": f"not run: {share} was spent"}
+
+
+@dataclass
+class _PointRun:
+    """One mode at one load point: its warm-up, its repetitions (each measured again with fresh
+    requests while other processes took more than ``max_noise`` of the CPUs), its point entry."""
+
+    sweep: Sweep
+    target: Any
+    mode: ModeSpec
+    layout: ModeLayout
+    index: int
+    point: LoadPoint
+    reps: list[dict[str, Any]] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def reuse(self) -> float:
+        return self.mode.reuse_ratio(self.sweep.config.workload)
+
+    async def _send(self, prepared: Any) -> RequestRecord:
+        return await self.target.send(self.mode.model, prepared, self.sweep.config.request_timeout_s)
+
+    def _prepare(self, requests: Sequence[Any]) -> list[Any]:
+        return [self.target.prepare(r, self.mode.model, **self.mode.prepare_options()) for r in requests]
+
+    async def warm(self) -> None:
+        config, builder, mode = self.sweep.config, self.sweep.builder, self.mode
+        if not config.warmup_requests:
+            return
+        # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
+        primers = builder.pool_primers() if self.reuse > 0 and config.prime_pool else []
+        built = builder.build(
+            config.warmup_requests, self.reuse, "warmup", self.index, 0, mode.identical, mode.media_namespace
+        )
+        warm = self._prepare(primers + built)
+        await closed_loop(self._send, warm, self.point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
+
+    async def measure(self, rep: int) -> None:
+        config, mode = self.sweep.config, self.mode
+        for attempt in range(config.noise_retries + 1):
+            # A retry gets fresh requests (its own key range): the discarded attempt's
+            # unique images are in the server's caches now.
+            key_rep = rep + NOISE_RETRY_KEY_STRIDE * attempt
+            args = (config.requests_per_point, self.reuse, "measure", self.index, key_rep, mode.identical)
+            built = self.sweep.builder.build(*args, mode.media_namespace)
+            rep_summary, rep_records = await self.sweep._measure(
+                self._send, self._prepare(built), self.point, self.index, rep, mode, self.layout
+            )
+            other = rep_summary["cpu"].get("other_processes_cpu_share")
+            quiet = config.max_noise is None or other is None or other <= config.max_noise
+            if quiet or attempt == config.noise_retries:
+                break
+            _log(
+                f"[bench] {mode.label} {self.point.label} rep {rep + 1}: other processes took {other:.0%} of the CPUs "
+                f"(> {config.max_noise:.0%}); measuring this repetition again with fresh requests"
+            )
+        rep_summary["noisy_attempts_discarded"] = attempt
+        self.reps.append(rep_summary)
+        self.records.extend(rep_records)
+        self.sweep.raw.extend(
+            {"mode": mode.label, "load_label": self.point.label, "rep": rep, **r.to_json()} for r in rep_records
+        )
+
+    def result(self) -> dict[str, Any]:
+        mode, point = self.mode, self.point
+        self.sweep.records[(mode.label, point.label)] = self.records
+        summary = median_summary(self.reps)
+        return {
+            "mode": mode.label,
+            "model": mode.model,
+            "status": "ran",
+            "load_kind": point.kind,
+            "pattern": point.pattern,
+            "load": point.value,
+            "load_label": point.label,
+            "summary": summary,
+            "reps": self.reps,
+            "stages": stage_breakdown(self.records, summary.get("per_model_server_ms", {}), self.layout),
+        }

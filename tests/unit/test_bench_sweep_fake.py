@@ -189,28 +189,39 @@ def test_time_budget_reports_points_it_could_not_run(tmp_path):
     assert "`llm` c=1: not run" in (tmp_path / "results.md").read_text()
 
 
-def test_interleave_runs_every_mode_at_a_point_before_the_next_point():
+def test_interleave_runs_every_mode_at_a_point_before_the_next_point_and_rotates_repetitions():
     config = SweepConfig(
         modes=[ModeSpec.parse(m) for m in ("llm", "ensemble", "epd")],
         points=[LoadPoint("concurrency", 1), LoadPoint("concurrency", 2)],
         workload=WorkloadSpec(image_sizes=((32, 32),), output_tokens=LengthDist.parse("2", minimum=1)),
         requests_per_point=3,
         warmup_requests=1,
+        reps=3,
         interleave=True,
         progress=False,
     )
     target = FakeTarget()
     output = asyncio.run(Sweep(config, "fake:1", None, None).run(target))
-    # keys are "<phase>/<point index>/<rep>/<i>": the sends go point by point, each point llm then epd
-    order = [(model, key.split("/")[1]) for model, key in target.sent]
-    runs = [pair for i, pair in enumerate(order) if i == 0 or order[i - 1] != pair]
-    assert runs == [("llm", "0"), ("epd", "0"), ("llm", "1"), ("epd", "1")]
+    # keys are "<phase>/<point index>/<rep>/<i>": per point, both warm-ups, then round r runs every
+    # mode's repetition r, starting one mode further on each round
+    sent = [(model, *key.split("/")[:3]) for model, key in target.sent]
+    runs = [pair for i, pair in enumerate(sent) if i == 0 or sent[i - 1] != pair]
+    per_point = [
+        ("llm", "warmup", "0"), ("epd", "warmup", "0"),
+        ("llm", "measure", "0"), ("epd", "measure", "0"),
+        ("epd", "measure", "1"), ("llm", "measure", "1"),
+        ("llm", "measure", "2"), ("epd", "measure", "2"),
+    ]  # fmt: skip
+    assert [(model, phase, rep) for model, phase, point, rep in runs if point == "0"] == per_point
+    assert [(model, phase, rep) for model, phase, point, rep in runs if point == "1"] == per_point
+    assert [point for _, _, point, _ in runs] == ["0"] * 8 + ["1"] * 8
     summary = output.summary
     assert [m["label"] for m in summary["modes"]] == ["llm", "ensemble", "epd"]  # the order asked for
     assert [m["status"] for m in summary["modes"]] == ["ran", "skipped", "ran"]
     assert [(p["mode"], p["load_label"]) for p in summary["points"]] == [
         ("llm", "c=1"), ("llm", "c=2"), ("epd", "c=1"), ("epd", "c=2")
     ]
+    assert all(len(p["reps"]) == 3 for p in summary["points"])
     assert summary["config"]["interleave"] is True
     assert [r["mode"] for r in summary["ratios_vs_baseline"]] == ["epd", "epd"]
     assert all("reading" in m for m in summary["modes"] if m["status"] == "ran")
