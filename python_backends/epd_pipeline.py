@@ -21,8 +21,8 @@ Per request:
    decode) or ``colocated_path.py`` (epd's own engine, store hits as embeddings).
 
 The last chunk carries the timings, the cache counts and the path (``serving_path`` output);
-its times feed the cost model. Whatever happens (finish, failure, cancellation), every lease
-the request took is released.
+its times feed the cost model. Every lease the request took is released: on finishing, before
+its last chunk is handed on; on a failure or cancellation, when the request ends.
 """
 
 from __future__ import annotations
@@ -186,6 +186,9 @@ class EpdPipeline:
             try:
                 async for chunk in self.paths[decision.path].run(request, request_id, leased, timings, encoder):
                     if chunk.finished:
+                        # The engines are done with the stored embeddings: let go before the last
+                        # answer goes out, so a client that then reads the store finds no lease.
+                        self.references.release(leased)
                         chunk.serving_path = decision.path
                         if (load := self.cost.sample_load(mark)) is not None:
                             self._observe(decision.path, request, shape, chunk, timings, load, encodes)

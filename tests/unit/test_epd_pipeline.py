@@ -147,6 +147,17 @@ def test_streams_first_token_then_decode_and_releases_leases(store):
     assert store.metrics()["active_leases"] == 0
 
 
+def test_leases_are_released_before_the_last_chunk_is_handed_on(store):
+    # A client reading the store right after its last answer must find no lease of its request.
+    pipeline = make_pipeline(FakeStages(store))
+
+    async def leases_seen_per_chunk() -> list[int]:
+        return [store.metrics()["active_leases"] async for _ in pipeline.run(request([b"img-a", b"img-b"]), "r1")]
+
+    seen = asyncio.run(leases_seen_per_chunk())
+    assert seen[0] == 2 and seen[-1] == 0
+
+
 def test_repeated_image_is_a_cache_hit(store):
     stages = FakeStages(store)
     pipeline = make_pipeline(stages)
