@@ -31,13 +31,21 @@ log = logging.getLogger(__name__)
 def input_rejections(engine: str) -> Iterator[None]:
     """vLLM refuses input it cannot serve (prompt above the context, bad image) with ValueError
     or, for validation, VLLMClientError (not a ValueError in 0.32): INVALID_ARG with vLLM's
-    message. Anything else goes on as it is."""
+    message. ``AsyncLLM.generate`` (0.32) wraps a ValueError raised while it processes the input
+    (e.g. "Cache miss" for an item sent as None that its cache no longer holds) in
+    EngineGenerateError: that one is the input's fault too. Anything else goes on as it is."""
     from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
 
+    refusals = (ValueError, VLLMClientError)
     try:
         yield
-    except (ValueError, VLLMClientError) as exc:
+    except refusals as exc:
         raise invalid_arg(f"request rejected by the {engine}: {exc}") from None
+    except EngineGenerateError as exc:
+        if not isinstance(exc.__cause__, refusals):
+            raise
+        raise invalid_arg(f"request rejected by the {engine}: {exc.__cause__}") from None
 
 
 def load_engine_args(path: Path) -> dict[str, Any]:

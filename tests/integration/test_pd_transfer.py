@@ -424,7 +424,8 @@ def test_media_the_engine_holds_go_as_none(engines: Engines) -> None:
     assert not engine.holds_media(key)
     with pytest.raises(EpdError) as refused:
         engines.run(tokens(None))
-    assert "EngineGenerateError" in refused.value.message  # vLLM 0.32 wraps its "Cache miss ..." ValueError
+    # vLLM 0.32 raises EngineGenerateError from its "Cache miss ..." ValueError: the input's fault
+    assert refused.value.code == ErrorCode.INVALID_ARG and "rejected by the engine" in refused.value.message
     with_pixels = engines.run(tokens(picture))
     assert engine.holds_media(key)
     assert engines.run(tokens(None)) == with_pixels and len(with_pixels[0]) == MAX_TOKENS

@@ -15,7 +15,7 @@ from PIL import Image
 from python_backends import colocated_path
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
 from python_backends.epd_pipeline import EpdPipeline, requested_path
-from python_backends.errors import EpdError, ErrorCode
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.generate_request import GenerateRequest
 from python_backends.generation import GenerationChunk
 from python_backends.path_cost import PathCostModel
@@ -52,7 +52,7 @@ class FakeEngine:
             uuids = prompt["multi_modal_uuids"]["image"]
             for item, uuid in zip(images, uuids, strict=True):
                 if item is None and uuid not in self.held:  # vLLM 0.32's refusal, as LlmEngine raises it
-                    raise EpdError("generation failed: EngineGenerateError", ErrorCode.INTERNAL)
+                    raise invalid_arg("request rejected by the engine: Cache miss for key: data is not provided")
             self.held.update(uuids)
         self.prompts.append(prompt)
         total = req.sampling["max_tokens"]
