@@ -5,9 +5,12 @@ from __future__ import annotations
 from bench.path_acceptance import acceptance_rows, markdown, token_agreement
 
 
-def point(mode: str, load: str, e2e: float, ttft: float, paths: dict[str, int] | None = None) -> dict:
+def point(
+    mode: str, load: str, e2e: float, ttft: float, paths: dict[str, int] | None = None, reps: list | None = None
+) -> dict:
     summary = {"e2e_ms": {"p50": e2e}, "ttft_ms": {"p50": ttft}, "errors": 0, "serving_paths": paths}
-    return {"mode": mode, "load_label": load, "status": "ran", "summary": summary}
+    reps = [{"e2e_ms": {"p50": e}, "ttft_ms": {"p50": t}} for e, t in reps or []]
+    return {"mode": mode, "load_label": load, "status": "ran", "summary": summary, "reps": reps}
 
 
 def test_ratios_goals_and_agreement() -> None:
@@ -38,3 +41,19 @@ def test_ratios_goals_and_agreement() -> None:
     assert repeated["e2e_ms_adaptive_vs_best_fixed"] == 0.9 and repeated["ttft_ms_adaptive_vs_best_fixed"] == 1.2
     text = markdown([unique, repeated], {"meta": {"command": "python -m bench run ..."}})
     assert "Goals met: 3 of 4." in text and "adaptive_vs_llm_ttft NO (1.05)" in text
+
+
+def test_each_goal_is_also_given_per_interleaved_round() -> None:
+    # round r: repetition r of every mode (bench run --interleave)
+    points = [
+        point("llm:unique", "c=4", 100, 40, reps=[(100, 40), (90, 40), (120, 40)]),
+        point("epd:adaptive:unique", "c=4", 104, 41, reps=[(104, 41), (99, 40), (110, 42)]),
+        point("epd:disaggregated:unique", "c=4", 190, 80, reps=[(190, 80), (80, 70), (200, 90)]),
+    ]
+    (row,) = acceptance_rows({"points": points}, {})
+    vs_llm, vs_best = row["goals"]["adaptive_vs_llm_e2e"], row["goals"]["adaptive_vs_best_fixed_e2e"]
+    assert vs_llm["rounds"] == [1.04, 1.1, 110 / 120] and vs_llm["rounds_met"] == 2
+    # per round against the better fixed policy of that round: disaggregated won round 2
+    assert vs_best["rounds"] == [1.04, 99 / 80, 110 / 120] and vs_best["rounds_met"] == 2
+    text = markdown([row], {})
+    assert "adaptive_vs_llm_e2e yes (1.04; rounds 0.92-1.10, 2 of 3 met)" in text
