@@ -58,9 +58,6 @@ from python_backends.triton_edge.responses import (
     wants_error_output,
 )
 
-# Gauges set while other requests run go out at most this late (and when the model goes idle).
-GAUGE_FLUSH_PERIOD_S = 0.5
-
 
 class CancelWatch:
     """Whether the client cancelled a streaming request, asked at most every ``interval_s``.
@@ -155,13 +152,11 @@ class DecoupledModel:
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
         # Test servers only (python_backends/stage_pauses.py); empty in every served target.
         self.pauses = StagePauses.parse(self.params.string(contract.TEST_PAUSES, ""))
+        self.metrics = ModelMetrics(self.model_name)
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._lock = threading.Lock()
-        # While other requests run, gauges wait for the next flush (metrics.py's cost rule).
-        self.metrics = ModelMetrics(self.model_name, busy=lambda: len(self._running) > 1)
         self._accepting = True
         self.loop = EventLoopThread()
-        self.loop.submit(self._flush_metrics_every(GAUGE_FLUSH_PERIOD_S))
         # Scraped by tests and operators: 0 once every request (cancelled ones too) has ended.
         self._running_gauge = self.metrics.gauge(
             f"epd_{self.model_name}_running_requests", f"Requests the {self.model_name} model is still serving"
@@ -206,14 +201,6 @@ class DecoupledModel:
             if self._running.get(request_id) is future:
                 del self._running[request_id]
             self._running_gauge.set(len(self._running))
-            idle = not self._running
-        if idle:
-            self.metrics.flush()
-
-    async def _flush_metrics_every(self, period_s: float) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            self.metrics.flush()
 
     async def _serve(self, parsed: Any, request_id: str, sender: Any, as_output: bool) -> None:
         cancel = CancelWatch(sender)

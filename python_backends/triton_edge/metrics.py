@@ -12,21 +12,13 @@ Cost rule: every ``Metric.set``/``increment`` of the python backend is a blockin
 the stub to the server process. ``epd`` sent 37 per request (with the 10 cost-model estimates of a
 one-image-size workload), 17 of them before its engine started the request: every gauge and
 estimate at each decision. Now a gauge is sent only when its value changes, a decision sends no
-estimates, and epd records it after the first token (tests/unit/test_path_metrics.py). Under load
-(``busy``: other requests of the model running) a gauge's new value waits, and only the latest
-one goes out at the next :meth:`ModelMetrics.flush` (the model flushes every half second and when
-it goes idle): epd still sent ~10 gauge values per request, each on the event loop that streams
-every request's tokens, and at c=8 with new images its colocated path was 1.1-1.2x ``llm`` with
-them and level without (2026-12-02). Counters are always sent at once: a client that counts
-requests reads them right after its answers.
+estimates, and epd records it after the first token (tests/unit/test_path_metrics.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +26,11 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends.pd.transfer import list_transfers
 
-MetricKey = tuple[str, tuple[tuple[str, str], ...]]  # (name, labels)
-
 
 class MetricHandle:
     """``set``/``increment`` on one metric; does nothing once its model's metrics are released."""
 
-    def __init__(self, owner: ModelMetrics, key: MetricKey) -> None:
+    def __init__(self, owner: ModelMetrics, key: tuple[str, tuple[tuple[str, str], ...]]) -> None:
         self._owner = owner
         self.key = key  # (name, labels)
 
@@ -50,22 +40,16 @@ class MetricHandle:
 
     def increment(self, value: float = 1) -> None:
         metric = self._owner.live(self.key)
-        if metric is not None and value:
+        if metric is not None:
             metric.increment(value)
 
 
 class ModelMetrics:
-    def __init__(self, model_name: str, busy: Callable[[], bool] | None = None) -> None:
-        """``busy``: whether gauges should wait for :meth:`flush` now (see the module's cost rule)."""
+    def __init__(self, model_name: str) -> None:
         self._labels = {"model": model_name}
-        self._busy = busy
         self._families: dict[str, pb_utils.MetricFamily] = {}
-        self._metrics: dict[MetricKey, pb_utils.Metric] = {}
-        self._values: dict[MetricKey, float] = {}  # last value each gauge was sent
-        self._waiting: dict[MetricKey, float] = {}  # the latest value of each gauge set while busy
-        # Gauges are set from Triton's execute thread and the event loop: one at a time, so a
-        # value set while busy never goes out after a later one.
-        self._lock = threading.Lock()
+        self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], pb_utils.Metric] = {}
+        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last value each gauge was sent
 
     def _handle(self, kind: Any, name: str, description: str, labels: dict[str, str]) -> MetricHandle:
         family = self._families.get(name)
@@ -84,28 +68,11 @@ class ModelMetrics:
     def counter(self, name: str, description: str, **labels: str) -> MetricHandle:
         return self._handle(pb_utils.MetricFamily.COUNTER, name, description, labels)
 
-    def live(self, key: MetricKey) -> pb_utils.Metric | None:
+    def live(self, key: tuple[str, tuple[tuple[str, str], ...]]) -> pb_utils.Metric | None:
         return self._metrics.get(key)
 
-    def set(self, key: MetricKey, value: float) -> None:
-        """Set the gauge ``key`` to ``value``: a round trip to the server only when it changes,
-        and while ``busy``, at the next :meth:`flush`."""
-        busy = self._busy is not None and self._busy()
-        with self._lock:
-            if busy:
-                self._waiting[key] = value
-            else:
-                self._waiting.pop(key, None)  # an older value must not follow this one
-                self._send(key, value)
-
-    def flush(self) -> None:
-        """Send the latest value of every gauge set while busy."""
-        with self._lock:
-            waiting, self._waiting = self._waiting, {}
-            for key, value in waiting.items():
-                self._send(key, value)
-
-    def _send(self, key: MetricKey, value: float) -> None:
+    def set(self, key: tuple[str, tuple[tuple[str, str], ...]], value: float) -> None:
+        """Set the gauge ``key`` to ``value``: a round trip to the server only when it changes."""
         metric = self._metrics.get(key)
         if metric is None or self._values.get(key) == value:
             return
@@ -118,7 +85,6 @@ class ModelMetrics:
         run the finalizers of whatever else is garbage, such as a shut-down vLLM engine's)."""
         self._metrics.clear()
         self._values.clear()
-        self._waiting.clear()
         self._families.clear()
 
 

@@ -48,26 +48,6 @@ def test_a_gauge_is_sent_only_when_its_value_changes(sent):
     assert len(sent) == 5
 
 
-def test_while_busy_a_gauge_waits_and_only_its_latest_value_goes_out_at_the_flush(sent):
-    running = [3]
-    metrics = ModelMetrics("epd", busy=lambda: running[0] > 1)
-    gauge = metrics.gauge("epd_test_gauge", "test")
-    counter = metrics.counter("epd_test_counter", "test")
-    for value in (1.0, 2.0, 3.0):
-        gauge.set(value)
-    counter.increment()  # counters go out at once: clients count requests right after their answers
-    counter.increment(0)  # nothing to add: no round trip
-    assert sent == [("increment", 1)]
-    metrics.flush()
-    assert sent[1:] == [("set", 3.0)]
-    metrics.flush()  # nothing waits
-    gauge.set(4.0)
-    running[0] = 1  # idle (this request alone): a set goes out at once, and a waiting value never after it
-    gauge.set(5.0)
-    metrics.flush()
-    assert sent[2:] == [("set", 5.0)]
-
-
 def _served(cost: PathCostModel, metrics: PathMetrics, shape: RequestShape, sent: list) -> tuple[int, int]:
     """One adaptive request as epd serves it: (values sent at its decision, at its end)."""
     decision = cost.choose(shape, PATHS)
