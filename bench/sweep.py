@@ -317,46 +317,6 @@ class Sweep:
             await run.measure(rep)
         return run.result()
 
-    async def _measure(
-        self, send: Any, items: list[Any], point: LoadPoint, index: int, rep: int, mode: ModeSpec, layout: ModeLayout
-    ) -> tuple[dict[str, Any], list[RequestRecord]]:
-        config = self.config
-        rng = np.random.default_rng([config.workload.seed, 7, index, rep])
-        description = f"{mode.label} {point.label} rep {rep + 1}/{config.reps}"
-        before_metrics = scrape(self.metrics_url)
-        # Objects made so far (workload, earlier records) never need collecting again: a
-        # full GC pass in the middle of a point would show up as client-side latency.
-        gc.collect()
-        gc.freeze()
-        with tqdm(total=len(items), desc=description, leave=False, disable=not config.progress, file=sys.stderr) as bar:
-            before_cpu = self.meter.sample()
-            result = await run_point(
-                send, items, point, config.max_seconds_per_point, rng, lambda: bar.update(1), config.max_inflight
-            )
-            after_cpu = self.meter.sample()
-        deltas = counter_deltas(before_metrics, scrape(self.metrics_url))
-        summary = summarize(result.records, config.slo)
-        instances = layout.total_instances or 1
-        summary.update(
-            not_sent=result.not_sent,
-            max_dispatch_lag_ms=result.max_dispatch_lag_s * 1000.0,
-            request_throughput_per_instance=_per(summary["request_throughput"], instances),
-            output_token_throughput_per_instance=_per(summary["output_token_throughput"], instances),
-            cache_hits=sum_counter(deltas, config.cache_hit_metric),
-            encodes=sum_counter(deltas, config.encode_metric),
-            cpu=cpu_usage(before_cpu, after_cpu, len(result.records)),
-            load_average_1m=os.getloadavg()[0],
-            per_model_server_ms=per_model_server_ms(deltas, layout.models),
-            server_counters=deltas,
-        )
-        ttft = summary["ttft_ms"]["p50"]
-        _log(
-            f"[bench] {description}: {summary['requests']} ok, {summary['errors']} errors, "
-            f"TTFT p50 {ttft if ttft is None else round(ttft)} ms, "
-            f"{_fmt(summary['request_throughput'])} req/s, {_fmt(summary['output_token_throughput'])} tok/s"
-        )
-        return summary, result.records
-
     def _ratios(self, points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         return ratios_vs_baseline(points, self.config.baseline)
 
@@ -475,16 +435,17 @@ class _PointRun:
     def _prepare(self, requests: Sequence[Any]) -> list[Any]:
         return [self.target.prepare(r, self.mode.model, **self.mode.prepare_options()) for r in requests]
 
+    def _build(self, count: int, phase: str, rep: int) -> list[Any]:
+        mode = self.mode
+        return self.sweep.builder.build(count, self.reuse, phase, self.index, rep, mode.identical, mode.media_namespace)
+
     async def warm(self) -> None:
-        config, builder, mode = self.sweep.config, self.sweep.builder, self.mode
+        config = self.sweep.config
         if not config.warmup_requests:
             return
         # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
-        primers = builder.pool_primers() if self.reuse > 0 and config.prime_pool else []
-        built = builder.build(
-            config.warmup_requests, self.reuse, "warmup", self.index, 0, mode.identical, mode.media_namespace
-        )
-        warm = self._prepare(primers + built)
+        primers = self.sweep.builder.pool_primers() if self.reuse > 0 and config.prime_pool else []
+        warm = self._prepare(primers + self._build(config.warmup_requests, "warmup", 0))
         await closed_loop(self._send, warm, self.point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
 
     async def measure(self, rep: int) -> None:
@@ -493,11 +454,8 @@ class _PointRun:
             # A retry gets fresh requests (its own key range): the discarded attempt's
             # unique images are in the server's caches now.
             key_rep = rep + NOISE_RETRY_KEY_STRIDE * attempt
-            args = (config.requests_per_point, self.reuse, "measure", self.index, key_rep, mode.identical)
-            built = self.sweep.builder.build(*args, mode.media_namespace)
-            rep_summary, rep_records = await self.sweep._measure(
-                self._send, self._prepare(built), self.point, self.index, rep, mode, self.layout
-            )
+            items = self._prepare(self._build(config.requests_per_point, "measure", key_rep))
+            rep_summary, rep_records = await self._measure(items, rep)
             other = rep_summary["cpu"].get("other_processes_cpu_share")
             quiet = config.max_noise is None or other is None or other <= config.max_noise
             if quiet or attempt == config.noise_retries:
@@ -512,6 +470,44 @@ class _PointRun:
         self.sweep.raw.extend(
             {"mode": mode.label, "load_label": self.point.label, "rep": rep, **r.to_json()} for r in rep_records
         )
+
+    async def _measure(self, items: list[Any], rep: int) -> tuple[dict[str, Any], list[RequestRecord]]:
+        sweep, config, mode, point = self.sweep, self.sweep.config, self.mode, self.point
+        rng = np.random.default_rng([config.workload.seed, 7, self.index, rep])
+        description = f"{mode.label} {point.label} rep {rep + 1}/{config.reps}"
+        before_metrics = scrape(sweep.metrics_url)
+        # Objects made so far (workload, earlier records) never need collecting again: a
+        # full GC pass in the middle of a point would show up as client-side latency.
+        gc.collect()
+        gc.freeze()
+        with tqdm(total=len(items), desc=description, leave=False, disable=not config.progress, file=sys.stderr) as bar:
+            before_cpu = sweep.meter.sample()
+            result = await run_point(
+                self._send, items, point, config.max_seconds_per_point, rng, lambda: bar.update(1), config.max_inflight
+            )
+            after_cpu = sweep.meter.sample()
+        deltas = counter_deltas(before_metrics, scrape(sweep.metrics_url))
+        summary = summarize(result.records, config.slo)
+        instances = self.layout.total_instances or 1
+        summary.update(
+            not_sent=result.not_sent,
+            max_dispatch_lag_ms=result.max_dispatch_lag_s * 1000.0,
+            request_throughput_per_instance=_per(summary["request_throughput"], instances),
+            output_token_throughput_per_instance=_per(summary["output_token_throughput"], instances),
+            cache_hits=sum_counter(deltas, config.cache_hit_metric),
+            encodes=sum_counter(deltas, config.encode_metric),
+            cpu=cpu_usage(before_cpu, after_cpu, len(result.records)),
+            load_average_1m=os.getloadavg()[0],
+            per_model_server_ms=per_model_server_ms(deltas, self.layout.models),
+            server_counters=deltas,
+        )
+        ttft = summary["ttft_ms"]["p50"]
+        _log(
+            f"[bench] {description}: {summary['requests']} ok, {summary['errors']} errors, "
+            f"TTFT p50 {ttft if ttft is None else round(ttft)} ms, "
+            f"{_fmt(summary['request_throughput'])} req/s, {_fmt(summary['output_token_throughput'])} tok/s"
+        )
+        return summary, result.records
 
     def result(self) -> dict[str, Any]:
         mode, point = self.mode, self.point
