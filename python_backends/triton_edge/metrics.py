@@ -9,16 +9,19 @@ gone, and every server stop logged ``Segfault encountered`` (issue 17). So model
 family.
 
 Cost rule: every ``Metric.set``/``increment`` of the python backend is a blocking round trip from
-the stub to the server process. ``epd`` sent 37 per request (with the 10 cost-model estimates of a
-one-image-size workload), 17 of them before its engine started the request: every gauge and
-estimate at each decision. Now a gauge is sent only when its value changes, a decision sends no
-estimates, and epd records it after the first token (tests/unit/test_path_metrics.py).
+the stub to the server process, on the event loop that streams every request's tokens. ``epd``
+once sent 37 per request, then ~10 (every gauge whose value moved), and at c=8 with new images its
+colocated path was 1.1-1.2x ``llm`` with them and level without (2026-12-02). So a gauge is sent
+only when its value changes, and the gauges that follow epd's state (store, serving paths) go out
+from one task every second on that loop, never per request; counters still go at once, as a
+client that counts requests reads them right after its answers (tests/unit/test_path_metrics.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ class MetricHandle:
 
     def increment(self, value: float = 1) -> None:
         metric = self._owner.live(self.key)
-        if metric is not None:
+        if metric is not None and value:  # adding 0 is a round trip for nothing
             metric.increment(value)
 
 
@@ -130,17 +133,22 @@ class CacheMetrics:
         for name, gauge in self._gauges.items():
             gauge.set(snapshot[name])
 
-    async def refresh_every(self, period_s: float, reap_every_s: float = 5.0) -> None:
+    async def refresh_every(
+        self, period_s: float, reap_every_s: float = 5.0, also: Callable[[], None] | None = None
+    ) -> None:
         """Keep the gauges current between requests (other processes change the store too), and
         (the node's one custodian) return what crashed processes left in the store every
         ``reap_every_s``: their leases, single-flight claims and reader slots. Without it a
-        killed encoder's or stage's leases would pin their entries until the store filled up."""
+        killed encoder's or stage's leases would pin their entries until the store filled up.
+        ``also``: the model's other state gauges, refreshed in the same beat (the cost rule)."""
         reaped_at = float("-inf")
         while True:
             if self._gauges and time.monotonic() - reaped_at >= reap_every_s:
                 reaped_at = time.monotonic()
                 self.reap()
             self.refresh()
+            if also is not None:
+                also()
             await asyncio.sleep(period_s)
 
     def reap(self) -> None:
@@ -166,37 +174,41 @@ class PathMetrics:
     - ``epd_path_in_flight{path}``: requests running on each path now;
     - ``epd_path_estimate_ms{path, stage, bucket}``: each stage estimate (median of its recent
       samples at any load), ms per unit of load.
+
+    The counter goes per request (:meth:`record`); the gauges are state, sent by :meth:`refresh`
+    every second (the module's cost rule).
     """
 
     def __init__(self, metrics: ModelMetrics, paths: Any) -> None:
         self._metrics = metrics
         self._paths = tuple(paths)
+        self._last: Any = None  # the latest decision (``path_cost.Decision``), not yet on /metrics
+        self._last_predicted: Any = None  # the latest adaptive decision's
 
     def record(self, decision: Any, cost_model: Any) -> None:
-        """After a decision (``path_cost.Decision``) and the model's state (``PathCostModel``).
-        The estimates change only when a request finishes: :meth:`refresh` sends them then."""
-        m = self._metrics
-        m.counter("epd_path_requests", "Requests served per path, by why it was chosen",
-                  path=decision.path, reason=decision.reason).increment()
-        for path in self._paths:
-            m.gauge("epd_path_last_decision", "1 for the path of the latest decision", path=path).set(
-                float(path == decision.path)
-            )
-            if decision.predicted_ms:
-                predicted = decision.predicted_ms.get(path)
-                m.gauge("epd_path_predicted_ms", "The latest adaptive decision's predicted completion time (-1: "
-                        "unknown)", path=path).set(-1.0 if predicted is None else predicted)
-        self._in_flight(cost_model)
-
-    def _in_flight(self, cost_model: Any) -> None:
-        for path in self._paths:
-            self._metrics.gauge("epd_path_in_flight", "Requests running on each serving path", path=path).set(
-                cost_model.in_flight[path]
-            )
+        """After a decision (``path_cost.Decision``); the gauges follow at the next :meth:`refresh`."""
+        self._metrics.counter("epd_path_requests", "Requests served per path, by why it was chosen",
+                              path=decision.path, reason=decision.reason).increment()
+        self._last = decision
+        if decision.predicted_ms:
+            self._last_predicted = decision
 
     def refresh(self, cost_model: Any) -> None:
+        """Send what changed since the last refresh: the latest decision, the requests on each
+        path and the cost model's estimates (``PathCostModel``)."""
         m = self._metrics
-        self._in_flight(cost_model)
+        for path in self._paths:
+            if self._last is not None:
+                m.gauge("epd_path_last_decision", "1 for the path of the latest decision", path=path).set(
+                    float(path == self._last.path)
+                )
+            if self._last_predicted is not None:
+                predicted = self._last_predicted.predicted_ms.get(path)
+                m.gauge("epd_path_predicted_ms", "The latest adaptive decision's predicted completion time (-1: "
+                        "unknown)", path=path).set(-1.0 if predicted is None else predicted)
+            m.gauge("epd_path_in_flight", "Requests running on each serving path", path=path).set(
+                cost_model.in_flight[path]
+            )
         for (path, stage, bucket), value in cost_model.snapshot().items():
             m.gauge("epd_path_estimate_ms", "The cost model's stage estimates, ms per unit of load",
                     path=path, stage=stage, bucket=bucket).set(value)

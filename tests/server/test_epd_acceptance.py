@@ -186,18 +186,6 @@ def kv_transfer_dir() -> Path:
     return Path(args["kv_transfer_config"]["kv_connector_extra_config"]["store_path"])
 
 
-def epd_lease_gauge(server: TritonServer) -> float:
-    """``epd_store_active_leases`` as epd exports it. epd refreshes it from the node's store
-    when one of its requests ends, so a value it read while some other request (of this or
-    another server on the node) held a lease stays until the next one: a small text-only
-    request, which takes no lease, refreshes it."""
-    value = metric(server, "epd_store_active_leases", model="epd")
-    if value != 0:
-        stream_generate(server.grpc_url, "epd", chat_prompt("refresh", 0), [], {"max_tokens": 2})
-        value = metric(server, "epd_store_active_leases", model="epd")
-    return value
-
-
 def assert_nothing_left(server: TritonServer, transfers_before: set[str]) -> None:
     """No lease, no vLLM request in decode, no queued request, no KV transfer that appeared
     since ``transfers_before`` (a leaked one lives for the producer's max_age_s, 300 s)."""
@@ -212,7 +200,7 @@ def assert_nothing_left(server: TritonServer, transfers_before: set[str]) -> Non
         return len(set(list_transfers(kv_transfer_dir())) - transfers_before)
 
     leftover_transfers = settle(new_transfers)
-    gauge = settle(lambda: epd_lease_gauge(server))
+    gauge = settle(lambda: metric(server, "epd_store_active_leases", model="epd"))  # refreshed every second
     state = (
         f"store active leases {leases}, epd_store_active_leases {gauge}, "
         f"epd_decode_unfinished_requests {unfinished}, pending {pending}, "

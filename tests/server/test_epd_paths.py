@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 import urllib.request
 
 import pytest
@@ -41,8 +42,10 @@ def test_each_path_is_served_reported_and_counted(server):
     assert adaptive.serving_path in ("colocated", "disaggregated")
     assert forced["colocated"].result.token_ids == forced["disaggregated"].result.token_ids == adaptive.result.token_ids
     after = metrics_text(server)
-    for path in ("colocated", "disaggregated"):
+    for path in ("colocated", "disaggregated"):  # counters: sent as each request is served
         assert path_requests(after, path, "forced") - path_requests(before, path, "forced") == 1
+    time.sleep(1.5)  # the gauges are state, sent every second (triton_edge/metrics.py's cost rule)
+    after = metrics_text(server)
     assert 'epd_path_last_decision{' in after and 'epd_path_in_flight{' in after
     # The cost model's inputs: what each path measured, per stage and image-size bucket.
     for path, stage in (("colocated", "first_token/media"), ("disaggregated", "prefill"), ("disaggregated", "encode")):

@@ -1,10 +1,11 @@
 """epd's path metrics (python_backends/triton_edge/metrics.py) cost few stub-to-server round trips.
 
 Each ``Metric.set``/``increment`` of the python backend is a blocking round trip from the stub
-to the server process. Before: 17 of them per epd request ahead of its engine (every path's
-gauges and every cost-model estimate, re-sent at each decision; 10 estimates) and 20 after it. Now a
-gauge is sent only when its value changes, and a decision sends no estimates (they change only
-when a request finishes). The conftest stub stands in for ``triton_python_backend_utils``.
+to the server process, on the event loop that streams every request's tokens. Once: 17 of them
+per epd request ahead of its engine and 20 after it; then ~10 per request (every gauge whose value
+moved). Now a request sends its counter only, and the gauges (state: the latest decision, requests
+per path, the cost model's estimates) go out every second, each only when its value changed. The
+conftest stub stands in for ``triton_python_backend_utils``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def sent(monkeypatch) -> Iterator[list[tuple[str, float]]]:
     """Every value a metric sends to the server, as (kind, value)."""
     calls: list[tuple[str, float]] = []
     metric_type = type(pb_utils.MetricFamily("probe", "", pb_utils.MetricFamily.GAUGE).Metric(labels={}))
-    monkeypatch.setattr(metric_type, "set", lambda self, v: calls.append(("set", v)))
-    monkeypatch.setattr(metric_type, "increment", lambda self, v: calls.append(("increment", v)))
+    for kind in ("set", "increment"):
+        send = getattr(metric_type, kind)
+        monkeypatch.setattr(metric_type, kind, lambda self, v, k=kind, f=send: (calls.append((k, v)), f(self, v)))
     yield calls
 
 
@@ -48,37 +50,47 @@ def test_a_gauge_is_sent_only_when_its_value_changes(sent):
     assert len(sent) == 5
 
 
-def _served(cost: PathCostModel, metrics: PathMetrics, shape: RequestShape, sent: list) -> tuple[int, int]:
-    """One adaptive request as epd serves it: (values sent at its decision, at its end)."""
+def _served(cost: PathCostModel, metrics: PathMetrics, shape: RequestShape, sent: list) -> int:
+    """One adaptive request as epd serves it; the values it sent."""
+    before = len(sent)
     decision = cost.choose(shape, PATHS)
     load = cost.started(decision.path, probe=decision.reason == "probe").load
-    before = len(sent)
     metrics.record(decision, cost)
-    at_decision = len(sent) - before
     if decision.path == COLOCATED_PATH:
         cost.observe_colocated(shape, 15.0 + load, 120.0, 32, load)
     else:
         cost.observe_disaggregated(shape, {"encode": 30.0, "prefill": 20.0, "decode": 150.0}, 32, load, shape.misses)
     cost.finished(decision.path)
-    before = len(sent)
-    metrics.refresh(cost)
-    return at_decision, len(sent) - before
+    return len(sent) - before
 
 
-def test_path_metrics_send_what_changed_not_every_estimate(sent):
+def _on_metrics(metrics: PathMetrics, name: str) -> dict[str, float]:
+    """What /metrics shows of ``name``, by path (the stub keeps each metric's last value)."""
+    found = metrics._metrics._metrics.items()
+    return {dict(key[1])["path"]: metric.value for key, metric in found if key[0] == name}
+
+
+def test_a_request_sends_its_counter_and_the_gauges_follow_each_second(sent):
     cost, metrics = PathCostModel(), PathMetrics(ModelMetrics("epd"), PATHS)
-    for i in range(24):  # both paths probed and known, hits and misses: every estimate exists
-        _served(cost, metrics, HIT if i % 2 else MISS, sent)
+    per_request = [_served(cost, metrics, HIT if i % 2 else MISS, sent) for i in range(24)]
+    assert per_request == [1] * 24  # epd_path_requests; before: ~10 gauges on top
+    assert all(kind == "increment" for kind, _ in sent)
     estimates = len(cost.snapshot())
-    assert estimates >= 8
-    at_decision, at_end = _served(cost, metrics, HIT, sent)
-    # A decision: its counter, the predictions that moved, the in-flight gauge of its path;
-    # before, every gauge and every estimate (2 + 2 + 2 + estimates).
-    assert at_decision <= 5 < 1 + 2 + 2 + 2 + estimates
-    # The end: the in-flight gauge back and the estimates that request's sample moved.
-    assert at_end <= 1 + 4 < 2 + estimates
-    # What /metrics shows is still every estimate's current value.
-    last = {}
-    for key, metric in metrics._metrics._metrics.items():  # the stub keeps what was last sent
-        last[key] = metric
-    assert len([k for k in last if k[0] == "epd_path_estimate_ms"]) == estimates
+    assert estimates >= 8  # both paths probed and known, hits and misses: every estimate exists
+
+    before = len(sent)
+    metrics.refresh(cost)  # the periodic task: every gauge once, its latest value
+    assert len(sent) - before == 2 + 2 + 2 + estimates
+    last = cost.choose(HIT, PATHS)  # what epd decided for request 24 (a hit), not yet recorded
+    assert _on_metrics(metrics, "epd_path_in_flight") == {path: 0.0 for path in PATHS}
+    assert _on_metrics(metrics, "epd_path_estimate_ms").keys() == set(PATHS)
+
+    before = len(sent)
+    metrics.refresh(cost)  # nothing changed: nothing sent
+    assert len(sent) == before
+    metrics.record(last, cost)
+    cost.started(last.path)
+    metrics.refresh(cost)  # the decision's gauges and its path's in-flight request
+    assert _on_metrics(metrics, "epd_path_last_decision") == {path: float(path == last.path) for path in PATHS}
+    assert _on_metrics(metrics, "epd_path_in_flight")[last.path] == 1.0
+    assert len(sent) - before <= 1 + 2 + 2 + 1

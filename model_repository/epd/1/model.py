@@ -8,6 +8,7 @@ as embeddings). The steps live in python_backends.epd_pipeline and its path modu
 request/error/cancel policy in python_backends.triton_edge.decoupled. This file only wires them.
 """
 
+import functools
 from contextlib import aclosing
 from pathlib import Path
 
@@ -56,7 +57,9 @@ class TritonPythonModel(DecoupledModel):
         self.cache_hits = self.metrics.counter("epd_cache_hits", hits)
         self.cache_metrics = CacheMetrics(self.metrics, self.store, node_gauges=True)
         self.path_metrics = PathMetrics(self.metrics, self.pipeline.paths)
-        self.loop.submit(self.cache_metrics.refresh_every(1.0))
+        # The state gauges go out every second, not per request (metrics.py's cost rule).
+        refresh_paths = functools.partial(self.path_metrics.refresh, self.pipeline.cost)
+        self.loop.submit(self.cache_metrics.refresh_every(1.0, also=refresh_paths))
         if self.remote is not None:
             self.loop.submit(self.remote.run(self.metrics))
 
@@ -77,8 +80,3 @@ class TritonPythonModel(DecoupledModel):
                     self.cache_hits.increment(chunk.cache_hits)
                     self.cache_metrics.count("hit", chunk.fast_hits)
                 yield chunk
-
-    def request_done(self):
-        super().request_done()
-        self.cache_metrics.refresh()
-        self.path_metrics.refresh(self.pipeline.cost)
