@@ -152,10 +152,12 @@ class ServerOptions:
 
 
 # Lines of a tritonserver log that mean the stop (or the run) was not clean: a python-backend
-# stub crashed, tritonserver itself crashed (its own handler's line, main.cc), or a model did not
-# unload within Triton's exit timeout.
+# stub crashed (a segfault, or glibc aborting on a corrupted heap), tritonserver itself crashed
+# (its own handler's line, main.cc), or a model did not unload within Triton's exit timeout.
 EXIT_TIMEOUT_MARKERS = ("Exit timeout expired", "failed to stop server")
-PROBLEM_MARKERS = ("Segfault encountered", "Signal (11) received", *EXIT_TIMEOUT_MARKERS)
+HEAP_CORRUPTION_MARKERS = ("malloc(): ", "free(): ", "malloc_consolidate(): ", "double free or corruption",
+                           "corrupted size vs. prev_size", "corrupted double-linked list")
+PROBLEM_MARKERS = ("Segfault encountered", "Signal (11) received", *HEAP_CORRUPTION_MARKERS, *EXIT_TIMEOUT_MARKERS)
 
 
 class TritonServer:

@@ -6,6 +6,9 @@ hold a thread of asyncio's small default pool. Triton 2.51's python backend cann
 BLS request, so :meth:`BlsStages.abort_decode` sends ``decode`` a control request (``abort`` =
 true, same ``request_id``) instead.
 
+Finished iterators are kept for a while (``RETIRE_S``) before Python lets go of them: see
+:meth:`BlsCaller._retire`.
+
 Errors: every decoupled stage is called with ``errors_as_outputs`` and answers its errors in the
 ``error`` output (why: ``responses.py``). A Triton error on a BLS response is then only Triton's
 own (model missing, inputs refused by the config) or the non-decoupled ``encode`` ensemble's;
@@ -17,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -61,13 +66,21 @@ def _array_of(output: pb_utils.Tensor) -> Any:
     return torch.from_dlpack(output.to_dlpack())
 
 
+# How long a finished BLS response iterator is kept (see BlsCaller._retire): the stub's own
+# reference goes within milliseconds of the final response, or as long as its stub-to-parent
+# thread is behind (each message there is a round trip to the server).
+RETIRE_S = 10.0
+
+
 class BlsCaller:
     """BLS calls on a dedicated thread pool (one thread per call in flight)."""
 
-    def __init__(self, max_threads: int = 256) -> None:
+    def __init__(self, max_threads: int = 256, clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="epd-bls")
         self._open_streams = 0  # response iterators not yet read to their final response
         self._open_lock = threading.Lock()
+        self._clock = clock
+        self._retired: deque[tuple[float, Any]] = deque()  # (finished at, iterator), oldest first
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -91,7 +104,27 @@ class BlsCaller:
         if response is None:
             with self._open_lock:
                 self._open_streams -= 1
+            self._retire(iterator)
         return response
+
+    def _retire(self, iterator: Iterator[Any]) -> None:
+        """Keep a finished iterator for ``RETIRE_S``, and let go of those kept longer.
+
+        Why: Triton 2.51's stub (python_backend ``pb_response_iterator.cc`` and ``pb_stub.cc``
+        ``SendCleanupId``, unchanged upstream as of 2026-07) also holds each iterator in a map until
+        its stub-to-parent thread erases it after the final response, without the GIL. Were
+        Python's reference gone by then, that erase would destroy the iterator there, and with it
+        every response it read and their numpy outputs: Python objects freed without the GIL,
+        which corrupts Python's allocator (the epd stub's ``pymalloc_alloc`` segfault and
+        ``malloc_consolidate`` abort on 2026-12-02, results/2026-12-02/adaptive/). Kept here, the
+        last reference is Python's, dropped by a pool thread that holds the GIL."""
+        now = self._clock()
+        expired = []
+        with self._open_lock:
+            self._retired.append((now, iterator))
+            while self._retired and now - self._retired[0][0] >= RETIRE_S:
+                expired.append(self._retired.popleft()[1])
+        del expired  # destroyed here, on this thread, outside the lock
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

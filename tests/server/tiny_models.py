@@ -91,6 +91,29 @@ RELAY = textwrap.dedent("""
                 await self.engine.abort(request_id)
 """)
 
+# ``relay`` with a thread that keeps allocating Python objects (as epd's other threads do: vLLM,
+# the store, JPEG decode), so that an object freed without the GIL corrupts the allocator at once.
+RELAY_ALLOCATING = RELAY + textwrap.dedent("""
+
+    import threading
+
+    import numpy as np
+    import tvm_ffi  # its SIGSEGV handler prints "Segfault encountered" and a backtrace into the log
+
+    from python_backends.triton_edge import bls
+
+    bls.RETIRE_S = RETIRE_S_VALUE
+
+
+    def allocate_forever():
+        while True:
+            arrays = [np.zeros(3) for _ in range(200)]
+            del arrays
+
+
+    threading.Thread(target=allocate_forever, daemon=True).start()
+""")
+
 STREAMING_CONFIG = """
 name: "{name}"
 backend: "python"
@@ -146,6 +169,12 @@ def streaming_repository(root: Path, models: dict[str, str]) -> Path:
         (root / name / "config.pbtxt").write_text(STREAMING_CONFIG.format(name=name))
         (root / name / "1" / "model.py").write_text(code)
     return root
+
+
+def relay_allocating(retire_s: float | None) -> str:
+    """``RELAY_ALLOCATING`` with BlsCaller's RETIRE_S set (0: no retirement, the stub's thread may
+    free a finished iterator; None: BlsCaller's own)."""
+    return RELAY_ALLOCATING.replace("RETIRE_S_VALUE", "bls.RETIRE_S" if retire_s is None else repr(float(retire_s)))
 
 
 def relay_repository(root: Path) -> Path:

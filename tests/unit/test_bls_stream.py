@@ -1,19 +1,21 @@
 """BlsCaller._stream reads a stage's BLS response iterator to its final response even when its
-caller stops listening (issue 19: half-read iterators deadlock Triton 2.51's stub at unload), and
-never from two threads at once."""
+caller stops listening (issue 19: half-read iterators deadlock Triton 2.51's stub at unload),
+never from two threads at once, and lets go of a finished one only after the stub did."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 import triton_python_backend_utils as pb_utils
 
-from python_backends.triton_edge.bls import BlsCaller
+from python_backends.triton_edge.bls import RETIRE_S, BlsCaller
 
 
 class Output:
@@ -58,7 +60,8 @@ class Stage:
     def exec(self, decoupled: bool = False) -> Any:
         assert decoupled
         time.sleep(self.open_delay_s)
-        return Iterator(self)
+        self.opened = Iterator(self)
+        return self.opened
 
 
 class Iterator:
@@ -186,3 +189,34 @@ def closed(caller: BlsCaller, timeout_s: float = 10.0) -> bool:
     while caller.open_streams and time.monotonic() < deadline:
         time.sleep(0.01)
     return caller.open_streams == 0
+
+
+def test_a_finished_iterator_is_kept_until_the_stub_has_let_go_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python must hold the last reference to a finished iterator (``BlsCaller._retire``): it is
+    kept for RETIRE_S after its final response, then dropped when a later stream finishes."""
+    now = [0.0]
+    caller = BlsCaller(clock=lambda: now[0])
+    stages: list[Stage] = []
+    monkeypatch.setattr(pb_utils, "InferenceRequest", lambda **kwargs: stages[-1], raising=False)
+
+    def stream_at(t: float) -> weakref.ref[Iterator]:
+        now[0] = t
+        stages.append(Stage(2))
+
+        async def read_all() -> None:
+            async for _ in caller._stream("decode", []):
+                pass
+
+        asyncio.run(read_all())
+        finished = weakref.ref(stages.pop().opened)
+        gc.collect()
+        return finished
+
+    first = stream_at(0.0)
+    assert first() is not None  # kept: the stub's own reference may still be there
+    second = stream_at(RETIRE_S - 1)
+    assert first() is not None and second() is not None
+    third = stream_at(RETIRE_S + 0.5)
+    assert first() is None  # older than RETIRE_S: let go, on a thread that holds the GIL
+    assert second() is not None and third() is not None
+    caller.shutdown()
