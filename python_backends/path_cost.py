@@ -36,6 +36,15 @@ processors a stale estimate is refreshed when epd is idle, and under load only o
 ``BUSY_PROBE_FACTOR`` (6) intervals old: in the 2026-12-02 benchmark (run 2) the 10 s probes that
 fell on loaded points (2 of 16 requests at unique c=4) slowed that whole point 1.7x.
 
+A path that a stale probe found still slower is probed again only after twice the interval
+before, up to ``MAX_PROBE_BACKOFF`` (16) times ``probe_interval_s``; once it is the better one,
+its interval is back to ``probe_interval_s``. Why: with steady load, every probe is one
+request on the slower path for nothing: in the path benchmark of 2026-12-02 (run 14, the modes
+interleaved round by round) epd was idle at the start of nearly every repetition with its
+disaggregated estimate older than 10 s, so 1 request in 24 was a probe, and at c=8 the 7
+colocated requests beside it ran slower too (adaptive 770 ms e2e p50 against 753 for colocated
+forced, identical c=8: 443 against 403).
+
 Under ``shared_compute``, while one path has more requests in flight than the other, the other
 one is taken only when it is predicted ``switch_margin`` (20%) faster (reason ``kept``
 otherwise): in the 2026-12-01 benchmark, points where adaptive split its requests between the
@@ -195,6 +204,8 @@ PLAUSIBLE_RATIO = 2.0
 # Under shared compute a stale path is probed at once when epd is idle, else only once its
 # estimate is this many probe intervals old.
 BUSY_PROBE_FACTOR = 6
+# A path each probe finds slower is probed at most this many probe intervals apart (backoff).
+MAX_PROBE_BACKOFF = 16
 
 
 class PathCostModel:
@@ -222,6 +233,9 @@ class PathCostModel:
         self._other_area = dict.fromkeys(contract.SERVING_PATHS, 0.0)  # of the other paths' requests in flight
         self._integrated_at = clock()
         self._probing: str | None = None
+        # Each path's time between stale probes (backoff), and the path a stale probe is checking.
+        self.probe_intervals = dict.fromkeys(contract.SERVING_PATHS, probe_interval_s)
+        self._checking: str | None = None
         self.last: Decision | None = None
 
     # ------------------------------------------------------------------ load
@@ -246,6 +260,8 @@ class PathCostModel:
         self.in_flight[path] += 1
         if probe:
             self._probing = path
+            if self.last is not None and self.last.predicted_ms.get(path) is not None:
+                self._checking = path  # known but stale: will this probe change the answer? (_back_off)
         return LoadMark(path, now, self._load_area[path], self._other_area[path], self.load(path), probe)
 
     def mean_load(self, mark: LoadMark) -> float:
@@ -337,14 +353,15 @@ class PathCostModel:
         now = self.clock()
         if any(est is None for est in estimates):
             return True
+        interval = self.probe_intervals[path]
         if self.shared_compute:
             # A probe while others run slows them all (see choose): it waits for an idle moment,
             # unless the estimate has aged BUSY_PROBE_FACTOR intervals. No probe per load band:
             # that too would mix the paths.
             idle = not any(self.in_flight.values())
-            max_age = self.probe_interval_s * (1 if idle else BUSY_PROBE_FACTOR)
+            max_age = interval * (1 if idle else BUSY_PROBE_FACTOR)
             return any(est.stale(now, max_age) for est in estimates if est)
-        if any(est.stale(now, self.probe_interval_s) for est in estimates if est):
+        if any(est.stale(now, interval) for est in estimates if est):
             return True
         load = self.load(path) + 1
         plausible = predicted is not None and best is not None and predicted < PLAUSIBLE_RATIO * best
@@ -371,6 +388,7 @@ class PathCostModel:
         else:
             known = {p: ms for p, ms in predicted.items() if ms is not None}
             best = min(known, key=lambda p: known[p]) if known else paths[-1]
+            self._back_off(best)
             busy = self._busy_path()
             stale = [p for p in paths if p != best and self._needs_probe(p, shape, predicted[p], known.get(best))]
             if stale and self._probing is None:
@@ -384,6 +402,17 @@ class PathCostModel:
                 decision = Decision(best, "predicted", predicted)
         self.last = decision
         return decision
+
+    def _back_off(self, best: str) -> None:
+        """The best path's probe interval is the base one. Once a stale probe has finished, its
+        path's interval doubles if the path is still not the best (up to MAX_PROBE_BACKOFF)."""
+        self.probe_intervals[best] = self.probe_interval_s
+        path = self._checking
+        if path is None or self._probing == path:
+            return
+        self._checking = None
+        if path != best:
+            self.probe_intervals[path] = min(2 * self.probe_intervals[path], MAX_PROBE_BACKOFF * self.probe_interval_s)
 
     def snapshot(self) -> dict[tuple[str, str, str], float]:
         """(path, stage, bucket) -> current estimate in ms per unit of load (for /metrics)."""

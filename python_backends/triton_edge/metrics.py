@@ -173,7 +173,9 @@ class PathMetrics:
     - ``epd_path_predicted_ms{path}``: the latest adaptive decision's predictions (-1: unknown);
     - ``epd_path_in_flight{path}``: requests running on each path now;
     - ``epd_path_estimate_ms{path, stage, bucket}``: each stage estimate (median of its recent
-      samples at any load), ms per unit of load.
+      samples at any load), ms per unit of load;
+    - ``epd_path_probe_interval_s{path}``: how old a path's estimate may get before a probe
+      (longer while probes keep finding the path slower).
 
     The counter goes per request (:meth:`record`); the gauges are state, sent by :meth:`refresh`
     every second (the module's cost rule).
@@ -208,6 +210,9 @@ class PathMetrics:
                         "unknown)", path=path).set(-1.0 if predicted is None else predicted)
             m.gauge("epd_path_in_flight", "Requests running on each serving path", path=path).set(
                 cost_model.in_flight[path]
+            )
+            m.gauge("epd_path_probe_interval_s", "How old a path's estimate may get before a probe", path=path).set(
+                cost_model.probe_intervals[path]
             )
         for (path, stage, bucket), value in cost_model.snapshot().items():
             m.gauge("epd_path_estimate_ms", "The cost model's stage estimates, ms per unit of load",

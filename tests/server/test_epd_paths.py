@@ -46,7 +46,8 @@ def test_each_path_is_served_reported_and_counted(server):
         assert path_requests(after, path, "forced") - path_requests(before, path, "forced") == 1
     time.sleep(1.5)  # the gauges are state, sent every second (triton_edge/metrics.py's cost rule)
     after = metrics_text(server)
-    assert 'epd_path_last_decision{' in after and 'epd_path_in_flight{' in after
+    for gauge in ("epd_path_last_decision", "epd_path_in_flight", "epd_path_probe_interval_s"):
+        assert f"{gauge}{{" in after, gauge
     # The cost model's inputs: what each path measured, per stage and image-size bucket.
     for path, stage in (("colocated", "first_token/media"), ("disaggregated", "prefill"), ("disaggregated", "encode")):
         assert re.search(rf'^epd_path_estimate_ms\{{(?=.*path="{path}")(?=.*stage="{stage}").*\}} \S+$', after, re.M)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH, SERVING_PATHS
-from python_backends.path_cost import BUSY_PROBE_FACTOR, PathCostModel, RequestShape, load_band, size_bucket
+from python_backends.path_cost import (
+    BUSY_PROBE_FACTOR,
+    MAX_PROBE_BACKOFF,
+    Decision,
+    PathCostModel,
+    RequestShape,
+    load_band,
+    size_bucket,
+)
 
 UNIQUE = RequestShape(images=1, misses=1, largest_pixels=640 * 480, output_tokens=33)
 HIT = RequestShape(images=1, misses=0, largest_pixels=640 * 480, output_tokens=33)
@@ -293,3 +301,37 @@ def test_a_probe_in_flight_does_not_make_its_path_the_one_kept() -> None:
     model.started(probe.path, probe=True)
     follower = model.choose(HIT, SERVING_PATHS)
     assert follower.reason == "predicted" and follower.path == COLOCATED_PATH, follower
+
+
+def test_a_path_each_probe_finds_slower_is_probed_ever_less_often() -> None:
+    """Stale probes back off (2x per probe that finds the path still slower, up to
+    MAX_PROBE_BACKOFF intervals); the interval is the base one again once the path is the best."""
+    clock = Clock()
+    model = trained(colocated_first=40, colocated_token=3, encode=300, prefill=200, token=10, clock=clock)
+    base = model.probe_interval_s
+
+    def serve(colocated_first: float = 40) -> Decision:
+        decision = model.choose(UNIQUE, SERVING_PATHS)
+        model.started(decision.path, probe=decision.reason == "probe")
+        if decision.path == COLOCATED_PATH:
+            model.observe_colocated(UNIQUE, colocated_first, 3 * 32, 33, load=1)
+        else:
+            model.observe_disaggregated(UNIQUE, {"encode": 300, "prefill": 200, "decode": 320}, 33, 1, 1)
+        model.finished(decision.path)
+        return decision
+
+    probes = []
+    for second in range(1, 1201):  # 20 minutes of one request a second, epd idle in between
+        clock.now = float(second)
+        if serve().reason == "probe":
+            probes.append(second)
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:], strict=False)]
+    assert gaps[:4] == [2 * base + 1, 4 * base + 1, 8 * base + 1, 16 * base + 1]  # +1: stale once older
+    assert set(gaps[4:]) == {MAX_PROBE_BACKOFF * base + 1}
+    assert len(probes) == 10  # without the backoff: one every 11 s, 109
+    assert model.probe_intervals[DISAGGREGATED_PATH] == MAX_PROBE_BACKOFF * base
+
+    clock.now += 1
+    while serve(colocated_first=5000).path == COLOCATED_PATH:  # colocated turns slow
+        clock.now += 1
+    assert model.probe_intervals[DISAGGREGATED_PATH] == base  # the best path: base interval again

@@ -80,9 +80,10 @@ def test_a_request_sends_its_counter_and_the_gauges_follow_each_second(sent):
 
     before = len(sent)
     metrics.refresh(cost)  # the periodic task: every gauge once, its latest value
-    assert len(sent) - before == 2 + 2 + 2 + estimates
+    assert len(sent) - before == 2 + 2 + 2 + 2 + estimates
     last = cost.choose(HIT, PATHS)  # what epd decided for request 24 (a hit), not yet recorded
     assert _on_metrics(metrics, "epd_path_in_flight") == {path: 0.0 for path in PATHS}
+    assert _on_metrics(metrics, "epd_path_probe_interval_s") == cost.probe_intervals
     assert _on_metrics(metrics, "epd_path_estimate_ms").keys() == set(PATHS)
 
     before = len(sent)
