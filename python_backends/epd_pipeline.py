@@ -150,7 +150,7 @@ class EpdPipeline:
         encoder: str | None = None,
         tenant: str | None = None,
         path: str | None = None,
-        on_decision: Callable[[Decision, PathCostModel], None] | None = None,
+        on_decision: Callable[[Decision], None] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Serve one request (``encoder``: pin its images' encodes to that encoder model, which
         takes the disaggregated path unless ``path`` says otherwise;
@@ -181,7 +181,7 @@ class EpdPipeline:
 
             def tell() -> None:
                 while pending:
-                    pending.pop()(decision, self.cost)
+                    pending.pop()(decision)
 
             try:
                 async for chunk in self.paths[decision.path].run(request, request_id, leased, timings, encoder):

@@ -116,7 +116,7 @@ class BlsCaller:
         Python's reference gone by then, that erase would destroy the iterator there, and with it
         every response it read and their numpy outputs: Python objects freed without the GIL,
         which corrupts Python's allocator (the epd stub's ``pymalloc_alloc`` segfault and
-        ``malloc_consolidate`` abort on 2026-12-02, results/2026-12-02/adaptive/). Kept here, the
+        ``malloc_consolidate`` abort on 2026-12-02, results/2026-12-02/bls-release/). Kept here, the
         last reference is Python's, dropped by a pool thread that holds the GIL."""
         now = self._clock()
         expired = []

@@ -187,7 +187,7 @@ class PathMetrics:
         self._last: Any = None  # the latest decision (``path_cost.Decision``), not yet on /metrics
         self._last_predicted: Any = None  # the latest adaptive decision's
 
-    def record(self, decision: Any, cost_model: Any) -> None:
+    def record(self, decision: Any) -> None:
         """After a decision (``path_cost.Decision``); the gauges follow at the next :meth:`refresh`."""
         self._metrics.counter("epd_path_requests", "Requests served per path, by why it was chosen",
                               path=decision.path, reason=decision.reason).increment()

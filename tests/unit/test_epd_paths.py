@@ -219,7 +219,7 @@ def test_adaptive_probes_both_paths_then_follows_the_cost_model(store):
 
     async def one(i: int) -> GenerationChunk:
         image = synthetic_image(64, 48, seed=10 + i)
-        chunks = [c async for c in p.run(request([image]), f"r{i}", on_decision=lambda d, c: decisions.append(d))]
+        chunks = [c async for c in p.run(request([image]), f"r{i}", on_decision=lambda d: decisions.append(d))]
         return chunks[-1]
 
     seen = [asyncio.run(one(i)) for i in range(6)]
@@ -241,7 +241,7 @@ def test_on_decision_hook_sees_every_decision(store):
     seen = []
 
     async def go():
-        async for _ in p.run(request([PHOTO]), "r1", path=DISAGGREGATED_PATH, on_decision=lambda d, c: seen.append(d)):
+        async for _ in p.run(request([PHOTO]), "r1", path=DISAGGREGATED_PATH, on_decision=lambda d: seen.append(d)):
             pass
 
     asyncio.run(go())
@@ -300,7 +300,7 @@ def test_the_decision_hook_runs_after_the_first_token_and_before_the_last(store,
 
     async def go():
         sent = 0
-        async for chunk in p.run(request([PHOTO]), "r1", path=path, on_decision=lambda d, c: seen.append(d)):
+        async for chunk in p.run(request([PHOTO]), "r1", path=path, on_decision=lambda d: seen.append(d)):
             told_at.append(len(seen))
             sent += 1
             assert not chunk.finished or len(seen) == 1
@@ -317,7 +317,7 @@ def test_the_decision_hook_hears_of_a_request_that_failed_or_was_closed_before_a
     seen: list[Any] = []
 
     async def closed_at_first():
-        gen = p.run(request([PHOTO]), "r1", path=COLOCATED_PATH, on_decision=lambda d, c: seen.append(d))
+        gen = p.run(request([PHOTO]), "r1", path=COLOCATED_PATH, on_decision=lambda d: seen.append(d))
         await gen.__anext__()
         await gen.aclose()
 
@@ -332,7 +332,7 @@ def test_the_decision_hook_hears_of_a_request_that_failed_or_was_closed_before_a
     failing = pipeline(FakeStages(store), Broken())
     with pytest.raises(EpdError):
         asyncio.run(_drain(failing.run(request([PHOTO]), "r2", path=COLOCATED_PATH,
-                                       on_decision=lambda d, c: seen.append(d))))
+                                       on_decision=lambda d: seen.append(d))))
     assert [d.path for d in seen] == [COLOCATED_PATH, COLOCATED_PATH]
     assert store.metrics()["active_leases"] == 0
 

@@ -55,7 +55,7 @@ def _served(cost: PathCostModel, metrics: PathMetrics, shape: RequestShape, sent
     before = len(sent)
     decision = cost.choose(shape, PATHS)
     load = cost.started(decision.path, probe=decision.reason == "probe").load
-    metrics.record(decision, cost)
+    metrics.record(decision)
     if decision.path == COLOCATED_PATH:
         cost.observe_colocated(shape, 15.0 + load, 120.0, 32, load)
     else:
@@ -89,7 +89,7 @@ def test_a_request_sends_its_counter_and_the_gauges_follow_each_second(sent):
     before = len(sent)
     metrics.refresh(cost)  # nothing changed: nothing sent
     assert len(sent) == before
-    metrics.record(last, cost)
+    metrics.record(last)
     cost.started(last.path)
     metrics.refresh(cost)  # the decision's gauges and its path's in-flight request
     assert _on_metrics(metrics, "epd_path_last_decision") == {path: float(path == last.path) for path in PATHS}
