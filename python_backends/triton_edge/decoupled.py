@@ -40,6 +40,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
+from python_backends.engine_process import engine_cores_die_with_parent
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.event_loop import EventLoopThread
 from python_backends.generation import GenerationChunk
@@ -124,6 +125,7 @@ class DecoupledModel:
         """Start a vLLM engine wrapper of ``engine_type`` from ``engine_args.json`` beside the model,
         after applying the model's ``VLLM_*`` parameters to the environment (read at engine start)."""
         apply_vllm_environment(self.params.vllm_environment())
+        engine_cores_die_with_parent()  # a crashed stub leaves no engine core behind
         engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
         engine = self.loop.run(engine_type.start(engine_args))
         self._vllm_engine = engine  # may differ from ``self.engine`` (epd: its colocated engine)

@@ -1,0 +1,55 @@
+"""A vLLM engine core process dies with the stub that started it.
+
+vLLM 0.32's engine core (a child process, forked or spawned) does not notice while idle that its
+parent died: after the epd stub crashed on 2026-12-02 its engine core kept ~1.7 GB and its 1 GiB KV
+cache for over an hour, and the next server on the machine could not allocate its own. So
+:func:`engine_cores_die_with_parent` wraps vLLM's engine-core entry point: in the engine core, a
+daemon thread checks every second that its parent is still the process that started it, and ends
+the process when not (a stub killed with SIGKILL gets no say; Triton's stop is unaffected).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+PARENT_CHECK_S = 1.0
+
+_original: Callable[..., Any] | None = None  # vLLM's entry point, in this process once wrapped
+
+
+def exit_when_orphaned(parent: int, period_s: float = PARENT_CHECK_S) -> threading.Thread:
+    """Exit this process (no cleanup: its parent, which owns it, is gone) once ``parent`` is no
+    longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="epd-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _run_engine_core(*args: Any, **kwargs: Any) -> Any:
+    exit_when_orphaned(os.getppid())
+    original = _original
+    if original is None:  # a spawned engine core imported vLLM afresh: its entry point is vLLM's own
+        from vllm.v1.engine.core import EngineCoreProc
+
+        original = EngineCoreProc.run_engine_core
+    return original(*args, **kwargs)
+
+
+def engine_cores_die_with_parent() -> None:
+    """Wrap ``EngineCoreProc.run_engine_core`` (once) before this process starts a vLLM engine."""
+    global _original
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if _original is None:
+        _original = EngineCoreProc.run_engine_core
+        EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)  # type: ignore[method-assign]

@@ -1,0 +1,75 @@
+"""A vLLM engine core process dies with the stub that started it (python_backends/engine_process.py).
+
+Real processes: pytest -> a "stub" process -> a child that runs ``exit_when_orphaned`` for its
+parent, as the wrapped engine-core entry point does. The stub is SIGKILLed, as a crashed stub dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from python_backends import engine_process
+
+REPO = Path(__file__).resolve().parents[2]
+
+STUB = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+ENGINE_CORE = textwrap.dedent("""
+    import os, time
+    from python_backends.engine_process import exit_when_orphaned
+    exit_when_orphaned(os.getppid(), period_s=0.05)
+    time.sleep(600)
+""")
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (this machine's PID 1 does not reap orphans)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_child_exits_once_its_parent_is_killed() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    stub = subprocess.Popen([sys.executable, "-c", STUB, ENGINE_CORE], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert stub.stdout is not None
+        child = int(stub.stdout.readline())
+        time.sleep(0.5)
+        assert running(child)  # its parent is alive: it stays
+        stub.send_signal(signal.SIGKILL)
+        stub.wait(10)
+        deadline = time.monotonic() + 10
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(child), "the child outlived its killed parent"
+    finally:
+        stub.kill()
+
+
+def test_vllm_engine_core_entry_point_is_wrapped_once() -> None:
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = EngineCoreProc.run_engine_core
+    try:
+        engine_process.engine_cores_die_with_parent()
+        engine_process.engine_cores_die_with_parent()
+        assert EngineCoreProc.run_engine_core is engine_process._run_engine_core
+        assert engine_process._original is original
+    finally:
+        if engine_process._original is not None:
+            EngineCoreProc.run_engine_core = staticmethod(engine_process._original)
+        engine_process._original = None
