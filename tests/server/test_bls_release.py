@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from builders.tritonserver import PROBLEM_MARKERS, Ports, ServerOptions, TritonServer
+from builders.tritonserver import Ports, ServerOptions, TritonServer
 from tests.server.tiny_models import TICKER, relay_allocating, streaming_repository, with_tick
 
 pytestmark = pytest.mark.server
@@ -82,8 +82,7 @@ def stress(folder: Path, retire_s: float | None, seconds: float, concurrency: in
         client.close()
     finally:
         report = server.stop()
-    lines = log.read_text(errors="replace").splitlines()
-    crash_lines = [line for line in lines if any(marker in line for marker in PROBLEM_MARKERS)]
+    crash_lines = list(report.problems) if report else []  # the log's PROBLEM_MARKERS lines
     return Stress(retire_s, seconds, finished, errors, crash_lines, report.describe() if report else "", str(log))
 
 
