@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         nargs="+",
         default=list(DEFAULT_MODES),
-        help="MODEL[:PATH][:unique|:repeated|:identical] ...; PATH (epd): adaptive, disaggregated, colocated; "
-        "missing models are skipped",
+        help="MODEL[:PATH][:unique|:repeated|:identical][:again] ...; PATH (epd): adaptive, disaggregated, "
+        "colocated; again: the same mode once more on requests of its own (a control); missing models are skipped",
     )
     _sweep_arguments(run, REPO_ROOT / "results" / "latest" / "bench", "triton-epd benchmark")
 

@@ -4,8 +4,10 @@ A mode is a model name with an optional media policy: ``llm``, ``ensemble``, ``e
 ``epd:repeated`` (reused media from a small pool, ``repeated_reuse_ratio``, prompts differ),
 ``epd:unique`` (no reuse) or ``epd:identical`` (every request the same: one pool image, one
 prompt), and for ``epd`` an optional serving path (``epd:adaptive``, ``epd:disaggregated:repeated``,
-``epd:colocated:identical``), sent as the request parameter ``path``. A mode whose model is not
-loaded is reported as skipped.
+``epd:colocated:identical``), sent as the request parameter ``path``, and an optional ``again``
+(``llm:unique:again``): the same mode once more on requests of its own, a control that shows how
+far one mode measured twice in the same run lands from itself. A mode whose model is not loaded
+is reported as skipped.
 For each (mode, point): warm-up requests (excluded), then ``reps`` measured runs whose
 summaries are reduced to their median; /metrics and CPU time are read around each run.
 Modes run one after the other (every point of a mode, then the next mode), or with
@@ -53,6 +55,10 @@ MEDIA_POLICIES = ("default", "unique", "repeated", "identical")
 PATH_POLICIES = ("adaptive", "disaggregated", "colocated")  # epd's (python_backends/contract)
 # Request keys of a noise retry: repetition + stride x attempt, never a key measured before.
 NOISE_RETRY_KEY_STRIDE = 1000
+# Request keys of an ``again`` mode: repetition + offset (under the retry stride), so that the
+# control never sends a request (prompt, image) its original sent: a cache hit is not a control.
+AGAIN_KEY_OFFSET = 500
+AGAIN = "again"
 RATIO_METRICS = (
     ("ttft_ms", "p50"),
     ("ttft_ms", "p90"),
@@ -71,24 +77,31 @@ class ModeSpec:
     model: str
     media: str = "default"
     path: str | None = None  # epd's serving path (request parameter ``path``)
+    again: bool = False  # a control: the same mode again, on requests of its own
 
     @classmethod
     def parse(cls, text: str) -> ModeSpec:
         model, *options = text.split(":")
-        media, path = "default", None
+        media, path, again = "default", None, False
         for option in options:
             if option in MEDIA_POLICIES and media == "default":
                 media = option
             elif option in PATH_POLICIES and path is None:
                 path = option
+            elif option == AGAIN and not again:
+                again = True
             else:
                 raise ValueError(
-                    f"mode {text!r}: use MODEL[:PATH][:MEDIA], PATH one of {PATH_POLICIES} (epd), "
+                    f"mode {text!r}: use MODEL[:PATH][:MEDIA][:{AGAIN}], PATH one of {PATH_POLICIES} (epd), "
                     f"MEDIA one of {MEDIA_POLICIES[1:]}"
                 )
         if not model:
             raise ValueError(f"mode {text!r} names no model")
-        return cls(text, model, media, path)
+        return cls(text, model, media, path, again)
+
+    def key_rep(self, rep: int) -> int:
+        """The repetition number its requests are drawn with (``again``: a range of its own)."""
+        return rep + AGAIN_KEY_OFFSET if self.again else rep
 
     def reuse_ratio(self, spec: WorkloadSpec) -> float:
         return {"default": spec.reuse_ratio, "unique": 0.0, "repeated": spec.repeated_reuse_ratio, "identical": 1.0}[
@@ -445,7 +458,7 @@ class _PointRun:
             return
         # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
         primers = self.sweep.builder.pool_primers() if self.reuse > 0 and config.prime_pool else []
-        warm = self._prepare(primers + self._build(config.warmup_requests, "warmup", 0))
+        warm = self._prepare(primers + self._build(config.warmup_requests, "warmup", self.mode.key_rep(0)))
         await closed_loop(self._send, warm, self.point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
 
     async def measure(self, rep: int) -> None:
@@ -453,7 +466,7 @@ class _PointRun:
         for attempt in range(config.noise_retries + 1):
             # A retry gets fresh requests (its own key range): the discarded attempt's
             # unique images are in the server's caches now.
-            key_rep = rep + NOISE_RETRY_KEY_STRIDE * attempt
+            key_rep = mode.key_rep(rep) + NOISE_RETRY_KEY_STRIDE * attempt
             items = self._prepare(self._build(config.requests_per_point, "measure", key_rep))
             rep_summary, rep_records = await self._measure(items, rep)
             other = rep_summary["cpu"].get("other_processes_cpu_share")

@@ -57,3 +57,24 @@ def test_each_goal_is_also_given_per_interleaved_round() -> None:
     assert vs_best["rounds"] == [1.04, 99 / 80, 110 / 120] and vs_best["rounds_met"] == 2
     text = markdown([row], {})
     assert "adaptive_vs_llm_e2e yes (1.04; rounds 0.92-1.10, 2 of 3 met)" in text
+
+
+def test_a_control_takes_adaptives_place_in_the_same_goals() -> None:
+    # llm measured again (llm:<media>:again): the same tests, for the baseline against itself
+    points = [
+        point("llm:unique", "c=1", 100, 40, reps=[(100, 40), (90, 40)]),
+        point("llm:unique:again", "c=1", 108, 39, reps=[(108, 39), (88, 41)]),
+        point("epd:adaptive:unique", "c=1", 104, 41, reps=[(104, 41), (99, 40)]),
+        point("epd:disaggregated:unique", "c=1", 190, 80, reps=[(190, 80), (180, 70)]),
+        point("llm:repeated", "c=1", 100, 40),
+        point("epd:adaptive:repeated", "c=1", 90, 39),
+    ]
+    unique, repeated = acceptance_rows({"points": points}, {})
+    control = unique["goals"]["adaptive_vs_llm_e2e"]["control"]
+    assert control["value"] == 1.08 and not control["met"] and control["rounds"] == [1.08, 88 / 90]
+    assert unique["goals"]["adaptive_vs_best_fixed_e2e"]["control"]["value"] == 1.08  # best fixed: llm
+    assert unique["e2e_ms_control_vs_llm"] == 1.08 and unique["ttft_ms_control_vs_llm"] == 39 / 40
+    assert "control" not in repeated["goals"]["adaptive_vs_llm_ttft"]  # no llm:repeated:again in this run
+    text = markdown([unique, repeated], {})
+    assert "Goals met: 4 of 4." in text
+    assert "The control (`llm` measured again" in text and "met 0 of the same 2 tests" in text

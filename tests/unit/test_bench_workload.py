@@ -193,6 +193,7 @@ def test_identical_requests_share_prompt_image_and_sampling_but_not_keys():
         ("epd:adaptive", "epd", "default", "adaptive"),
         ("epd:disaggregated:repeated", "epd", "repeated", "disaggregated"),
         ("epd:unique:colocated", "epd", "unique", "colocated"),
+        ("llm:unique:again", "llm", "unique", None),
     ],
 )
 def test_mode_names_carry_media_and_path(text, model, media, path):
@@ -203,9 +204,35 @@ def test_mode_names_carry_media_and_path(text, model, media, path):
     assert mode.prepare_options() == ({"parameters": {"path": path}} if path else {})
 
 
-@pytest.mark.parametrize("text", ["epd:fastest", "epd:repeated:unique", ":repeated", "epd:colocated:adaptive"])
+@pytest.mark.parametrize(
+    "text", ["epd:fastest", "epd:repeated:unique", ":repeated", "epd:colocated:adaptive", "llm:again:again"]
+)
 def test_bad_mode_names_are_refused(text):
     from bench.sweep import ModeSpec
 
     with pytest.raises(ValueError, match="mode"):
         ModeSpec.parse(text)
+
+
+@pytest.mark.parametrize("media", ["unique", "repeated", "identical"])
+def test_an_again_mode_sends_the_same_work_but_never_its_originals_requests(media):
+    """A control that re-sent its original's requests would find them in the server's caches."""
+    from bench.sweep import ModeSpec
+
+    builder = WorkloadBuilder(spec(media_pool_size=2))
+    original, again = ModeSpec.parse(f"llm:{media}"), ModeSpec.parse(f"llm:{media}:again")
+    assert again.again and not original.again and again.label != original.label
+
+    def requests(mode):
+        reuse = mode.reuse_ratio(builder.spec)
+        return [
+            r
+            for rep in range(3)
+            for r in builder.build(4, reuse, "measure", 0, mode.key_rep(rep), mode.identical, mode.media_namespace)
+        ]
+
+    ours, theirs = requests(original), requests(again)
+    assert not {(r.prompt, r.images) for r in ours} & {(r.prompt, r.images) for r in theirs}
+    assert not {r.key for r in ours} & {r.key for r in theirs}
+    assert [len(r.images) for r in ours] == [len(r.images) for r in theirs]
+    assert [r.sampling for r in ours] == [r.sampling for r in theirs]
