@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,8 +244,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
+def _watched(
+    pid: int | None, heartbeats: Path | None = None, on_failure: Callable[[list[str], list[str]], object] | None = None
+) -> Iterator[Callable[[], str | None]]:
+    """While the sweep runs: a stage of the server at ``pid`` that dies or hangs (``heartbeats``:
+    the stubs' heartbeat folder) halts the sweep, whose remaining points are reported as not run,
+    instead of filling the run with errors (or, for a hung stub, with request timeouts)."""
+    from builders.stage_watch import StageWatch, StageWatchThread
+
+    if pid is None:
+        yield lambda: None
+        return
+    watch = StageWatchThread(StageWatch(pid, heartbeats), on_failure).start()
+    try:
+        yield lambda: watch.reason
+    finally:
+        watch.stop()
+
+
+@contextlib.contextmanager
 def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Any]]:
-    """The server to measure: the one at --url, or one started here and stopped after."""
+    """The server to measure: the one at --url, or one started here and stopped after (at once
+    when it lost a stage: Triton does not recover one, see builders/stage_watch.py)."""
     if args.url:
         host, _, port = args.url.rpartition(":")
         pid = args.server_pid
@@ -252,29 +273,42 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
             from bench.server_stats import find_listening_pid
 
             pid = find_listening_pid(int(port))
-        yield {
-            "grpc_url": args.url,
-            "metrics_url": args.metrics_url or f"http://{host}:8002/metrics",
-            "pid": pid,
-            "origin": "given with --url" + ("" if pid else " (server CPU not measured: no pid)"),
-        }
+        with _watched(pid) as halted:
+            yield {
+                "grpc_url": args.url,
+                "metrics_url": args.metrics_url or f"http://{host}:8002/metrics",
+                "pid": pid,
+                "origin": "given with --url" + ("" if pid else " (server CPU not measured: no pid)"),
+                "halted": halted,
+            }
         return
-    from builders.launcher import prepare
+    import shutil
+
+    from builders.launcher import prepare, stop_after_stage_crash
     from builders.tritonserver import Ports, ServerOptions, TritonServer
+    from python_backends.heartbeat import HEARTBEAT_DIR_ENV
 
     repository = REPO_ROOT / "model_repository"
     prepare("cpu", args.model, repository)
+    heartbeats = log_dir / "heartbeats"
+    shutil.rmtree(heartbeats, ignore_errors=True)
+    heartbeats.mkdir(parents=True)
+    options = ServerOptions(repository, Ports.free(), extra_env={HEARTBEAT_DIR_ENV: str(heartbeats)})
     started = time.perf_counter()
-    with TritonServer(ServerOptions(repository, Ports.free()), log_dir / "server.log") as server:
+    with TritonServer(options, log_dir / "server.log") as server:
         server.wait_ready(timeout_s=900)
         ready_s = time.perf_counter() - started
         print(f"[bench] tritonserver ready in {ready_s:.0f} s (log: {log_dir / 'server.log'})", file=sys.stderr)
-        yield {
-            "grpc_url": server.grpc_url,
-            "metrics_url": args.metrics_url or server.metrics_url,
-            "pid": server.process.pid if server.process else None,
-            "origin": f"started by the harness, ready in {ready_s:.0f} s",
-        }
+        pid = server.process.pid if server.process else None
+        stop = functools.partial(stop_after_stage_crash, server)
+        with _watched(pid, heartbeats, stop) as halted:
+            yield {
+                "grpc_url": server.grpc_url,
+                "metrics_url": args.metrics_url or server.metrics_url,
+                "pid": pid,
+                "origin": f"started by the harness, ready in {ready_s:.0f} s",
+                "halted": halted,
+            }
     if server.stop_report is not None:  # how it ended: a crash or forced stop is worth knowing next to results
         print(f"[bench] {server.stop_report.describe()}", file=sys.stderr)
 
@@ -340,11 +374,17 @@ def command_run(args: argparse.Namespace) -> int:
     machine = describe_machine()
     wall_started = time.perf_counter()
     with _server_for(args, REPO_ROOT / "build" / "bench") as server:
-        output = asyncio.run(Sweep(config, server["grpc_url"], server["metrics_url"], server["pid"]).run())
+        sweep = Sweep(config, server["grpc_url"], server["metrics_url"], server["pid"], server["halted"])
+        output = asyncio.run(sweep.run())
     output.summary["meta"] = _meta(args, machine, wall_started, server["origin"])
     written = write_outputs(args.out, output.summary, output.raw, plots=not args.no_plots)
     print(markdown(output.summary, []))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    if output.summary["halted"] is not None:
+        from builders.launcher import STAGE_CRASHED  # the launcher's exit code for the same event
+
+        print(f"[bench] halted: {output.summary['halted']}", file=sys.stderr)
+        return STAGE_CRASHED
     return 0
 
 

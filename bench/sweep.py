@@ -26,7 +26,7 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,8 +185,18 @@ def _log(message: str) -> None:
 class Sweep:
     """One run of a ``SweepConfig`` against one server (see module docstring)."""
 
-    def __init__(self, config: SweepConfig, grpc_url: str, metrics_url: str | None, server_pid: int | None) -> None:
+    def __init__(
+        self,
+        config: SweepConfig,
+        grpc_url: str,
+        metrics_url: str | None,
+        server_pid: int | None,
+        halted: Callable[[], str | None] | None = None,
+    ) -> None:
+        """``halted``: why the server can no longer be measured (a stage died or hangs), else None;
+        asked before each point and repetition: what is left is then reported as not run."""
         self.config = config
+        self.halted = halted or (lambda: None)
         self.grpc_url = grpc_url
         self.metrics_url = metrics_url
         self.meter = CpuMeter(server_pid)
@@ -198,6 +208,13 @@ class Sweep:
 
     def _over_budget(self) -> bool:
         return self.mode_deadline is not None and time.perf_counter() > self.mode_deadline
+
+    def _not_running(self, budget: str) -> str | None:
+        """Why the next point does not run (the server was lost, or ``budget`` was spent), if so."""
+        halted = self.halted()
+        if halted is not None:
+            return halted
+        return f"{budget} was spent" if self._over_budget() else None
 
     def _start_mode_clock(self, modes_left: int) -> None:
         """Split what is left of the time budget evenly over the modes still to run, so a
@@ -251,6 +268,7 @@ class Sweep:
             "token_agreement_vs_baseline": self._token_agreement(),
             "harness_cost": harness_cost(points),
             "run_wall_s": time.perf_counter() - self.started,
+            "halted": self.halted(),
         }
         return SweepOutput(summary, self.raw)
 
@@ -263,9 +281,9 @@ class Sweep:
     async def _point_or_skip(
         self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint, share: str
     ) -> dict[str, Any]:
-        if self._over_budget():
-            _log(f"[bench] time budget spent: {mode.label} {point.label} not run")
-            return _not_run(mode, point, share)
+        if (reason := self._not_running(share)) is not None:
+            _log(f"[bench] {mode.label} {point.label} not run: {reason}")
+            return _not_run(mode, point, reason)
         return await self._run_point(target, mode, layout, index, point)
 
     async def _run_mode(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -289,10 +307,10 @@ class Sweep:
         entries = [await self._mode_entry(target, mode) for mode in modes]
         per_mode: list[list[dict[str, Any]]] = [[] for _ in modes]
         for index, point in enumerate(self.config.points):
-            if self._over_budget():
-                _log(f"[bench] time budget spent: {point.label} not run")
+            if (reason := self._not_running("--time-budget")) is not None:
+                _log(f"[bench] {point.label} not run: {reason}")
                 for mode, mode_points in zip(modes, per_mode, strict=True):
-                    mode_points.append(_not_run(mode, point, "--time-budget"))
+                    mode_points.append(_not_run(mode, point, reason))
                 continue
             runs = [
                 _PointRun(self, target, mode, layout, index, point)
@@ -303,9 +321,10 @@ class Sweep:
             for rep in range(self.config.reps):
                 shift = rep % len(runs)
                 for run in runs[shift:] + runs[:shift]:
-                    await run.measure(rep)
+                    if self.halted() is None:
+                        await run.measure(rep)
             for run, mode_points in zip(runs, per_mode, strict=True):
-                mode_points.append(run.result())
+                mode_points.append(run.result_or_not_run())
         for mode, (entry, _), mode_points in zip(modes, entries, per_mode, strict=True):
             self._read(entry, mode, mode_points)
         return [entry for entry, _ in entries], [p for mode_points in per_mode for p in mode_points]
@@ -327,8 +346,9 @@ class Sweep:
         run = _PointRun(self, target, mode, layout, index, point)
         await run.warm()
         for rep in range(self.config.reps):
-            await run.measure(rep)
-        return run.result()
+            if self.halted() is None:
+                await run.measure(rep)
+        return run.result_or_not_run()
 
     def _ratios(self, points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         return ratios_vs_baseline(points, self.config.baseline)
@@ -420,8 +440,8 @@ def harness_cost(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _not_run(mode: ModeSpec, point: LoadPoint, share: str) -> dict[str, Any]:
-    return {"mode": mode.label, "load_label": point.label, "status": f"not run: {share} was spent"}
+def _not_run(mode: ModeSpec, point: LoadPoint, reason: str) -> dict[str, Any]:
+    return {"mode": mode.label, "load_label": point.label, "status": f"not run: {reason}"}
 
 
 @dataclass
@@ -521,6 +541,12 @@ class _PointRun:
             f"{_fmt(summary['request_throughput'])} req/s, {_fmt(summary['output_token_throughput'])} tok/s"
         )
         return summary, result.records
+
+    def result_or_not_run(self) -> dict[str, Any]:
+        """The point's entry; a point during which the server was lost is not run (its records
+        stay in the raw output)."""
+        halted = self.sweep.halted()
+        return self.result() if halted is None else _not_run(self.mode, self.point, halted)
 
     def result(self) -> dict[str, Any]:
         mode, point = self.mode, self.point

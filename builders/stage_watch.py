@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -170,6 +171,52 @@ class StageWatch:
             if age is not None and age >= self.hung_after_s and _running(pid):
                 hung.append(f"{role.split('#')[0]} (no heartbeat for {age:.0f} s)")
         return hung
+
+
+class StageWatchThread:
+    """A :class:`StageWatch` polled on a daemon thread, for callers that have other work on their
+    main thread (the benchmark: a sweep). Once a stage died or hangs, :attr:`reason` says so and
+    ``on_failure(lost, hung)`` runs once, on this thread (the benchmark: stop its own server)."""
+
+    def __init__(
+        self,
+        watch: StageWatch,
+        on_failure: Callable[[list[str], list[str]], object] | None = None,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.watch = watch
+        self.on_failure = on_failure
+        self.poll_s = poll_s
+        self.reason: str | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stage-watch", daemon=True)
+
+    def start(self) -> StageWatchThread:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling; an ``on_failure`` already running is waited for."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            lost, hung = self.watch.lost(), self.watch.hung()
+            if lost or hung:
+                self.reason = describe_stage_failure(lost, hung)
+                if self.on_failure is not None:
+                    self.on_failure(lost, hung)
+                return
+
+
+def describe_stage_failure(lost: list[str], hung: list[str]) -> str:
+    """One line: which stages of the server died and which hang."""
+    parts = [f"{', '.join(sorted(set(lost)))} died"] if lost else []
+    if hung:
+        parts.append(f"{', '.join(sorted(set(hung)))} hung")
+    return "the server lost a stage: " + "; ".join(parts)
 
 
 def _running(pid: int) -> bool:

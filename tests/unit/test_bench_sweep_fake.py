@@ -239,3 +239,30 @@ def test_interleave_shares_the_time_budget_over_the_sweep(tmp_path):
     )
     output = asyncio.run(Sweep(config, "fake:1", None, None).run(FakeTarget()))
     assert [p["status"] for p in output.summary["points"]] == ["not run: --time-budget was spent"] * 2
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_server_that_lost_a_stage_halts_the_sweep_and_what_is_left_is_not_run(interleave):
+    target = FakeTarget()
+    lost = "the server lost a stage: stub:epd died"
+
+    def halted() -> str | None:  # the stage watch (builders/stage_watch.py): epd's stub died at the 30th request
+        return lost if len(target.sent) >= 30 else None
+
+    config = SweepConfig(
+        modes=[ModeSpec.parse("llm"), ModeSpec.parse("epd")],
+        points=[LoadPoint("concurrency", 1), LoadPoint("concurrency", 2)],
+        workload=WorkloadSpec(image_sizes=((32, 32),), output_tokens=LengthDist.parse("2", minimum=1)),
+        requests_per_point=4,
+        warmup_requests=1,
+        reps=3,
+        interleave=interleave,
+        progress=False,
+    )
+    output = asyncio.run(Sweep(config, "fake:1", None, None, halted).run(target))
+    statuses = {(p["mode"], p["load_label"]): p["status"] for p in output.summary["points"]}
+    ran = [point for point, status in statuses.items() if status == "ran"]
+    assert len(statuses) == 4 and 1 <= len(ran) < 4
+    assert {s for s in statuses.values() if s != "ran"} == {f"not run: {lost}"}
+    assert output.summary["halted"] == lost
+    assert 30 <= len(target.sent) < 30 + 4  # no repetition started once it was lost

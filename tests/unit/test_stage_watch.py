@@ -19,7 +19,14 @@ import psutil
 import pytest
 
 from builders import launcher
-from builders.stage_watch import StageWatch, StuckStubLaunch, find_role, pids_waited_on, server_processes
+from builders.stage_watch import (
+    StageWatch,
+    StageWatchThread,
+    StuckStubLaunch,
+    find_role,
+    pids_waited_on,
+    server_processes,
+)
 
 FAKE_STUB = """
 import subprocess, sys, time
@@ -107,6 +114,24 @@ def test_a_live_stub_whose_heartbeat_is_stale_is_hung_and_the_launcher_stops_its
     assert stops == [launcher.STOP_AFTER_CRASH_S]
     out = capsys.readouterr().out
     assert "stage hung: stub:epd (no heartbeat for 75 s)" in out and "stage crashed" not in out
+
+
+def test_a_watch_thread_says_once_which_stage_died_and_runs_its_failure_action_once(fake_stubs):
+    failures = []
+    thread = StageWatchThread(StageWatch(os.getpid()), lambda lost, hung: failures.append((lost, hung)), 0.05)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.reason is None and failures == []  # every stage alive: nothing said
+    os.kill(find_role(os.getpid(), "stub:encoder_0"), signal.SIGKILL)
+    fake_stubs[0].wait(10)
+    deadline = time.monotonic() + 10
+    while thread.reason is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert thread.reason == "the server lost a stage: stub:encoder_0 died"
+    time.sleep(0.3)
+    thread.stop()
+    assert failures == [(["stub:encoder_0"], [])]
 
 
 def test_a_stub_the_server_waits_on_for_good_is_killed_after_the_grace(fake_stubs):
