@@ -8,6 +8,7 @@ and :func:`load_engine_args`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -90,6 +91,23 @@ def engine_exit_grace_s(environ: Mapping[str, str] = os.environ) -> float | None
     if not grace > 0:
         raise ValueError(f"{ENGINE_EXIT_GRACE_ENV}={value!r}: must be > 0 (0 would kill the engine at once)")
     return grace
+
+
+def shut_down_engine(async_llm: Any) -> None:
+    """Shut a vLLM AsyncLLM down now (its engine core exits within ``engine_exit_grace_s``), once.
+
+    ``AsyncLLM.__del__`` (0.32) shuts it down again when the object goes. An engine held until its
+    stub exits goes during interpreter shutdown, after vLLM's module globals are gone, and every
+    server stop logged ``TypeError: 'NoneType' object is not callable`` from there, once per engine.
+    So the instance becomes one of a subclass whose ``__del__`` does nothing: it was shut down here."""
+    async_llm.shutdown(timeout=engine_exit_grace_s())
+    cls: type = type(async_llm)
+    async_llm.__class__ = _already_shut_down(cls)
+
+
+@functools.cache
+def _already_shut_down(cls: type) -> type:
+    return type(cls)(cls.__name__, (cls,), {"__del__": lambda self: None, "__module__": cls.__module__})
 
 
 def apply_vllm_environment(vllm_env: dict[str, str]) -> None:
@@ -201,4 +219,4 @@ class LlmEngine:
         self.active_requests.discard(request_id)
 
     def shutdown(self) -> None:
-        self.engine.shutdown(timeout=engine_exit_grace_s())
+        shut_down_engine(self.engine)

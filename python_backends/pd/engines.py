@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.generation import GenerationChunk
-from python_backends.llm_engine import engine_exit_grace_s, input_rejections, unfinished_requests
+from python_backends.llm_engine import input_rejections, shut_down_engine, unfinished_requests
 from python_backends.pd import transfer as tx
 from python_backends.sampling import DEFAULT_MAX_TOKENS
 
@@ -282,7 +282,7 @@ class KvEngine:
         await self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        self.engine.shutdown(timeout=engine_exit_grace_s())
+        shut_down_engine(self.engine)
 
 
 class PrefillEngine(KvEngine):

@@ -304,3 +304,34 @@ def test_generate_result_summary_times_from_the_send() -> None:
     assert result.summary() == {
         "ttft_s": 0.25, "e2e_s": 1.0, "cache_hits": 1, "timings_ms": {"encode": 3.0}, "token_ids": [1, 2]
     }  # fmt: skip
+
+
+def test_an_engine_shut_down_once_is_not_shut_down_again_when_it_goes(monkeypatch):
+    """AsyncLLM.__del__ shuts down again; at a stub's exit that ran after vLLM's globals were gone
+    (a TypeError traceback per engine in every server stop's log)."""
+    import gc
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from python_backends.llm_engine import ENGINE_EXIT_GRACE_ENV, shut_down_engine
+
+    calls = []
+
+    class RecordingLLM(AsyncLLM):  # the real class's __del__; no engine behind it
+        def shutdown(self, timeout=None):
+            calls.append(timeout)
+
+    monkeypatch.setenv(ENGINE_EXIT_GRACE_ENV, "2")
+    first, second = object.__new__(RecordingLLM), object.__new__(RecordingLLM)
+    shut_down_engine(first)
+    shut_down_engine(second)
+    assert calls == [2.0, 2.0]
+    assert isinstance(first, AsyncLLM) and type(first) is type(second)  # one subclass per class
+    del first, second
+    gc.collect()
+    assert calls == [2.0, 2.0]  # not again
+    unshut = object.__new__(RecordingLLM)
+    del unshut
+    gc.collect()
+    assert calls == [2.0, 2.0, None]  # what __del__ does otherwise: the test can fail
+
