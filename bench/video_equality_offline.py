@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from builders.targets import TARGETS
+    from python_backends.llm_engine import apply_vllm_environment
+
+    apply_vllm_environment(TARGETS["cpu"].role_environment("llm"))  # the server's llm engine's
 
     import torch
     from PIL import Image

@@ -61,17 +61,11 @@ class EncodeServing:
 
 @dataclass(frozen=True)
 class PdServing:
-    """How a target serves ``prefill`` / ``decode`` (vLLM KV producer / consumer) and ``epd``.
-
-    ``role_env``: extra ``VLLM_*`` process environment per role on top of the target's
-    ``vllm_env`` (e.g. the cores each engine's OpenMP threads are bound to, so that ``llm``,
-    ``prefill`` and ``decode`` do not all pile onto one core).
-    """
+    """How a target serves ``prefill`` / ``decode`` (vLLM KV producer / consumer) and ``epd``."""
 
     # The node's transfer folder (tmpfs): every transfer's record (manifest, first token) and,
     # with TransferIdConnector, its KV too.
     kv_store_path: str = "/dev/shm/triton-epd-kv"
-    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # vLLM KV connector between prefill and decode (python_backends/pd/engines.py, KV_CONNECTORS):
     # TransferIdConnector (cpu, files in kv_store_path) or NixlConnector (gpu: the KV moves GPU to
     # GPU, decode reads prefill's blocks). The epd transfer parameters are the same for both.
@@ -161,7 +155,8 @@ class Target:
     instance_kind: str
     # vLLM engine args shared by every vLLM-backed model of the target ("model" is added).
     engine_args: dict[str, Any]
-    # Process environment for vLLM engines (config.pbtxt parameters, set before start).
+    # Process environment for vLLM engines (config.pbtxt parameters, set before start):
+    # ``VLLM_*`` and ``OMP_*`` (contract.ENGINE_ENV_PREFIXES).
     vllm_env: dict[str, str]
     encode: EncodeServing
     pd: PdServing = field(default_factory=PdServing)
@@ -193,8 +188,8 @@ class Target:
         return {contract.TEST_PAUSES: pauses} if pauses else {}
 
     def role_environment(self, role: str) -> dict[str, str]:
-        """Process environment of one engine role: the target's, then the role's own."""
-        env = {**self.vllm_env, **self.pd.role_env.get(role, {})}
+        """Process environment of one engine role: the target's, and on gpu the role's GPUs."""
+        env = dict(self.vllm_env)
         if self.gpu_budget is not None:
             env[GPU_DEVICE_ENV] = self.gpu_budget.cuda_visible_devices(role)
         return env
@@ -253,20 +248,19 @@ TARGETS: dict[str, Target] = {
             # An engine core's exit ends in a full garbage collection (~3 s idle, 5 s+ under
             # load here) after its teardown: not waited out on the CPU (python_backends/llm_engine.py).
             "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
+            # One torch (OpenMP) thread per engine. vLLM's CPU thread binding
+            # (VLLM_CPU_OMP_THREADS_BIND) applies only to the worker processes it spawns, and the
+            # worker runs in the engine core here: every engine ran torch's default, one OpenMP
+            # thread per core, whose workers spin-wait between parallel regions. perf on 2 cores:
+            # ~60% of an idle core spent spinning beside one decoding engine, ~2/3 of all samples
+            # with two engines busy (results/2026-12-02/omp-threads/).
+            "OMP_NUM_THREADS": "1",
         },
         # No dynamic-batching wait on the CPU: at concurrency 1 each of preprocess and
         # vit_encoder waited its full 1 ms for a second request (Triton stats, results/
         # 2026-11-29/encode-breakdown); under load, requests that queue while the instance
         # is busy are still batched (same executions per request at c=8).
         encode=EncodeServing(device="cpu", max_queue_delay_us=0),
-        # llm keeps vLLM's default binding (core 0 on 2 cores); prefill gets core 1 and
-        # decode core 0, so the two halves of one request run on different cores.
-        pd=PdServing(
-            role_env={
-                contract.PREFILL_MODEL: {"VLLM_CPU_OMP_THREADS_BIND": "1"},
-                contract.DECODE_MODEL: {"VLLM_CPU_OMP_THREADS_BIND": "0"},
-            }
-        ),
     ),
     "gpu": Target(
         name="gpu",

@@ -77,6 +77,7 @@ ENGINE_GPUS_ENV = "VLLM_EPD_CUDA_VISIBLE_DEVICES"
 # engine holds nothing a kill would leak (no device memory), so the cpu target does not wait that
 # collection out; GPU targets keep vLLM's default (a kill during teardown can leave VRAM resident).
 ENGINE_EXIT_GRACE_ENV = "VLLM_EPD_ENGINE_EXIT_GRACE_S"
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def engine_exit_grace_s(environ: Mapping[str, str] = os.environ) -> float | None:
@@ -111,9 +112,16 @@ def _already_shut_down(cls: type) -> type:
 
 
 def apply_vllm_environment(vllm_env: dict[str, str]) -> None:
-    """Set the engine's ``VLLM_*`` variables (a model's parameters) in this process's environment:
-    vLLM reads them when its engine starts, in this process and the ones it spawns."""
+    """Set the engine's ``VLLM_*`` and ``OMP_*`` variables (a model's parameters) in this process's
+    environment: vLLM reads them when its engine starts, in this process and the ones it spawns
+    (the engine core's torch reads ``OMP_NUM_THREADS`` as it starts). This process's own torch
+    started before (vLLM's input processing runs here): its threads are set too."""
     os.environ.update(vllm_env)
+    log.info("vLLM engine environment: %s", " ".join(f"{key}={value}" for key, value in sorted(vllm_env.items())))
+    if OMP_THREADS_ENV in vllm_env:
+        import torch
+
+        torch.set_num_threads(int(vllm_env[OMP_THREADS_ENV]))
     if ENGINE_GPUS_ENV in vllm_env:
         os.environ["CUDA_VISIBLE_DEVICES"] = vllm_env[ENGINE_GPUS_ENV]
 

@@ -82,8 +82,8 @@ class ModelParameters:
             raise self._fail(str(exc)) from None
 
     def vllm_environment(self) -> dict[str, str]:
-        """``VLLM_*`` parameters: process environment for a vLLM engine started here."""
-        return {key: value for key, value in self.values.items() if key.startswith(contract.VLLM_ENV_PREFIX)}
+        """``VLLM_*`` and ``OMP_*`` parameters: process environment for a vLLM engine started here."""
+        return {key: value for key, value in self.values.items() if key.startswith(contract.ENGINE_ENV_PREFIXES)}
 
     def cache_policy(self) -> contract.CachePolicy:
         try:

@@ -120,7 +120,7 @@ class ModelInterface:
     def accepts_parameter(self, key: str) -> bool:
         if key == n.TEST_PAUSES:  # any decoupled python model (the test servers' pauses)
             return True
-        return key in self.parameters or (self.vllm_env and key.startswith(n.VLLM_ENV_PREFIX))
+        return key in self.parameters or (self.vllm_env and key.startswith(n.ENGINE_ENV_PREFIXES))
 
 
 GENERATE_OPTIONS = (

@@ -84,7 +84,9 @@ PATCH_DIM = "patch_dim"
 HIDDEN_SIZE = "hidden_size"
 
 # Config parameter keys (their defaults: parameters.py).
-VLLM_ENV_PREFIX = "VLLM_"  # parameters that are process environment for a vLLM engine
+# Parameters that are process environment for a vLLM engine: vLLM's own, and OpenMP's (torch's
+# CPU threads, read by the engine-core process at start).
+ENGINE_ENV_PREFIXES = ("VLLM_", "OMP_")
 # Request limits of the user-facing models (image limits also bind preprocess and encoders).
 MAX_IMAGES = "max_images"
 MAX_IMAGE_BYTES = "max_image_bytes"

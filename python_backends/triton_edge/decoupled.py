@@ -123,7 +123,8 @@ class DecoupledModel:
 
     def start_engine(self, args: dict[str, str], engine_type: Any) -> Any:
         """Start a vLLM engine wrapper of ``engine_type`` from ``engine_args.json`` beside the model,
-        after applying the model's ``VLLM_*`` parameters to the environment (read at engine start)."""
+        after applying the model's ``VLLM_*`` and ``OMP_*`` parameters to the environment (read at
+        engine start)."""
         apply_vllm_environment(self.params.vllm_environment())
         engine_cores_die_with_parent()  # a crashed stub leaves no engine core behind
         engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")

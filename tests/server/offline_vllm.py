@@ -1,27 +1,28 @@
 """Greedy tokens from offline vLLM (``vllm.LLM``) for the parity test.
 
 Run as a script (vLLM spawns processes, so it needs the __main__ guard):
-``python tests/server/offline_vllm.py cases.json out.json``. It uses the engine args
-the server uses and the same prompt and image handling as the ``llm`` model.
+``python tests/server/offline_vllm.py cases.json out.json``. It uses the engine args and
+engine environment (the ``cpu`` target's: KV cache size, one torch thread) the server uses and
+the same prompt and image handling as the ``llm`` model.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
+from builders.targets import TARGETS
 from builders.tritonserver import REPO_ROOT
 from python_backends.generate_request import with_image_placeholders
-from python_backends.llm_engine import load_engine_args
+from python_backends.llm_engine import apply_vllm_environment, load_engine_args
 from python_backends.media import ImageLimits, decode_images
 
 
 def main(cases_path: Path, out_path: Path) -> None:
     from vllm import LLM, SamplingParams
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    apply_vllm_environment(TARGETS["cpu"].role_environment("llm"))
     engine_args = load_engine_args(REPO_ROOT / "model_repository" / "llm" / "1" / "engine_args.json")
     llm = LLM(**engine_args)
     cases = json.loads(cases_path.read_text())

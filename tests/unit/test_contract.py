@@ -103,7 +103,7 @@ def test_every_generated_config_is_the_contract(target: str, repositories: dict[
         values = {key: entry.string_value for key, entry in config.parameters.items()}
         for key, value in values.items():
             assert interface.accepts_parameter(key), f"{name} has parameter {key!r} the contract does not give it"
-            if not key.startswith(contract.VLLM_ENV_PREFIX):
+            if not key.startswith(contract.ENGINE_ENV_PREFIXES):
                 parses(key, value)
         if config.backend == "python":  # what its model.py cannot do without
             required = {key for key in interface.parameters if contract.default_of(key) is None}
@@ -258,7 +258,7 @@ def declared(kind: str, name: str) -> bool:
     if kind == "tensor":
         return name in contract.tensor_names()
     if kind == "parameter":
-        return name in contract.PARAMETERS or name.startswith(contract.VLLM_ENV_PREFIX)
+        return name in contract.PARAMETERS or name.startswith(contract.ENGINE_ENV_PREFIXES)
     try:
         contract.interfaces_of(name)
     except contract.ContractError:
