@@ -141,7 +141,7 @@ def _sweep_arguments(
         "--interleave",
         action="store_true",
         help="run point by point (every mode at a load point, then the next point) and at a point repetition by "
-        "repetition (round r: every mode's repetition r, order rotated per round) instead of mode by mode: "
+        "repetition (round r: every mode's repetition r, in an order drawn per round) instead of mode by mode: "
         "on a machine whose load drifts, the modes compared at a point then run seconds apart, not a sweep apart",
     )
     parser.add_argument("--slo-ttft-ms", type=float)

@@ -13,7 +13,7 @@ summaries are reduced to their median; /metrics and CPU time are read around eac
 Modes run one after the other (every point of a mode, then the next mode), or with
 ``interleave`` point by point (every mode at the first point, then every mode at the next) and
 within a point repetition by repetition (every mode's first repetition, then every mode's
-second, in an order rotated each round), so that on a shared machine whose load drifts the
+second, in an order drawn each round), so that on a shared machine whose load drifts the
 modes compared at one point ran seconds apart, not a sweep (or a mode's repetitions) apart.
 Until 2026-12-02 (issue 14, path benchmark runs 1-9) ``interleave`` ran a mode's repetitions
 back to back; within-mode spread then showed up as one mode's bias (the same path measured
@@ -299,9 +299,8 @@ class Sweep:
         self, target: Any, modes: Sequence[ModeSpec]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Every mode at one point before the next point, and at a point repetition by
-        repetition: every mode's warm-up, then round r runs every mode's repetition r, the
-        order rotated by one mode per round (no mode always runs right after the same one).
-        The time budget is the sweep's."""
+        repetition: every mode's warm-up, then round r runs every mode's repetition r, in an
+        order drawn per round (seeded: :func:`round_order`). The time budget is the sweep's."""
         budget = self.config.time_budget_s
         self.mode_deadline = None if budget is None else self.started + budget
         entries = [await self._mode_entry(target, mode) for mode in modes]
@@ -319,10 +318,9 @@ class Sweep:
             for run in runs:
                 await run.warm()
             for rep in range(self.config.reps):
-                shift = rep % len(runs)
-                for run in runs[shift:] + runs[:shift]:
+                for position in round_order(len(runs), self.config.workload.seed, index, rep):
                     if self.halted() is None:
-                        await run.measure(rep)
+                        await runs[position].measure(rep)
             for run, mode_points in zip(runs, per_mode, strict=True):
                 mode_points.append(run.result_or_not_run())
         for mode, (entry, _), mode_points in zip(modes, entries, per_mode, strict=True):
@@ -373,6 +371,15 @@ class Sweep:
             pairs = [(r.output_token_ids, base_tokens[r.key]) for r in records if r.ok and r.key in base_tokens]
             agreement[f"{label} {load}"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
         return agreement
+
+
+def round_order(modes: int, seed: int, point: int, rep: int) -> list[int]:
+    """The order of the modes in one interleaved round: a permutation drawn per (point, round).
+    Until 2026-12-02 each round rotated one fixed order by one mode, which kept nearly every
+    mode right after the same other one in every round: whatever a mode leaves behind (an
+    engine warm or cold, work still running) then biased the next one the same way each time.
+    Drawn orders spread that over the modes."""
+    return [int(i) for i in np.random.default_rng([seed, 11, point, rep]).permutation(modes)]
 
 
 def ratios_vs_baseline(points: Sequence[dict[str, Any]], baseline_mode: str) -> list[dict[str, Any]]:
