@@ -245,17 +245,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _watched(
-    pid: int | None, heartbeats: Path | None = None, on_failure: Callable[[list[str], list[str]], object] | None = None
+    pid: int | None,
+    heartbeats: Path | None = None,
+    on_failure: Callable[[list[str], list[str]], object] | None = None,
+    stacks_dir: Path | None = None,
 ) -> Iterator[Callable[[], str | None]]:
     """While the sweep runs: a stage of the server at ``pid`` that dies or hangs (``heartbeats``:
-    the stubs' heartbeat folder) halts the sweep, whose remaining points are reported as not run,
-    instead of filling the run with errors (or, for a hung stub, with request timeouts)."""
+    the stubs' heartbeat folder; a hung stub's stacks go to ``stacks_dir``) halts the sweep, whose
+    remaining points are reported as not run, instead of filling the run with errors (or, for a
+    hung stub, with request timeouts)."""
     from builders.stage_watch import StageWatch, StageWatchThread
 
     if pid is None:
         yield lambda: None
         return
-    watch = StageWatchThread(StageWatch(pid, heartbeats), on_failure).start()
+    watch = StageWatchThread(StageWatch(pid, heartbeats), on_failure, stacks_dir=stacks_dir).start()
     try:
         yield lambda: watch.reason
     finally:
@@ -301,7 +305,7 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
         print(f"[bench] tritonserver ready in {ready_s:.0f} s (log: {log_dir / 'server.log'})", file=sys.stderr)
         pid = server.process.pid if server.process else None
         stop = functools.partial(stop_after_stage_crash, server)
-        with _watched(pid, heartbeats, stop) as halted:
+        with _watched(pid, heartbeats, stop, log_dir) as halted:
             yield {
                 "grpc_url": server.grpc_url,
                 "metrics_url": args.metrics_url or server.metrics_url,

@@ -105,6 +105,7 @@ def markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> st
         f"measured requests x {reps} repetition(s), median reported; bounded by {config['max_seconds_per_point']:g} s "
         f"per point; run took {summary['run_wall_s']:.0f} s",
         _noise_line(summary),
+        f"- **Halted**: {summary['halted']}; what was left is under Not measured" if summary.get("halted") else None,
         "",
         f"## Latency and throughput (median of {reps})",
         "",

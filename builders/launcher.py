@@ -276,6 +276,8 @@ def watch_stages(server: TritonServer, hung_after_s: float = HUNG_AFTER_S, poll_
     while server.process.poll() is None:
         lost, hung = watch.lost(), watch.hung()
         if lost or hung:
+            if hung and server.log_path is not None:
+                print(f"stacks of the hung stage: {watch.save_hung_stacks(server.log_path.parent)}", flush=True)
             return stop_after_stage_crash(server, lost, hung)
         time.sleep(poll_s)
     return server.process.returncode

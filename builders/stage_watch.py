@@ -163,14 +163,52 @@ class StageWatch:
         """The stubs alive but running no Python: their heartbeat (python_backends/heartbeat.py)
         is older than ``hung_after_s``, each as ``stub:<model> (no heartbeat for N s)``. A stub
         without a heartbeat file (none started, or it unloaded) is not judged."""
+        return list(self.hung_stubs().values())
+
+    def hung_stubs(self) -> dict[int, str]:
+        """:meth:`hung`, by pid."""
         if self.heartbeat_dir is None or self.hung_after_s <= 0:
-            return []
-        hung = []
+            return {}
+        hung = {}
         for role, pid in self.watched.items():
             age = heartbeat_age_s(self.heartbeat_dir, pid) if role.startswith("stub:") else None
             if age is not None and age >= self.hung_after_s and _running(pid):
-                hung.append(f"{role.split('#')[0]} (no heartbeat for {age:.0f} s)")
+                hung[pid] = f"{role.split('#')[0]} (no heartbeat for {age:.0f} s)"
         return hung
+
+    def save_hung_stacks(self, folder: Path) -> Path | None:
+        """The native and Python stacks of every hung stub (:func:`native_stacks`), in one file in
+        ``folder``, before the server is stopped: the only record of what deadlocked (Triton's
+        python backend, results/2026-12-01/scaleout/bls-deadlock/). None when no stub hangs."""
+        hung = self.hung_stubs()
+        if not hung:
+            return None
+        path = folder / f"hung-stage-stacks-{time.strftime('%Y%m%dT%H%M%S')}.txt"
+        path.write_text("\n".join(f"==== {what}, pid {pid}\n{native_stacks(pid)}" for pid, what in hung.items()))
+        return path
+
+
+def native_stacks(pid: int, timeout_s: float = 90.0) -> str:
+    """Every thread's stack of ``pid``: py-spy's Python and native frames (requirements/cpu.txt
+    installs it), else gdb's native ones, else a line saying neither is installed."""
+    import shutil
+    import subprocess
+    import sys
+
+    beside_python = Path(sys.executable).parent / "py-spy"
+    py_spy = shutil.which("py-spy") or (str(beside_python) if beside_python.exists() else None)
+    gdb = shutil.which("gdb")
+    if py_spy:
+        command = [py_spy, "dump", "--native", "--pid", str(pid)]
+    elif gdb:
+        command = [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"]
+    else:
+        return "<neither py-spy nor gdb is installed>"
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return f"<{command[0]} took over {timeout_s:.0f} s>"
+    return result.stdout + result.stderr
 
 
 class StageWatchThread:
@@ -183,10 +221,13 @@ class StageWatchThread:
         watch: StageWatch,
         on_failure: Callable[[list[str], list[str]], object] | None = None,
         poll_s: float = 1.0,
+        stacks_dir: Path | None = None,
     ) -> None:
+        """``stacks_dir``: where a hung stub's stacks are saved before ``on_failure``."""
         self.watch = watch
         self.on_failure = on_failure
         self.poll_s = poll_s
+        self.stacks_dir = stacks_dir
         self.reason: str | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stage-watch", daemon=True)
@@ -206,6 +247,9 @@ class StageWatchThread:
             lost, hung = self.watch.lost(), self.watch.hung()
             if lost or hung:
                 self.reason = describe_stage_failure(lost, hung)
+                stacks = self.watch.save_hung_stacks(self.stacks_dir) if hung and self.stacks_dir else None
+                if stacks is not None:
+                    self.reason += f" (its stacks: {stacks})"
                 if self.on_failure is not None:
                     self.on_failure(lost, hung)
                 return

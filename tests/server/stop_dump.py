@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from bench.server_stats import MetricsSnapshot, parse_metrics
-from builders.stage_watch import server_processes
+from builders.stage_watch import native_stacks, server_processes
 from builders.tritonserver import StopReport, TritonServer
 from python_backends.heartbeat import heartbeat_age_s
 
@@ -127,23 +127,6 @@ def _stub_pids(server_pid: int, models: list[str]) -> dict[str, list[int]]:
     """Each model's stub pids, from one walk of the server's process tree."""
     processes = server_processes(server_pid)
     return {model: [p.pid for p in processes if p.role == f"stub:{model}"] for model in models}
-
-
-def _native_stacks(pid: int) -> str:
-    """py-spy's Python and native stacks of every thread of ``pid`` (gdb's without py-spy)."""
-    py_spy = _py_spy()
-    gdb = shutil.which("gdb")
-    if py_spy:
-        command = [py_spy, "dump", "--native", "--pid", str(pid)]
-    elif gdb:
-        command = [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"]
-    else:
-        return "<neither py-spy nor gdb is installed>"
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)
-    except subprocess.TimeoutExpired:
-        return f"<{command[0]} took over 90 s>"
-    return result.stdout + result.stderr
 
 
 def _connections_to(port: int) -> int:
@@ -253,7 +236,7 @@ def watch_stuck_stop(
         found.held_by_triton = held_by_triton(models, metrics_text, beating, connections)
         for model, pids in stubs.items():
             for stub in pids:
-                stacks = _native_stacks(stub)
+                stacks = native_stacks(stub)
                 dump.append(f"==== {model}: stub pid {stub}\n{stacks}")
                 found.summary.append(f"{model}'s stub (pid {stub}):")
                 found.summary.extend(summarize_stacks(stacks))

@@ -85,5 +85,11 @@ def test_a_stub_that_runs_no_python_is_stopped_like_a_crashed_stage(tmp_path: Pa
         code = watch_stages(server, hung_after_s=5, poll_s=0.2)
         client.close()
     assert code == STAGE_CRASHED
-    assert "stage hung: stub:frozen (no heartbeat for" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stage hung: stub:frozen (no heartbeat for" in out
     assert server.process.poll() is not None  # stopped
+    # what the stub was doing, saved before the stop: the one record of a deadlock
+    (stacks,) = tmp_path.glob("hung-stage-stacks-*.txt")
+    assert f"stacks of the hung stage: {stacks}" in out
+    text = stacks.read_text()
+    assert "==== stub:frozen (no heartbeat for" in text and "serve (" in text and "sleep" in text

@@ -13,7 +13,7 @@ import pytest
 
 from bench.loadgen import LoadPoint
 from bench.metrics import RequestRecord, Slo
-from bench.report import write_outputs
+from bench.report import markdown, write_outputs
 from bench.sweep import ModeSpec, Sweep, SweepConfig, round_order
 from bench.workload import BenchRequest, LengthDist, WorkloadSpec
 
@@ -264,6 +264,8 @@ def test_a_server_that_lost_a_stage_halts_the_sweep_and_what_is_left_is_not_run(
     assert {s for s in statuses.values() if s != "ran"} == {f"not run: {lost}"}
     assert output.summary["halted"] == lost
     assert 30 <= len(target.sent) < 30 + 4  # no repetition started once it was lost
+    text = markdown(output.summary)
+    assert f"**Halted**: {lost}" in text and f"not run: {lost}" in text
 
 
 def test_drawn_round_orders_put_modes_after_different_modes():
