@@ -190,7 +190,8 @@ class StageWatch:
 
 def native_stacks(pid: int, timeout_s: float = 90.0) -> str:
     """Every thread's stack of ``pid``: py-spy's Python and native frames (requirements/cpu.txt
-    installs it), else gdb's native ones, else a line saying neither is installed."""
+    installs it; it shows threads that run Python only), then gdb's native frames of every thread
+    (the python backend's own C++ threads too), each where installed."""
     import shutil
     import subprocess
     import sys
@@ -198,17 +199,18 @@ def native_stacks(pid: int, timeout_s: float = 90.0) -> str:
     beside_python = Path(sys.executable).parent / "py-spy"
     py_spy = shutil.which("py-spy") or (str(beside_python) if beside_python.exists() else None)
     gdb = shutil.which("gdb")
-    if py_spy:
-        command = [py_spy, "dump", "--native", "--pid", str(pid)]
-    elif gdb:
-        command = [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"]
-    else:
+    commands = [[py_spy, "dump", "--native", "--pid", str(pid)]] if py_spy else []
+    commands += [[gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"]] if gdb else []
+    if not commands:
         return "<neither py-spy nor gdb is installed>"
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return f"<{command[0]} took over {timeout_s:.0f} s>"
-    return result.stdout + result.stderr
+    parts = []
+    for command in commands:
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+            parts.append(f"--- {Path(command[0]).name}\n{result.stdout}{result.stderr}")
+        except subprocess.TimeoutExpired:
+            parts.append(f"--- {Path(command[0]).name}: took over {timeout_s:.0f} s")
+    return "\n".join(parts)
 
 
 class StageWatchThread:
