@@ -13,6 +13,7 @@ that all of them start Triton the same way. Two installations are supported:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -25,8 +26,10 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from builders.processes import ProcessGroup, StartError, StartTimeout, StopReport, http_ok, wait_until_ready
-from builders.stage_watch import StuckStubLaunch
+from builders.stage_watch import StuckStubLaunch, server_processes
 
 __all__ = [
     "PROBLEM_MARKERS", "REPO_ROOT", "Ports", "ServerOptions", "StartError", "StartTimeout", "StopReport",
@@ -160,6 +163,33 @@ HEAP_CORRUPTION_MARKERS = ("malloc(): ", "free(): ", "malloc_consolidate(): ", "
 PROBLEM_MARKERS = ("Segfault encountered", "Signal (11) received", *HEAP_CORRUPTION_MARKERS, *EXIT_TIMEOUT_MARKERS)
 
 
+SHM_DIR = Path("/dev/shm")
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def stub_shm_regions(server_pid: int) -> list[str]:
+    """The shared-memory regions of the server's python-backend stubs (each stub's command line
+    names its region)."""
+    regions = []
+    for process in server_processes(server_pid):
+        if process.role.startswith("stub:"):
+            with contextlib.suppress(psutil.Error):
+                regions += [arg for arg in psutil.Process(process.pid).cmdline() if arg.startswith(SHM_REGION_PREFIX)]
+    return regions
+
+
+def remove_shm_regions(regions: list[str], folder: Path = SHM_DIR) -> list[str]:
+    """Unlink what is left of ``regions``: a server stopped by SIGKILL never unlinks its stubs'
+    (1-3 MiB each, for good in /dev/shm; 7 after one afternoon of halted benchmark runs). Returns
+    the ones removed."""
+    removed = []
+    for name in regions:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+            removed.append(name)
+    return removed
+
+
 class TritonServer:
     """A tritonserver child process: ``with TritonServer(opts) as server: ...``.
 
@@ -238,9 +268,12 @@ class TritonServer:
         ``timeout_s`` (default: 30 s past Triton's own exit timeout)."""
         if self.stop_report is not None and self.process is not None and self.process.poll() is not None:
             return self.stop_report  # stopped before (e.g. after a stage crash): how that stop went
+        regions = stub_shm_regions(self.process.pid) if self.process is not None else []
         report = self.group.stop(self.options.stop_timeout_s if timeout_s is None else timeout_s, PROBLEM_MARKERS)
         if report is not None:
             self.stop_report = report
+            if report.killed or report.leftovers:
+                remove_shm_regions(regions)
         return report
 
     def __enter__(self) -> TritonServer:

@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 
 from builders.launcher import STAGE_CRASHED, watch_stages
 from builders.stage_watch import find_role
-from builders.tritonserver import Ports, ServerOptions, TritonServer
+from builders.tritonserver import SHM_DIR, Ports, ServerOptions, TritonServer, stub_shm_regions
 from python_backends.heartbeat import HEARTBEAT_DIR_ENV
 from tests.server.tiny_models import streaming_repository
 
@@ -81,6 +81,8 @@ def test_a_stub_that_runs_no_python_is_stopped_like_a_crashed_stage(tmp_path: Pa
         assert server.process is not None
         stub = find_role(server.process.pid, "stub:frozen")
         assert _beats(beats, stub)  # a serving stub's file keeps moving
+        regions = stub_shm_regions(server.process.pid)
+        assert regions and all((SHM_DIR / name).exists() for name in regions)
         client = _send(server, "freeze")
         code = watch_stages(server, hung_after_s=5, poll_s=0.2)
         client.close()
@@ -88,6 +90,8 @@ def test_a_stub_that_runs_no_python_is_stopped_like_a_crashed_stage(tmp_path: Pa
     out = capsys.readouterr().out
     assert "stage hung: stub:frozen (no heartbeat for" in out
     assert server.process.poll() is not None  # stopped
+    assert server.stop_report is not None and not server.stop_report.clean  # the frozen stub never unloaded
+    assert not [name for name in regions if (SHM_DIR / name).exists()]  # its shared memory went too
     # what the stub was doing, saved before the stop: the one record of a deadlock
     (stacks,) = tmp_path.glob("hung-stage-stacks-*.txt")
     assert f"stacks of the hung stage: {stacks}" in out

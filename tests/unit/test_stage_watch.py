@@ -164,3 +164,28 @@ def test_a_stub_the_server_waits_on_for_good_is_killed_after_the_grace(fake_stub
 def test_nothing_is_waited_on_where_the_machine_is_unknown():
     assert pids_waited_on(os.getpid(), machine="sparc64") == set()
     assert pids_waited_on(2**30) == set()  # no such process
+
+
+def test_a_killed_servers_stub_regions_are_removed_from_shm(fake_stubs, tmp_path: Path):
+    """A stub names its shared-memory region on its command line; a SIGKILLed server never
+    unlinks them (builders/tritonserver.py)."""
+    from builders.tritonserver import SHM_REGION_PREFIX, remove_shm_regions, stub_shm_regions
+
+    assert stub_shm_regions(os.getpid()) == []  # these fake stubs name none
+    stub = tmp_path / "triton_python_backend_stub"
+    script = tmp_path / "repo" / "epd" / "1" / "model.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import time; time.sleep(600)")
+    region = f"{SHM_REGION_PREFIX}0123"
+    named = subprocess.Popen([str(stub), str(script), region])
+    try:
+        deadline = time.monotonic() + 10
+        while stub_shm_regions(os.getpid()) != [region]:
+            assert time.monotonic() < deadline, server_processes(os.getpid())
+            time.sleep(0.05)
+    finally:
+        named.kill()
+        named.wait(10)
+    (tmp_path / region).write_bytes(b"\0" * 16)
+    assert remove_shm_regions([region, f"{SHM_REGION_PREFIX}gone"], tmp_path) == [region]
+    assert not (tmp_path / region).exists()
