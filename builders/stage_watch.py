@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -188,16 +191,22 @@ class StageWatch:
         return path
 
 
-def native_stacks(pid: int, timeout_s: float = 90.0) -> str:
-    """Every thread's stack of ``pid``: py-spy's Python and native frames (requirements/cpu.txt
-    installs it; it shows threads that run Python only), then gdb's native frames of every thread
-    (the python backend's own C++ threads too), each where installed."""
-    import shutil
-    import subprocess
-    import sys
+PY_SPY_ENV = "TRITON_EPD_PY_SPY"  # a py-spy binary to use instead of the one on PATH
 
+
+def find_py_spy() -> str | None:
+    """py-spy: ``TRITON_EPD_PY_SPY``, else on PATH, else beside this Python (requirements/cpu.txt
+    installs it in the venv)."""
     beside_python = Path(sys.executable).parent / "py-spy"
-    py_spy = shutil.which("py-spy") or (str(beside_python) if beside_python.exists() else None)
+    found = os.environ.get(PY_SPY_ENV) or shutil.which("py-spy")
+    return found or (str(beside_python) if beside_python.exists() else None)
+
+
+def native_stacks(pid: int, timeout_s: float = 90.0) -> str:
+    """Every thread's stack of ``pid``: py-spy's Python and native frames (it shows threads that
+    run Python only), then gdb's native frames of every thread (the python backend's own C++
+    threads too), each where installed."""
+    py_spy = find_py_spy()
     gdb = shutil.which("gdb")
     commands = [[py_spy, "dump", "--native", "--pid", str(pid)]] if py_spy else []
     commands += [[gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"]] if gdb else []

@@ -17,9 +17,7 @@ import contextlib
 import itertools
 import os
 import re
-import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -31,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from bench.server_stats import MetricsSnapshot, parse_metrics
-from builders.stage_watch import native_stacks, server_processes
+from builders.stage_watch import find_py_spy, native_stacks, server_processes
 from builders.tritonserver import StopReport, TritonServer
 from python_backends.heartbeat import heartbeat_age_s
 
@@ -51,12 +49,6 @@ def _fetch(url: str) -> str:
             return response.read().decode(errors="replace")
     except Exception as error:  # a diagnostic: record why it failed and go on
         return f"<failed: {error!r}>"
-
-
-def _py_spy() -> str | None:
-    beside_python = Path(sys.executable).parent / "py-spy"
-    found = os.environ.get("TRITON_EPD_PY_SPY") or shutil.which("py-spy")
-    return found or (str(beside_python) if beside_python.exists() else None)
 
 
 def _stacks(pid: int, py_spy: str | None) -> str:
@@ -87,7 +79,7 @@ def stop_with_dump(server: TritonServer) -> StopReport | None:
     """``server.stop()``, with the state dumps described above around it."""
     folder = Path(os.environ[DUMP_ENV]) / f"{server.log_path.stem if server.log_path else 'server'}-{next(_counter)}"
     folder.mkdir(parents=True, exist_ok=True)
-    py_spy = _py_spy()
+    py_spy = find_py_spy()
     pid = server.group.pid
     (folder / "index.json").write_text(_fetch(f"http://{server.http_url}/v2/repository/index"))
     (folder / "metrics.txt").write_text(_fetch(server.metrics_url))
