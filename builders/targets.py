@@ -248,13 +248,14 @@ TARGETS: dict[str, Target] = {
             # An engine core's exit ends in a full garbage collection (~3 s idle, 5 s+ under
             # load here) after its teardown: not waited out on the CPU (python_backends/llm_engine.py).
             "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
-            # One torch (OpenMP) thread per engine. vLLM's CPU thread binding
-            # (VLLM_CPU_OMP_THREADS_BIND) applies only to the worker processes it spawns, and the
-            # worker runs in the engine core here: every engine ran torch's default, one OpenMP
-            # thread per core, whose workers spin-wait between parallel regions. perf on 2 cores:
-            # ~60% of an idle core spent spinning beside one decoding engine, ~2/3 of all samples
-            # with two engines busy (results/2026-12-02/omp-threads/).
-            "OMP_NUM_THREADS": "1",
+            # Not set, though measured better: "OMP_NUM_THREADS": "1". vLLM's CPU thread binding
+            # (VLLM_CPU_OMP_THREADS_BIND) applies only to worker processes it spawns, and the worker
+            # runs in the engine core here, so each engine runs torch's default, one OpenMP thread
+            # per core, spinning between parallel regions (perf: 52-68% of engine samples; one
+            # thread: server CPU per request -30-50%, results/2026-12-02/omp-threads/). With one
+            # thread the disaggregated path runs ~2x faster and met Triton 2.51's BLS deadlock
+            # (README, Crashes) in 3 of 4 long runs, CI's session server once: not the default
+            # until that deadlock is avoided.
         },
         # No dynamic-batching wait on the CPU: at concurrency 1 each of preprocess and
         # vit_encoder waited its full 1 ms for a second request (Triton stats, results/

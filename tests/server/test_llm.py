@@ -166,12 +166,12 @@ def test_cancel_mid_stream_aborts_the_vllm_request(server: TritonServer, grpc_cl
     assert after.num_output_tokens == 12
 
 
-def test_every_engine_starts_with_the_targets_torch_threads(server: TritonServer):
-    """The cpu target's OMP_NUM_THREADS=1 reaches every vLLM-serving stub before its engine core
-    starts (vLLM's own CPU thread binding does not reach those engines: builders/targets.py).
-    The engine core's own environment cannot be read back: vLLM's process title overwrites it."""
+def test_every_engine_starts_with_the_targets_engine_environment(server: TritonServer):
+    """The cpu target's engine environment reaches every vLLM-serving stub before its engine core
+    starts; each says what it applied. (The engine core's own environment cannot be read back:
+    vLLM's process title overwrites it.)"""
     log = server.log_path.read_text(errors="replace")
     for model in ("llm", "epd", "prefill", "decode"):
         said = f"{model} python_backends.llm_engine: vLLM engine environment:"
         lines = [line for line in log.splitlines() if said in line]
-        assert lines and all("OMP_NUM_THREADS=1" in line.split() for line in lines), (model, lines)
+        assert lines and all("VLLM_CPU_KVCACHE_SPACE=1" in line.split() for line in lines), (model, lines)
