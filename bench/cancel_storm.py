@@ -42,7 +42,7 @@ import tritonclient.grpc as grpcclient
 
 from bench.machine import describe_machine, one_line
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
-from python_backends.heartbeat import HEARTBEAT_DIR_ENV
+from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 from tests.server.stop_dump import watch_stuck_stop
 from tests.server.tiny_models import CANONICAL, TICKER, TICKER_LATE_FINAL, streaming_repository, with_tick
 

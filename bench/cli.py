@@ -290,7 +290,7 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
 
     from builders.launcher import prepare, stop_after_stage_crash
     from builders.tritonserver import Ports, ServerOptions, TritonServer
-    from python_backends.heartbeat import HEARTBEAT_DIR_ENV
+    from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
     repository = REPO_ROOT / "model_repository"
     prepare("cpu", args.model, repository)

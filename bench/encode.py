@@ -1,9 +1,9 @@
 """Benchmark the encode stage's pieces on this machine, in one run (not a test):
 
-- preprocess: the DALI pipeline (CPU, ``python_backends.preprocess``) vs transformers'
+- preprocess: the DALI pipeline (CPU, ``python_backends.preprocess.images``) vs transformers'
   ``Qwen2VLImageProcessor`` (torchvision, the default) and ``Qwen2VLImageProcessorPil``, each
   from encoded bytes to ``pixel_values``, at batch 1 and 8;
-- vision encoder: ONNX Runtime (``python_backends.vit_onnx``) vs torch eager (transformers'
+- vision encoder: ONNX Runtime (``python_backends.encode.vit_onnx``) vs torch eager (transformers'
   module) on the same preprocessed batches.
 
 Writes ``results.json`` and ``results.md`` under ``--results`` (default results/latest/encode).
@@ -95,9 +95,9 @@ def bench_preprocess(
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    from python_backends.dali_pipeline import ImageTransformConfig
-    from python_backends.media import ImageLimits
-    from python_backends.preprocess import DaliImagePreprocessor
+    from python_backends.preprocess.image_pipeline import ImageTransformConfig
+    from python_backends.preprocess.images import DaliImagePreprocessor
+    from python_backends.request.images import ImageLimits
 
     config = ImageTransformConfig.from_file(model_dir)
     limits = ImageLimits(max_images=max(batch_sizes), max_image_bytes=64 << 20)
@@ -124,10 +124,10 @@ def bench_preprocess(
 
 def bench_encoder(model_dir: Path, images: list[bytes], batch_sizes: Sequence[int], repeats: int) -> list[Timing]:
     from builders.encoder import export_onnx, load_vision_tower, torch_reference
-    from python_backends.dali_pipeline import ImageTransformConfig
-    from python_backends.media import ImageLimits
-    from python_backends.preprocess import DaliImagePreprocessor
-    from python_backends.vit_onnx import OnnxVisionEncoder
+    from python_backends.encode.vit_onnx import OnnxVisionEncoder
+    from python_backends.preprocess.image_pipeline import ImageTransformConfig
+    from python_backends.preprocess.images import DaliImagePreprocessor
+    from python_backends.request.images import ImageLimits
 
     config = ImageTransformConfig.from_file(model_dir)
     dali = DaliImagePreprocessor.for_config(

@@ -1,6 +1,6 @@
 """Why one 108x96 image gives other tokens on ``epd`` than on ``llm``: a near-tie or a bug?
 
-``epd`` encodes with the DALI pipeline (``python_backends/dali_pipeline.py``) and the ONNX vision
+``epd`` encodes with the DALI pipeline (``python_backends/preprocess/image_pipeline.py``) and the ONNX vision
 tower; ``llm`` (vLLM) runs transformers' ``Qwen2VLImageProcessor`` and its own torch tower. For
 each image this script, offline and with no server:
 
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
     from builders.default_model import build_default_model
-    from python_backends.dali_pipeline import ImageTransformConfig
-    from python_backends.preprocess import DaliImagePreprocessor
+    from python_backends.preprocess.image_pipeline import ImageTransformConfig
+    from python_backends.preprocess.images import DaliImagePreprocessor
 
     torch.manual_seed(0)
     model_dir = build_default_model()

@@ -29,7 +29,7 @@ def _start(label: str, extra_limits: dict[str, int], queue: Any) -> None:
     from builders.default_model import build_default_model
     from builders.model_configs import checkpoint_positions
     from builders.targets import TARGETS
-    from python_backends.llm_engine import apply_vllm_environment
+    from python_backends.engines.llm import apply_vllm_environment
 
     target = TARGETS["cpu"]
     apply_vllm_environment(target.role_environment("llm"))

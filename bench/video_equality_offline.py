@@ -4,7 +4,7 @@ no Triton) of the data path issue 16's `epd` will use, before any model serves v
 For each prompt (1 video, 2 videos, 1 video + 1 image), greedy tokens from three inputs:
 
 - ``raw``: the clip's bytes through vLLM's own Qwen2-VL video loader (what ``llm`` will do);
-- ``dali``: the ``cpu`` target's preprocess pixels (:mod:`python_backends.video_preprocess`:
+- ``dali``: the ``cpu`` target's preprocess pixels (:mod:`python_backends.preprocess.videos`:
   the sampled frames decoded with OpenCV as vLLM's loader does since issue 16 step 1,
   DALI's CPU decoder before; DALI resize + normalize) -> the ONNX vision encoder (the one
   ``vit_encoder`` serves) -> ``video_embeds`` + ``video_grid_thw`` (``enable_mm_embeds``);
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     from builders.targets import TARGETS
-    from python_backends.llm_engine import apply_vllm_environment
+    from python_backends.engines.llm import apply_vllm_environment
 
     apply_vllm_environment(TARGETS["cpu"].role_environment("llm"))  # the server's llm engine's
 
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from builders.default_model import build_default_model
     from builders.encoder import export_onnx, load_vision_tower
-    from python_backends.dali_video import VideoTransformConfig
-    from python_backends.video_preprocess import DaliVideoPreprocessor
-    from python_backends.vit_onnx import OnnxVisionEncoder
+    from python_backends.encode.vit_onnx import OnnxVisionEncoder
+    from python_backends.preprocess.video_pipeline import VideoTransformConfig
+    from python_backends.preprocess.videos import DaliVideoPreprocessor
     from tests.images import synthetic_image
     from tests.videos import ClipSpec, make_clip
 

@@ -1,7 +1,7 @@
 """Benchmark video preprocessing on this machine, in one run (not a test): encoded clip ->
 ``pixel_values_videos`` + ``video_grid_thw``.
 
-- ``dali-cpu``: :class:`python_backends.video_preprocess.DaliVideoPreprocessor` (the probe, the
+- ``dali-cpu``: :class:`python_backends.preprocess.videos.DaliVideoPreprocessor` (the probe, the
   sampler, OpenCV decode of the sampled frames as vLLM's loader does, DALI resize + normalize,
   numpy patch layout; before issue 16 step 1 DALI's CPU decoder decoded);
 - ``vllm``: what the ``llm`` model does with raw video: vLLM's ``Qwen2VLVideoBackend.load_bytes``
@@ -60,9 +60,9 @@ def run(repeats: int, model_dir: Path) -> list[ClipTiming]:
     from transformers import AutoVideoProcessor
     from vllm.multimodal.video import Qwen2VLVideoBackend
 
-    from python_backends.dali_video import VideoTransformConfig
-    from python_backends.video import VideoLimits
-    from python_backends.video_preprocess import DaliVideoPreprocessor
+    from python_backends.preprocess.video_pipeline import VideoTransformConfig
+    from python_backends.preprocess.videos import DaliVideoPreprocessor
+    from python_backends.request.videos import VideoLimits
     from tests.videos import ClipSpec, make_clip
 
     specs = (

@@ -163,7 +163,7 @@ def checkpoint_fingerprint(model_dir: Path) -> dict[str, Any]:
 def build_dali_artifact(
     target: Target, model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
 ) -> tuple[dict[str, Any], bool]:
-    from python_backends.dali_pipeline import ImageTransformConfig, write_pipeline
+    from python_backends.preprocess.image_pipeline import ImageTransformConfig, write_pipeline
 
     serving = target.encode
     config = ImageTransformConfig.from_file(model_dir)
@@ -173,7 +173,7 @@ def build_dali_artifact(
         "max_batch_size": serving.max_batch_size,
         # The DALI that serializes: the cpu target's nvidia-dali-cuda120, the gpu image's dali backend copy.
         "dali": _dali_version(),
-        "source": _source_digest("python_backends/dali_pipeline.py"),
+        "source": _source_digest("python_backends/preprocess/image_pipeline.py"),
     }
 
     def build(scratch: Path) -> dict[str, Any]:
@@ -189,7 +189,7 @@ def build_video_dali_artifact(
 ) -> tuple[dict[str, Any], bool]:
     """``video.dali`` beside ``model.dali``: the video pipeline for the target's decoder (cpu,
     or mixed/NVDEC on gpu), from the checkpoint's video processor config."""
-    from python_backends.dali_video import VideoTransformConfig, write_video_pipeline
+    from python_backends.preprocess.video_pipeline import VideoTransformConfig, write_video_pipeline
 
     serving = target.encode
     config = VideoTransformConfig.from_file(model_dir)
@@ -197,7 +197,9 @@ def build_video_dali_artifact(
         "transform": asdict(config),
         "device": serving.device,
         "dali": _dali_version(),
-        "source": _source_digest("python_backends/dali_video.py", "python_backends/dali_pipeline.py"),
+        "source": _source_digest(
+            "python_backends/preprocess/video_pipeline.py", "python_backends/preprocess/image_pipeline.py"
+        ),
     }
 
     def build(scratch: Path) -> dict[str, Any]:
@@ -213,7 +215,7 @@ def build_onnx_artifact(
 ) -> tuple[EncoderFacts, dict[str, Any], bool]:
     inputs = {
         "checkpoint": checkpoint_fingerprint(model_dir),
-        "source": _source_digest("builders/encoder.py", "python_backends/vit_onnx.py"),
+        "source": _source_digest("builders/encoder.py", "python_backends/encode/vit_onnx.py"),
         "versions": {p: _version(p) for p in ("torch", "onnx", "onnxscript", "transformers", "onnxruntime")},
     }
 
@@ -227,7 +229,7 @@ def build_onnx_artifact(
             validate_onnx,
             vision_shard_plan,
         )
-        from python_backends.dali_pipeline import ImageTransformConfig
+        from python_backends.preprocess.image_pipeline import ImageTransformConfig
 
         weights = load_vision_weights(model_dir)
         tower = load_vision_tower(model_dir, weights)

@@ -9,7 +9,7 @@ Steps, each a small function:
 2. :func:`load_vision_tower` builds transformers' own vision model + merger from those weights.
 3. :func:`export_onnx` exports :class:`ExportableVisionTower`: the data-dependent pieces
    (rotary position ids, ``cu_seqlens``) are graph inputs computed outside by
-   ``python_backends.vit_onnx``; attention inside is masked block-diagonally from
+   ``python_backends.encode.vit_onnx``; attention inside is masked block-diagonally from
    ``cu_seqlens``, so one graph serves any patch count and any number of images (DESIGN.md).
 4. :func:`validate_onnx` checks ONNX Runtime against the transformers module over many grids.
 5. :func:`build_tensorrt_plan` (GPU only) serializes the ``tensorrt_plan`` engine for one
@@ -34,7 +34,7 @@ import torch
 
 from builders.tensorrt_config import TrtProfile
 from python_backends import contract
-from python_backends.vit_onnx import (
+from python_backends.encode.vit_onnx import (
     INPUT_NAMES,
     META_HIDDEN_SIZE,
     META_MERGE_SIZE,

@@ -25,7 +25,7 @@ from builders.roles import ROLES, Role, load_model_args
 from builders.stage_watch import HUNG_AFTER_S, StageWatch
 from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
-from python_backends.heartbeat import HEARTBEAT_DIR_ENV
+from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
 SAMPLE_PROMPT = "What is in this picture?"
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
     role_args = load_model_args(target_named(args.target, cache_policy(args)), args.role)
-    # Each stub beats in this folder (python_backends/heartbeat.py); the stage watch reads it.
+    # Each stub beats in this folder (python_backends/runtime/heartbeat.py); the stage watch reads it.
     heartbeats = tempfile.mkdtemp(prefix="triton-epd-heartbeats-")
     options = ServerOptions(
         args.model_repository, ports, extra_args=role_args, exit_timeout_s=args.exit_timeout_s,

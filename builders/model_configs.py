@@ -5,7 +5,7 @@ parameter keys too; the values come from the target (``builders/targets.py``). M
 target (names are a contract, DESIGN.md):
 
 - ``llm``: one colocated vLLM engine (both targets).
-- ``preprocess``: the one DALI pipeline (``python_backends/dali_pipeline.py``), serialized into
+- ``preprocess``: the one DALI pipeline (``python_backends/preprocess/image_pipeline.py``), serialized into
   ``preprocess/1/model.dali``. ``cpu``: run with ``device_id=None`` by a python-backend model;
   ``gpu``: Triton's DALI backend, mixed (nvJPEG) decoder. Dynamic batching over images of
   different sizes (``allow_ragged_batch`` on ``image``); one image per batch row.
@@ -23,7 +23,7 @@ target (names are a contract, DESIGN.md):
 - ``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
 - ``encoder_<i>`` (``CachePolicy.encoders`` of them): encode by reference -- image in, content
   key, store claim (hit / single-flight join / encode through ``encode`` and write the store),
-  signed reference out (``python_backends/cached_encoder.py``).
+  signed reference out (``python_backends/encode/cached.py``).
 - ``prefill``, ``decode`` (vLLM KV producer / consumer) and ``epd`` (the BLS entry point):
   their model.py is kept in ``model_repository/<name>/1/``; config and engine args are written.
 """
@@ -111,7 +111,7 @@ def _with_video(role_args: dict[str, Any], video_limits: dict[str, Any]) -> dict
 def epd_video_limits(target: Target) -> dict[str, Any]:
     """The video limits of ``epd``, its encoders and its engines (``prefill``, ``decode``, the
     colocated one): ``llm``'s on ``cpu``; none on ``gpu``, where video on ``epd`` would go through
-    Triton's DALI backend with NVDEC, which is not built (python_backends/video_encode.py)."""
+    Triton's DALI backend with NVDEC, which is not built (python_backends/encode/videos.py)."""
     if target.encode.device == "gpu":
         return {**target.video_limits, contract.MAX_VIDEOS: 0}
     return dict(target.video_limits)

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from python_backends.heartbeat import heartbeat_age_s
+from python_backends.runtime.heartbeat import heartbeat_age_s
 
 STUB_BINARY = "triton_python_backend_stub"
 
@@ -142,7 +142,7 @@ class StageWatch:
     """Notices a stage of a running tritonserver dying: a stub or a vLLM engine core that was
     there when the server became ready and is gone (or a zombie) now; and, given the servers'
     heartbeat folder, a stub that is alive but runs no Python any more (a deadlock inside
-    Triton's python backend, python_backends/heartbeat.py).
+    Triton's python backend, python_backends/runtime/heartbeat.py).
 
     Why the launcher needs it: Triton 2.51's python backend neither restarts a dead stub nor
     marks its model not-ready; measured (results/2026-12-01/crash/triton-alone/): every later
@@ -163,7 +163,7 @@ class StageWatch:
         return [role.split("#")[0] for role, pid in self.watched.items() if not _running(pid)]
 
     def hung(self) -> list[str]:
-        """The stubs alive but running no Python: their heartbeat (python_backends/heartbeat.py)
+        """The stubs alive but running no Python: their heartbeat (python_backends/runtime/heartbeat.py)
         is older than ``hung_after_s``, each as ``stub:<model> (no heartbeat for N s)``. A stub
         without a heartbeat file (none started, or it unloaded) is not judged."""
         return list(self.hung_stubs().values())

@@ -20,8 +20,8 @@ from typing import Any, Literal
 from builders.tensorrt_config import TrtProfile
 from python_backends import contract
 from python_backends.contract import CachePolicy
-from python_backends.llm_engine import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
-from python_backends.video import GPU_CODECS
+from python_backends.engines.llm import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
+from python_backends.request.videos import GPU_CODECS
 
 Device = Literal["cpu", "gpu"]
 
@@ -75,7 +75,7 @@ class PdServing:
     # With remote encoders: encode on this server's own encoder models when none is left (set by
     # the repository builder for an ``all`` server; a ``pd`` server serves no encoder models).
     remote_local_fallback: bool = False
-    # epd's path policy (python_backends/epd_pipeline.py): ``adaptive`` (the cost model picks per
+    # epd's path policy (python_backends/epd/pipeline.py): ``adaptive`` (the cost model picks per
     # request), ``disaggregated`` (epd then starts no colocated engine) or ``colocated``.
     path_policy: str = contract.ADAPTIVE_POLICY
 
@@ -168,7 +168,7 @@ class Target:
     video_limits: dict[str, Any] = field(default_factory=contract.video_limit_defaults)
     # gpu only: GPUs per role and each engine's memory share (None: the cpu target).
     gpu_budget: GpuBudget | None = None
-    # Test servers only: model name -> its ``test_pauses`` JSON (python_backends/stage_pauses.py).
+    # Test servers only: model name -> its ``test_pauses`` JSON (python_backends/runtime/stage_pauses.py).
     # Empty in every served target; set with ``write_repository(test_pauses=...)``.
     test_pauses: dict[str, str] = field(default_factory=dict)
 
@@ -246,7 +246,7 @@ TARGETS: dict[str, Target] = {
             # second one: ~10 s less cold start on 2 cores (16 s vs 26 s), same tokens.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             # An engine core's exit ends in a full garbage collection (~3 s idle, 5 s+ under
-            # load here) after its teardown: not waited out on the CPU (python_backends/llm_engine.py).
+            # load here) after its teardown: not waited out on the CPU (python_backends/engines/llm.py).
             "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
             # Not set, though measured better: "OMP_NUM_THREADS": "1". vLLM's CPU thread binding
             # (VLLM_CPU_OMP_THREADS_BIND) applies only to worker processes it spawns, and the worker

@@ -3,7 +3,7 @@ builders/repository.py, one model per encoder of the target description).
 
 image(s) in -> content key -> store claim (hit / join another request's encode / encode through
 the `encode` ensemble and write the store) -> references out. Video(s) the same way, encoded by
-the video pipeline + `vit_encoder` (python_backends.video_encode; cpu target). Embeddings never leave this
+the video pipeline + `vit_encoder` (python_backends.encode.videos; cpu target). Embeddings never leave this
 process through Triton; `epd` and `prefill` get references. Called by `epd` for the images it
 did not find, and by clients that pre-encode media (then `mm_hash` is what they send later).
 
@@ -11,7 +11,7 @@ With the request parameter ``by_value`` (one image; a ``pd`` server on another n
 answer also carries the stored embedding and its digest (python_backends.scaleout.digest): the
 image is encoded once on this node and the PD node verifies what crossed the network.
 
-The logic is python_backends.cached_encoder.CachedEncoder; the request/error/cancel policy is
+The logic is python_backends.encode.cached.CachedEncoder; the request/error/cancel policy is
 python_backends.triton_edge.decoupled's. This file only wires them.
 """
 
@@ -21,25 +21,25 @@ from pathlib import Path
 import numpy as np
 
 from python_backends import contract
-from python_backends.cached_encoder import (
+from python_backends.encode.cached import (
     CachedEncoder,
     cache_namespace,
     parse_encoder_inputs,
     parse_encoder_videos,
     parse_lease_owner,
 )
-from python_backends.dali_video import VideoTransformConfig
+from python_backends.encode.videos import VideoEncode
+from python_backends.engines.videos import VideoInputLimits
 from python_backends.errors import invalid_arg
-from python_backends.llm_video import VideoInputLimits
+from python_backends.preprocess.video_pipeline import VideoTransformConfig
+from python_backends.preprocess.videos import DaliVideoPreprocessor
+from python_backends.request.tenants import request_parameters, request_tenant
 from python_backends.scaleout.digest import by_value_answer
 from python_backends.store import EmbeddingStore, KeyConfig
-from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsEncode
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import CacheMetrics
 from python_backends.triton_edge.responses import bytes_tensor, response, tensor
-from python_backends.video_encode import VideoEncode
-from python_backends.video_preprocess import DaliVideoPreprocessor
 
 
 class TritonPythonModel(DecoupledModel):

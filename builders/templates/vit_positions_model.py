@@ -2,13 +2,13 @@
 
 Generated into model_repository/vit_positions/1/model.py by builders/repository.py for the
 gpu target only (the cpu target's vit_encoder computes these itself). Thin by design: the
-numbers come from python_backends.vit_onnx, the same code the ONNX Runtime path uses.
+numbers come from python_backends.encode.vit_onnx, the same code the ONNX Runtime path uses.
 """
 
 from python_backends import contract
+from python_backends.encode.vit_onnx import vision_cu_seqlens, vision_position_ids
 from python_backends.errors import EpdError
 from python_backends.triton_edge.batched import BatchedModel
-from python_backends.vit_onnx import vision_cu_seqlens, vision_position_ids
 
 
 class TritonPythonModel(BatchedModel):

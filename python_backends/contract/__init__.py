@@ -10,7 +10,7 @@ reads back, so a name or a default is changed in one place:
   cache policy with its to/from-parameters mapping (``contract.CachePolicy``).
 
 Plain data: importable without Triton, torch or vLLM. ``builders`` render configs from it;
-``model.py`` files, the BLS calls and ``python_backends.model_params.ModelParameters`` read
+``model.py`` files, the BLS calls and ``python_backends.runtime.model_params.ModelParameters`` read
 names and defaults from it (tests/unit/test_contract.py checks both sides against it).
 """
 

@@ -95,7 +95,7 @@ MAX_TOKENS_LIMIT = "max_tokens_limit"
 MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
 LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
 # Video limits of ``llm``, ``epd`` and the encoders (issue 16). ``max_frames`` caps the frame
-# sampler (python_backends/video.py) and is passed to vLLM's loader; ``video_codecs`` are the
+# sampler (python_backends/request/videos.py) and is passed to vLLM's loader; ``video_codecs`` are the
 # codecs the target's decoder reads (comma-separated).
 MAX_VIDEOS = "max_videos"
 MAX_VIDEO_BYTES = "max_video_bytes"
@@ -135,7 +135,7 @@ REMOTE_ENCODE_DEADLINE_S = "remote_encode_deadline_s"
 # encoder is left (true on an ``all`` server given ``--remote-encoders``; a ``pd`` server has none).
 REMOTE_LOCAL_FALLBACK = "remote_local_fallback"
 TENANT_POLICY = "tenant_policy"  # isolated | shared: whether cache entries cross tenants
-# Test only (python_backends/stage_pauses.py): pauses at fixed points of every request of a
+# Test only (python_backends/runtime/stage_pauses.py): pauses at fixed points of every request of a
 # decoupled python model, so that a server test can cancel there. Never in a served target.
 TEST_PAUSES = "test_pauses"
 STORE_KEYS = (
@@ -172,7 +172,7 @@ PROFILE_MAX_IMAGES = "profile_max_images"
 
 # Artefact files in a model's version folder.
 DALI_FILE = "model.dali"
-# The video pipeline (python_backends/dali_video.py), beside the image one in preprocess/1.
+# The video pipeline (python_backends/preprocess/video_pipeline.py), beside the image one in preprocess/1.
 VIDEO_DALI_FILE = "video.dali"
 ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"

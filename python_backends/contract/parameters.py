@@ -1,6 +1,6 @@
 """Every config parameter with its one default, how values parse, and the cache policy.
 
-``ModelParameters`` (python_backends/model_params.py) reads a model's parameters with these
+``ModelParameters`` (python_backends/runtime/model_params.py) reads a model's parameters with these
 defaults and bounds; ``builders`` write them. The store's own defaults (path, capacity) live
 with the store (``python_backends/store/config.py``) and are read from there.
 """
@@ -110,7 +110,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(MAX_IMAGE_PIXELS, 4096 * 4096, minimum=1),
         Parameter(MAX_TOKENS_LIMIT, 2048, minimum=1),
         Parameter(MAX_IMAGES_PER_REQUEST, 64, minimum=1),
-        # Defaults: python_backends.video.VideoLimits / VideoSamplingConfig (kept equal by a test).
+        # Defaults: python_backends.request.videos.VideoLimits / VideoSamplingConfig (kept equal by a test).
         Parameter(MAX_VIDEOS, 2, minimum=0),  # 0: the model refuses video
         Parameter(MAX_VIDEO_BYTES, 64 << 20, minimum=1),
         Parameter(MAX_VIDEO_SECONDS, 60.0, minimum=0.001),

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
+from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.llm import input_rejections, shut_down_engine, unfinished_requests
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.generation import GenerationChunk
-from python_backends.llm_engine import input_rejections, shut_down_engine, unfinished_requests
 from python_backends.pd import transfer as tx
-from python_backends.sampling import DEFAULT_MAX_TOKENS
+from python_backends.request.sampling import DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
     import torch

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from python_backends import contract
-from python_backends.cached_encoder import CachedEncoder, EncodedImage
+from python_backends.encode.cached import CachedEncoder, EncodedImage
+from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generation import GenerationChunk
 from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import EndpointSource
 from python_backends.scaleout.routing import NoEncoderAvailable, Router

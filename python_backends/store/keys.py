@@ -86,7 +86,7 @@ class KeyConfig:
 
     A video's key also covers the video processor's config (``video_preprocessor_config.json``
     beside the image one, when there is one) and the frame sampling (``video_sampling``: fps,
-    frame bounds, as :class:`python_backends.video.VideoSamplingConfig` gives them): other
+    frame bounds, as :class:`python_backends.request.videos.VideoSamplingConfig` gives them): other
     frames or another frame size are other embeddings. Image keys are what they always were."""
 
     preprocess_config: Mapping[str, Any]

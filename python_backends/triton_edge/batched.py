@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.heartbeat import Heartbeat, start_heartbeat
-from python_backends.model_params import ModelParameters
+from python_backends.runtime.heartbeat import Heartbeat, start_heartbeat
+from python_backends.runtime.model_params import ModelParameters
 from python_backends.triton_edge.logs import route_to_triton_log
 from python_backends.triton_edge.metrics import ModelMetrics
 from python_backends.triton_edge.responses import error_response, read_inputs, response
@@ -27,7 +27,7 @@ Outputs = Mapping[str, np.ndarray]
 
 class BatchedModel:
     INPUTS: tuple[str, ...] = ()
-    heartbeat: Heartbeat | None = None  # python_backends/heartbeat.py: stopped in finalize
+    heartbeat: Heartbeat | None = None  # python_backends/runtime/heartbeat.py: stopped in finalize
 
     def setup(self, args: dict[str, str]) -> None:
         raise NotImplementedError

@@ -30,9 +30,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
-from python_backends.cached_encoder import EncodedImage
+from python_backends.encode.cached import EncodedImage
+from python_backends.engines.generation import GenerationChunk, chunk_from_outputs, text_of
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generation import GenerationChunk, chunk_from_outputs, text_of
 from python_backends.triton_edge.responses import bytes_tensor, error_from_output, tensor
 
 
@@ -240,7 +240,7 @@ class BlsEncode(BlsCaller):
 
 
 class BlsStages(BlsCaller):
-    """:class:`python_backends.epd_pipeline.StageClient` over BLS (inside ``epd`` only)."""
+    """:class:`python_backends.epd.pipeline.StageClient` over BLS (inside ``epd`` only)."""
 
     def __init__(self, prefill_model: str, decode_model: str, max_threads: int = 256) -> None:
         super().__init__(max_threads)

@@ -40,14 +40,14 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
-from python_backends.engine_process import engine_cores_die_with_parent
+from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.llm import apply_vllm_environment, load_engine_args
+from python_backends.engines.process import engine_cores_die_with_parent
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.event_loop import EventLoopThread
-from python_backends.generation import GenerationChunk
-from python_backends.heartbeat import Heartbeat, start_heartbeat
-from python_backends.llm_engine import apply_vllm_environment, load_engine_args
-from python_backends.model_params import ModelParameters
-from python_backends.stage_pauses import START, StagePauses, pause_line
+from python_backends.runtime.event_loop import EventLoopThread
+from python_backends.runtime.heartbeat import Heartbeat, start_heartbeat
+from python_backends.runtime.model_params import ModelParameters
+from python_backends.runtime.stage_pauses import START, StagePauses, pause_line
 from python_backends.triton_edge.bls import BlsCaller
 from python_backends.triton_edge.logs import route_to_triton_log
 from python_backends.triton_edge.metrics import MetricHandle, ModelMetrics
@@ -87,7 +87,7 @@ class DecoupledModel:
 
     engine: Any = None  # what serves requests: shut down (``shutdown()``) in finalize
     store: Any = None  # the node's embedding store, if the model opens it: closed in finalize
-    heartbeat: Heartbeat | None = None  # python_backends/heartbeat.py: stopped in finalize
+    heartbeat: Heartbeat | None = None  # python_backends/runtime/heartbeat.py: stopped in finalize
     loop: EventLoopThread
     model_name: str
     params: ModelParameters
@@ -153,7 +153,7 @@ class DecoupledModel:
         config = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(config)
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
-        # Test servers only (python_backends/stage_pauses.py); empty in every served target.
+        # Test servers only (python_backends/runtime/stage_pauses.py); empty in every served target.
         self.pauses = StagePauses.parse(self.params.string(contract.TEST_PAUSES, ""))
         self.metrics = ModelMetrics(self.model_name)
         self._running: dict[str, concurrent.futures.Future[Any]] = {}

@@ -16,8 +16,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
+from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generation import GenerationChunk
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

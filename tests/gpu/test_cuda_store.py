@@ -177,7 +177,7 @@ def test_a_reference_stays_small_for_a_huge_embedding(tmp_path):
 def test_prefill_reads_a_device_entry_into_an_owned_cuda_tensor(config):
     import torch
 
-    from python_backends.pd_stage import resolve_images
+    from python_backends.pd.stage import resolve_images
 
     with EmbeddingStore(config) as store:
         source = device_embedding(6)

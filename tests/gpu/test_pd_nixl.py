@@ -47,7 +47,7 @@ def engines() -> Iterator[Any]:
 
     from builders.launcher import prepare
     from builders.tritonserver import REPO_ROOT
-    from python_backends.llm_engine import load_engine_args
+    from python_backends.engines.llm import load_engine_args
     from python_backends.pd.engines import NIXL_CONNECTOR, DecodeEngine, PrefillEngine, pd_engine_args
     from tests.integration.test_pd_transfer import CHUNK_TOKENS, ENGINE_ARGS, Engines
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from builders.targets import TARGETS
-from python_backends.vit_onnx import INPUT_NAMES, OUTPUT_NAME, encoder_inputs
+from python_backends.encode.vit_onnx import INPUT_NAMES, OUTPUT_NAME, encoder_inputs
 
 
 def _missing() -> str | None:

@@ -92,7 +92,7 @@ def engines():
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from python_backends.llm_engine import load_engine_args
+    from python_backends.engines.llm import load_engine_args
     from python_backends.pd.engines import DecodeEngine, PrefillEngine, pd_engine_args
 
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
@@ -402,12 +402,12 @@ def test_timings_prefill_decode_vs_colocated(engines: Engines) -> None:
 
 def test_media_the_engine_holds_go_as_none(engines: Engines) -> None:
     """epd's colocated path sends an image whose processed pixels vLLM's processor cache holds as
-    None under its uuid (python_backends/colocated_path.py): the real engine takes it and answers
+    None under its uuid (python_backends/epd/colocated.py): the real engine takes it and answers
     as it did with the pixels, and refuses it before any token (the error that makes the path
     send the pixels again) for a uuid it does not hold."""
-    from python_backends.generate_request import GenerateRequest
-    from python_backends.llm_engine import LlmEngine
-    from python_backends.media import ImageLimits, decode_images
+    from python_backends.engines.llm import LlmEngine
+    from python_backends.request.generate import GenerateRequest
+    from python_backends.request.images import ImageLimits, decode_images
     from tests.images import synthetic_image
 
     engine = LlmEngine(engines.colocated)

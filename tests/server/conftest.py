@@ -37,7 +37,7 @@ from builders.launcher import prepare
 from builders.repository import TARGETS
 from builders.tritonserver import EXIT_TIMEOUT_MARKERS, REPO_ROOT, Ports, ServerOptions, StopReport, TritonServer
 from client.epd_client import GrpcClient, HttpClient
-from python_backends.heartbeat import HEARTBEAT_DIR_ENV
+from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 from python_backends.store import EmbeddingStore, StoreConfig
 from tests.server import stop_dump
 
@@ -129,7 +129,7 @@ def held_only_by_triton(report: StopReport, stuck: stop_dump.StuckStop) -> bool:
 def serving(options: ServerOptions, log_path: Path, timeout_s: float = 900) -> Iterator[TritonServer]:
     """A ready server for the ``with`` body; stopped afterwards and failed if it stopped badly.
     When the body raised, that error is the one reported (the server is stopped all the same).
-    Its stubs beat a heartbeat file (``python_backends/heartbeat.py``): a stuck stop's check reads
+    Its stubs beat a heartbeat file (``python_backends/runtime/heartbeat.py``): a stuck stop's check reads
     them."""
     with tempfile.TemporaryDirectory(prefix="triton-epd-heartbeats-") as folder:
         heartbeats = Path(options.extra_env.get(HEARTBEAT_DIR_ENV, folder))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from builders.targets import TARGETS
 from builders.tritonserver import REPO_ROOT
-from python_backends.generate_request import with_image_placeholders
-from python_backends.llm_engine import apply_vllm_environment, load_engine_args
-from python_backends.media import ImageLimits, decode_images
+from python_backends.engines.llm import apply_vllm_environment, load_engine_args
+from python_backends.request.generate import with_image_placeholders
+from python_backends.request.images import ImageLimits, decode_images
 
 
 def main(cases_path: Path, out_path: Path) -> None:

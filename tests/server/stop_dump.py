@@ -31,7 +31,7 @@ import psutil
 from bench.server_stats import MetricsSnapshot, parse_metrics
 from builders.stage_watch import find_py_spy, native_stacks, server_processes
 from builders.tritonserver import StopReport, TritonServer
-from python_backends.heartbeat import heartbeat_age_s
+from python_backends.runtime.heartbeat import heartbeat_age_s
 
 DUMP_ENV = "TRITON_EPD_STOP_DUMP"
 AFTER_SIGINT_S = (10.0, 45.0)

@@ -1,7 +1,7 @@
 """Cancellation at each point of a request's life, on ``epd`` and ``llm``, by both ways a client
 leaves (issue 17): afterwards nothing is left, and each model unloads within 5 s.
 
-Points (made deterministic by test-only pauses, python_backends/stage_pauses.py, set in this
+Points (made deterministic by test-only pauses, python_backends/runtime/stage_pauses.py, set in this
 module's own repository: the request is parked at the point while the client leaves):
 
 - ``before encode``: ``epd``/``llm`` pause before they start serving (``start``);
@@ -75,7 +75,7 @@ LOADED = ("preprocess", "vit_encoder", "encode", *ENCODERS, "prefill", "decode",
 
 POINTS = ("before encode", "during encode", "between prefill and decode", "mid-decode")
 WAYS = ("closed stream", "client gone")
-# The log line each point parks at (python_backends/stage_pauses.py): model pattern, point.
+# The log line each point parks at (python_backends/runtime/stage_pauses.py): model pattern, point.
 PARKED_AT = {
     ("epd", "before encode"): ("epd", "start"),
     ("epd", "during encode"): ("encoder_[0-9]+", "start"),

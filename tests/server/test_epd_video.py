@@ -28,7 +28,7 @@ from builders.stage_watch import peak_rss, server_processes
 from builders.tritonserver import TritonServer
 from client.epd_client import SYSTEM_PROMPT, ClientError, GrpcClient
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
-from python_backends.generate_request import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from python_backends.request.generate import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from tests.images import synthetic_image, with_note
 from tests.server.bad_input_cases import BadInput
 from tests.server.conftest import open_node_store

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from builders.launcher import STAGE_CRASHED, watch_stages
 from builders.stage_watch import find_role
 from builders.tritonserver import SHM_DIR, Ports, ServerOptions, TritonServer, stub_shm_regions
-from python_backends.heartbeat import HEARTBEAT_DIR_ENV
+from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 from tests.server.tiny_models import streaming_repository
 
 pytestmark = pytest.mark.server
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.server
 FROZEN = textwrap.dedent("""
     import ctypes
 
-    from python_backends.generation import GenerationChunk, text_of
+    from python_backends.engines.generation import GenerationChunk, text_of
     from python_backends.triton_edge.decoupled import DecoupledModel
 
 

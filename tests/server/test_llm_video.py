@@ -16,10 +16,10 @@ import pytest
 
 from builders.tritonserver import Ports, ServerOptions, TritonServer
 from client.epd_client import SYSTEM_PROMPT, ClientError, GrpcClient, HttpClient
-from python_backends.dali_video import VideoTransformConfig
-from python_backends.generate_request import IMAGE_PLACEHOLDER, VIDEO_PAD, VIDEO_PLACEHOLDER
-from python_backends.video import CPU_CODECS, VideoLimits, VideoSamplingConfig
-from python_backends.video_preprocess import prepare_video
+from python_backends.preprocess.video_pipeline import VideoTransformConfig
+from python_backends.preprocess.videos import prepare_video
+from python_backends.request.generate import IMAGE_PLACEHOLDER, VIDEO_PAD, VIDEO_PLACEHOLDER
+from python_backends.request.videos import CPU_CODECS, VideoLimits, VideoSamplingConfig
 from tests.images import synthetic_image
 from tests.server.conftest import LOG_DIR, TEST_EXIT_TIMEOUT_S, serving
 from tests.videos import ClipSpec, bad_videos, make_clip

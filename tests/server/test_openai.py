@@ -27,7 +27,7 @@ import pytest
 from builders.processes import ProcessGroup, http_ok, wait_until_ready
 from builders.tritonserver import TritonServer, free_port
 from client.epd_client import GrpcClient, chat_prompt
-from python_backends.generate_request import VIDEO_PLACEHOLDER
+from python_backends.request.generate import VIDEO_PLACEHOLDER
 from tests.images import flat_png, synthetic_image
 from tests.server.conftest import LOG_DIR, open_node_store
 from tests.videos import ClipSpec, corrupt_clip, make_clip

@@ -15,7 +15,7 @@ from pathlib import Path
 TICKER = textwrap.dedent("""
     import asyncio
 
-    from python_backends.generation import GenerationChunk, text_of
+    from python_backends.engines.generation import GenerationChunk, text_of
     from python_backends.triton_edge.decoupled import DecoupledModel
 
     TICK_S = 0.05
@@ -56,7 +56,7 @@ TICKER_LATE_FINAL = TICKER + textwrap.dedent("""
 """)
 
 RELAY = textwrap.dedent("""
-    from python_backends.generation import chunk_from_outputs, text_of
+    from python_backends.engines.generation import chunk_from_outputs, text_of
     from python_backends.triton_edge.bls import BlsCaller
     from python_backends.triton_edge.decoupled import DecoupledModel
     from python_backends.triton_edge.responses import bytes_tensor, tensor

@@ -65,8 +65,8 @@ def test_dali_artifact_per_target(tmp_path: Path, model_dir: Path) -> None:
 def test_video_dali_artifact_per_target_and_it_runs(tmp_path: Path, model_dir: Path) -> None:
     """video.dali beside model.dali: built once per target, and the cpu one serves a clip
     exactly as the pipeline serialized in process does."""
-    from python_backends.dali_video import VideoTransformConfig
-    from python_backends.video_preprocess import DaliVideoPreprocessor
+    from python_backends.preprocess.video_pipeline import VideoTransformConfig
+    from python_backends.preprocess.videos import DaliVideoPreprocessor
     from tests.videos import ClipSpec, make_clip
 
     version_dir, stamps = tmp_path / "preprocess" / "1", tmp_path / "stamps"

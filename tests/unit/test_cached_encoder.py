@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from python_backends.cached_encoder import (
+from python_backends.encode.cached import (
     CachedEncoder,
     EncodedImage,
     Outcome,

@@ -24,7 +24,7 @@ from tritonclient.grpc import model_config_pb2
 from builders.default_model import build_default_model
 from builders.repository import TARGETS, write_repository
 from python_backends import contract
-from python_backends.model_params import ModelParameters
+from python_backends.runtime.model_params import ModelParameters
 from tests.unit.repository_helpers import FACTS, fake_artifact_builds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
+from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generation import GenerationChunk
 from python_backends.triton_edge.decoupled import DecoupledModel
 from tests.unit.conftest import FakeRequest, _Metric, _MetricFamily
 

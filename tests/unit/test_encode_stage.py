@@ -1,4 +1,4 @@
-"""Request-level batching of the cpu encode models (python_backends/encode_stage.py): every
+"""Request-level batching of the cpu encode models (python_backends/encode/stage.py): every
 request of a dynamic batch in one run, results back in order, a bad request fails alone."""
 
 from __future__ import annotations
@@ -10,18 +10,13 @@ import pytest
 from PIL import Image
 
 from builders.default_model import build_default_model
-from python_backends.dali_pipeline import ImageTransformConfig
-from python_backends.encode_stage import (
-    EncoderProvenance,
-    EncoderStage,
-    PixelBatch,
-    PreprocessStage,
-    encoded_images,
-)
+from python_backends.encode.stage import EncoderProvenance, EncoderStage
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.media import ImageLimits
-from python_backends.model_params import ModelParameters
-from python_backends.preprocess import DaliImagePreprocessor, PreprocessedImages
+from python_backends.preprocess.image_pipeline import ImageTransformConfig
+from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages
+from python_backends.preprocess.stage import PixelBatch, PreprocessStage, encoded_images
+from python_backends.request.images import ImageLimits
+from python_backends.runtime.model_params import ModelParameters
 
 
 def png(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:

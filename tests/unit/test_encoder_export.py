@@ -28,14 +28,14 @@ from builders.encoder import (
     validate_onnx,
 )
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes, tensorrt_config
-from python_backends.errors import EpdError, ErrorCode
-from python_backends.vit_onnx import (
+from python_backends.encode.vit_onnx import (
     OnnxVisionEncoder,
     embedding_counts,
     group_images_by_patches,
     vision_cu_seqlens,
     vision_position_ids,
 )
+from python_backends.errors import EpdError, ErrorCode
 
 GRIDS_FOR_IDS = [[[1, 2, 2]], [[1, 4, 6]], [[2, 4, 4]], [[1, 26, 36], [1, 2, 40], [3, 6, 2]]]
 

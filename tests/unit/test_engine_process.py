@@ -1,4 +1,4 @@
-"""A vLLM engine core process dies with the stub that started it (python_backends/engine_process.py).
+"""A vLLM engine core process dies with the stub that started it (python_backends/engines/process.py).
 
 Real processes: pytest -> a "stub" process -> a child that runs ``exit_when_orphaned`` for its
 parent, as the wrapped engine-core entry point does. The stub is SIGKILLed, as a crashed stub dies.
@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from python_backends import engine_process
+from python_backends.engines import process as engine_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ STUB = textwrap.dedent("""
 
 ENGINE_CORE = textwrap.dedent("""
     import os, time
-    from python_backends.engine_process import exit_when_orphaned
+    from python_backends.engines.process import exit_when_orphaned
     exit_when_orphaned(os.getppid(), period_s=0.05)
     time.sleep(600)
 """)

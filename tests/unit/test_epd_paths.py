@@ -1,4 +1,4 @@
-"""epd's path choice (python_backends/epd_pipeline.py) and its colocated path, with the scripted
+"""epd's path choice (python_backends/epd/pipeline.py) and its colocated path, with the scripted
 stages of test_epd_pipeline.py, a scripted colocated engine and a real (temporary) store."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
-from python_backends import colocated_path
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
-from python_backends.epd_pipeline import EpdPipeline, requested_path
+from python_backends.engines.generation import GenerationChunk
+from python_backends.epd import colocated as colocated_path
+from python_backends.epd.path_cost import PathCostModel
+from python_backends.epd.pipeline import EpdPipeline, requested_path
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.generate_request import GenerateRequest
-from python_backends.generation import GenerationChunk
-from python_backends.path_cost import PathCostModel
+from python_backends.request.generate import GenerateRequest
 from tests.images import synthetic_image
 from tests.unit import test_epd_pipeline
 from tests.unit.test_epd_pipeline import ENCODERS, KEYS, FakeStages, request

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from python_backends.cached_encoder import CachedEncoder, EncodedImage, cache_namespace
-from python_backends.epd_pipeline import EpdPipeline, pinned_encoder
+from python_backends.encode.cached import CachedEncoder, EncodedImage, cache_namespace
+from python_backends.engines.generation import GenerationChunk
+from python_backends.epd.pipeline import EpdPipeline, pinned_encoder
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import CachedImage, GenerateRequest
-from python_backends.generation import GenerationChunk
+from python_backends.request.generate import CachedImage, GenerateRequest
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig, parse_reference
 
 KEYS = KeyConfig({"size": 336}, "encoder-v1")

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.media import ImageLimits, check_image_header, decode_rgb, image_bytes
+from python_backends.request.images import ImageLimits, check_image_header, decode_rgb, image_bytes
 from tests.images import synthetic_image
 from tests.unit.fuzz_settings import FUZZ
 

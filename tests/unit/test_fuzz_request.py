@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from python_backends.epd_pipeline import pinned_encoder
+from python_backends.epd.pipeline import pinned_encoder
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import (
+from python_backends.request.generate import (
     IMAGE_PAD,
     MM_HASH_PREFIX,
     CachedImage,
@@ -21,8 +21,8 @@ from python_backends.generate_request import (
     check_image_headers,
     parse_generate_request,
 )
-from python_backends.media import ImageLimits
-from python_backends.tenants import MAX_TENANT_CHARS, request_parameters, request_tenant
+from python_backends.request.images import ImageLimits
+from python_backends.request.tenants import MAX_TENANT_CHARS, request_parameters, request_tenant
 from tests.images import synthetic_image
 from tests.unit.fuzz_settings import FUZZ
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.sampling import _FIELDS, parse_sampling_parameters
+from python_backends.request.sampling import _FIELDS, parse_sampling_parameters
 from tests.unit.fuzz_settings import FUZZ
 
 LIMIT = 64

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import (
+from python_backends.request.generate import (
     IMAGE_PLACEHOLDER,
     CachedImage,
     RequestLimits,
@@ -15,8 +15,8 @@ from python_backends.generate_request import (
     parse_generate_request,
     with_image_placeholders,
 )
-from python_backends.media import ImageLimits, check_image_header, decode_images, image_bytes
-from python_backends.sampling import DEFAULT_MAX_TOKENS, parse_sampling_parameters
+from python_backends.request.images import ImageLimits, check_image_header, decode_images, image_bytes
+from python_backends.request.sampling import DEFAULT_MAX_TOKENS, parse_sampling_parameters
 from tests.images import header_only_png
 
 

@@ -97,7 +97,7 @@ def test_encode_side_instances_stay_on_its_gpu(gpus: int, tiny_model: Path) -> N
 def test_an_engines_gpu_parameter_becomes_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from python_backends.llm_engine import apply_vllm_environment
+    from python_backends.engines.llm import apply_vllm_environment
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
@@ -390,10 +390,10 @@ import sys
 from pathlib import Path
 import numpy as np
 import nvidia.dali
-from python_backends.dali_pipeline import ImageTransformConfig, write_pipeline
-from python_backends.dali_video import VideoTransformConfig, write_video_pipeline
-from python_backends.preprocess import DaliImagePreprocessor
-from python_backends.video_preprocess import DaliVideoPreprocessor
+from python_backends.preprocess.image_pipeline import ImageTransformConfig, write_pipeline
+from python_backends.preprocess.video_pipeline import VideoTransformConfig, write_video_pipeline
+from python_backends.preprocess.images import DaliImagePreprocessor
+from python_backends.preprocess.videos import DaliVideoPreprocessor
 model, work = Path(sys.argv[1]), Path(sys.argv[2])
 images, videos = ImageTransformConfig.from_file(model), VideoTransformConfig.from_file(model)
 write_pipeline(work / "model.dali", images, "gpu")
@@ -412,10 +412,10 @@ def test_gpu_pipelines_serialize_under_the_images_dali_1x_and_match_dali_2(tiny_
 
     import numpy as np
 
-    from python_backends.dali_pipeline import ImageTransformConfig
-    from python_backends.dali_video import VideoTransformConfig
-    from python_backends.preprocess import DaliImagePreprocessor
-    from python_backends.video_preprocess import DaliVideoPreprocessor
+    from python_backends.preprocess.image_pipeline import ImageTransformConfig
+    from python_backends.preprocess.images import DaliImagePreprocessor
+    from python_backends.preprocess.video_pipeline import VideoTransformConfig
+    from python_backends.preprocess.videos import DaliVideoPreprocessor
     from tests.videos import ClipSpec, make_clip
 
     image_bytes = (ROOT / "client" / "samples" / "sample.jpg").read_bytes()

@@ -1,4 +1,4 @@
-"""A stub's heartbeat (python_backends/heartbeat.py) stops when its Python stops running.
+"""A stub's heartbeat (python_backends/runtime/heartbeat.py) stops when its Python stops running.
 
 Real processes: one holds the GIL in a C call that never gives it back (``ctypes.PyDLL`` keeps the
 GIL during the call, as the deadlocked stub's thread did in ``Stub::GetResponseIterator``), the
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from python_backends.heartbeat import HEARTBEAT_DIR_ENV, heartbeat_age_s, start_heartbeat
+from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV, heartbeat_age_s, start_heartbeat
 
 PROCESS = """
 import ctypes, sys, time
 from pathlib import Path
-from python_backends.heartbeat import Heartbeat
+from python_backends.runtime.heartbeat import Heartbeat
 Heartbeat(Path(sys.argv[1]), period_s=0.1)
 print("beating", flush=True)
 time.sleep(1.0)

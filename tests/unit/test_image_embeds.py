@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import (
+from python_backends.request.generate import (
     IMAGE_PLACEHOLDER,
     RequestLimits,
     parse_generate_request,
 )
-from python_backends.image_embeds import (
+from python_backends.request.image_embeds import (
     EmbedsSpec,
     parse_image_embeds,
     tokens_per_image,
 )
-from python_backends.media import ImageLimits
+from python_backends.request.images import ImageLimits
 from tests.images import synthetic_image
 
 SPEC = EmbedsSpec(hidden_size=8, merge_size=2)

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from python_backends import contract
+from python_backends.engines.videos import VideoInputLimits, load_video, load_videos
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import (
+from python_backends.request.generate import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
     RequestLimits,
     parse_generate_request,
 )
-from python_backends.llm_video import VideoInputLimits, load_video, load_videos
-from python_backends.model_params import ModelParameters
-from python_backends.video import VideoLimits, VideoSamplingConfig, sample_frame_indices
+from python_backends.request.videos import VideoLimits, VideoSamplingConfig, sample_frame_indices
+from python_backends.runtime.model_params import ModelParameters
 from tests.images import synthetic_image
 from tests.videos import ClipSpec, bad_videos, make_clip
 

@@ -23,7 +23,7 @@ from client.openai_server.app import _sse, create_app
 from client.openai_server.errors import from_triton_message
 from client.openai_server.prompt import ChatRenderer, MediaPolicy
 from client.openai_server.triton_backend import ChatRequest, Chunk
-from python_backends.generate_request import VIDEO_PLACEHOLDER
+from python_backends.request.generate import VIDEO_PLACEHOLDER
 from tests.images import synthetic_image
 from tests.videos import ClipSpec, make_clip
 

@@ -14,8 +14,8 @@ from client.epd_client import chat_prompt
 from client.openai_server.errors import OpenAIError
 from client.openai_server.prompt import ChatRenderer, MediaPolicy, template_takes_parts
 from client.openai_server.schemas import ChatCompletionRequest, Message
-from python_backends.generate_request import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
-from python_backends.video import VideoLimits
+from python_backends.request.generate import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from python_backends.request.videos import VideoLimits
 from tests.images import synthetic_image
 from tests.videos import ClipSpec, make_clip
 

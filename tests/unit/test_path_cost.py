@@ -1,11 +1,11 @@
-"""The adaptive path rule (python_backends/path_cost.py) with fake timings and a fake clock."""
+"""The adaptive path rule (python_backends/epd/path_cost.py) with fake timings and a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH, SERVING_PATHS
-from python_backends.path_cost import (
+from python_backends.epd.path_cost import (
     BUSY_PROBE_FACTOR,
     MAX_PROBE_BACKOFF,
     Decision,

@@ -16,7 +16,7 @@ import pytest
 import triton_python_backend_utils as pb_utils
 
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
-from python_backends.path_cost import PathCostModel, RequestShape
+from python_backends.epd.path_cost import PathCostModel, RequestShape
 from python_backends.triton_edge.metrics import ModelMetrics, PathMetrics
 
 PATHS = (DISAGGREGATED_PATH, COLOCATED_PATH)

@@ -13,11 +13,11 @@ import pytest
 
 from builders.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
 from client.epd_client import GenerateResult, chat_prompt
+from python_backends.engines.generation import GenerationChunk, chunk_from_outputs
+from python_backends.engines.llm import load_engine_args
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.event_loop import EventLoopThread
-from python_backends.generation import GenerationChunk, chunk_from_outputs
-from python_backends.llm_engine import load_engine_args
-from python_backends.model_params import ModelParameters
+from python_backends.runtime.event_loop import EventLoopThread
+from python_backends.runtime.model_params import ModelParameters
 from python_backends.triton_edge.decoupled import CancelWatch
 from python_backends.triton_edge.metrics import ModelMetrics
 from python_backends.triton_edge.responses import (
@@ -289,7 +289,7 @@ def test_launcher_gives_a_server_its_own_store_and_kv_folder(tmp_path: Path):
 
 
 def test_engine_exit_grace_is_read_from_the_models_vllm_environment():
-    from python_backends.llm_engine import ENGINE_EXIT_GRACE_ENV, engine_exit_grace_s
+    from python_backends.engines.llm import ENGINE_EXIT_GRACE_ENV, engine_exit_grace_s
 
     assert engine_exit_grace_s({}) is None  # vLLM's own default (GPU targets)
     assert engine_exit_grace_s({ENGINE_EXIT_GRACE_ENV: "2"}) == 2.0
@@ -313,7 +313,7 @@ def test_an_engine_shut_down_once_is_not_shut_down_again_when_it_goes(monkeypatc
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from python_backends.llm_engine import ENGINE_EXIT_GRACE_ENV, shut_down_engine
+    from python_backends.engines.llm import ENGINE_EXIT_GRACE_ENV, shut_down_engine
 
     calls = []
 
@@ -344,8 +344,8 @@ def test_omp_parameters_are_engine_environment_and_set_this_processs_torch_threa
     import torch
 
     from builders.targets import TARGETS
-    from python_backends.llm_engine import OMP_THREADS_ENV, apply_vllm_environment
-    from python_backends.model_params import ModelParameters
+    from python_backends.engines.llm import OMP_THREADS_ENV, apply_vllm_environment
+    from python_backends.runtime.model_params import ModelParameters
 
     engine_env = {**TARGETS["cpu"].role_environment("llm"), OMP_THREADS_ENV: "1"}
     config = {"parameters": {key: {"string_value": v} for key, v in engine_env.items()}}

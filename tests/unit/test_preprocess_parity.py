@@ -45,16 +45,16 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
 )
 
 from builders.default_model import build_default_model
-from python_backends.dali_pipeline import (
+from python_backends.errors import EpdError, ErrorCode
+from python_backends.preprocess.image_pipeline import (
     ImageTransformConfig,
     PreprocessConfigError,
     serialize_pipeline,
     smart_resize,
     smart_resize_nodes,
 )
-from python_backends.errors import EpdError, ErrorCode
-from python_backends.media import ImageLimits
-from python_backends.preprocess import DaliImagePreprocessor, PreprocessedImages
+from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages
+from python_backends.request.images import ImageLimits
 from tests.images import bilevel_png, zero_width_png
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -288,7 +288,7 @@ def test_smart_resize_in_graph_matches_transformers(transform_config: ImageTrans
 def test_serialization_is_deterministic_across_processes(transform_config: ImageTransformConfig) -> None:
     here = serialize_pipeline(transform_config, "cpu")
     code = (
-        "import sys; from python_backends.dali_pipeline import ImageTransformConfig, serialize_pipeline; "
+        "import sys; from python_backends.preprocess.image_pipeline import ImageTransformConfig, serialize_pipeline; "
         "sys.stdout.buffer.write(serialize_pipeline("
         f"ImageTransformConfig.from_dict({_config_dict(transform_config)!r}), 'cpu'))"
     )
@@ -384,9 +384,9 @@ def test_truncated_image_names_its_index_and_pipeline_recovers(
 # already held vLLM engines and a transformers model, whose peak RSS would hide any growth.
 BOMB_CHILD = """
 import json, sys, time
-from python_backends.dali_pipeline import ImageTransformConfig
+from python_backends.preprocess.image_pipeline import ImageTransformConfig
 from python_backends.errors import EpdError
-from python_backends.preprocess import DaliImagePreprocessor
+from python_backends.preprocess.images import DaliImagePreprocessor
 from tests.images import bilevel_png, synthetic_image
 
 def kib(field):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from python_backends import contract
-from python_backends.cached_encoder import CachedEncoder, EncodedImage
+from python_backends.encode.cached import CachedEncoder, EncodedImage
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import (

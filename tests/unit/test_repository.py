@@ -26,9 +26,9 @@ from builders.repository import (
 )
 from python_backends import contract
 from python_backends.contract import ContractError
-from python_backends.vit_onnx import INPUT_NAMES as VIT_INPUT_NAMES
-from python_backends.vit_onnx import OUTPUT_NAME as VIT_OUTPUT_NAME
-from python_backends.vit_onnx import encoder_inputs
+from python_backends.encode.vit_onnx import INPUT_NAMES as VIT_INPUT_NAMES
+from python_backends.encode.vit_onnx import OUTPUT_NAME as VIT_OUTPUT_NAME
+from python_backends.encode.vit_onnx import encoder_inputs
 from tests.unit.repository_helpers import FACTS
 
 Config = model_config_pb2.ModelConfig
@@ -151,7 +151,7 @@ def test_gpu_preprocess_is_the_dali_backend(model_dir: Path) -> None:
     assert list(gpu.input) == list(cpu.input) and list(gpu.output) == list(cpu.output)
     assert gpu.max_batch_size == cpu.max_batch_size
     # Output order is the pipeline's (the DALI backend maps outputs by position).
-    from python_backends.dali_pipeline import OUTPUT_NAMES
+    from python_backends.preprocess.image_pipeline import OUTPUT_NAMES
 
     assert tuple(o.name for o in gpu.output) == OUTPUT_NAMES
 
@@ -174,7 +174,7 @@ def one_image_grid(patches: int, merge_size: int) -> np.ndarray:
 
 def engine_input_shapes(patches: int) -> dict[str, list[int]]:
     """The plan's input shapes for one image of ``patches`` patches, as the serving code builds
-    them: python_backends.vit_onnx.encoder_inputs, the function that feeds the exported graph
+    them: python_backends.encode.vit_onnx.encoder_inputs, the function that feeds the exported graph
     (the ONNX Runtime model and, through vit_positions, the plan). Independent of the builder."""
     grid = one_image_grid(patches, FACTS.merge_size)
     inputs = encoder_inputs(np.zeros((patches, FACTS.patch_dim), np.float32), grid, FACTS.merge_size)
@@ -297,7 +297,7 @@ def test_llm_takes_embeddings_checked_against_the_encoder(target: str, model_dir
 def test_llm_and_epd_take_video_with_their_limits(target: str, model_dir: Path) -> None:
     import json
 
-    from python_backends.video import CPU_CODECS, GPU_CODECS, VideoLimits, VideoSamplingConfig
+    from python_backends.request.videos import CPU_CODECS, GPU_CODECS, VideoLimits, VideoSamplingConfig
 
     files = repository_files(TARGETS[target], model_dir, FACTS)
     llm = configs(target, model_dir)["llm"]

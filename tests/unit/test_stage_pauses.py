@@ -1,10 +1,10 @@
-"""Test-only pauses (python_backends/stage_pauses.py): parsing, and that only a test repository has them."""
+"""Test-only pauses (python_backends/runtime/stage_pauses.py): parsing, and that only a test repository has them."""
 
 from __future__ import annotations
 
 import pytest
 
-from python_backends.stage_pauses import StagePauses, pause_line
+from python_backends.runtime.stage_pauses import StagePauses, pause_line
 
 
 def test_empty_means_no_pause():

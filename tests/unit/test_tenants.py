@@ -1,4 +1,4 @@
-"""Tenants scope cache keys and mm_hash references (python_backends/tenants.py, store/keys.py),
+"""Tenants scope cache keys and mm_hash references (python_backends/request/tenants.py, store/keys.py),
 through the real epd pipeline and encoder logic on a real temporary store (scripted stages).
 The server-level proof is tests/server/test_tenants.py."""
 
@@ -12,12 +12,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from python_backends.cached_encoder import CachedEncoder
-from python_backends.epd_pipeline import EpdPipeline
+from python_backends.encode.cached import CachedEncoder
+from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import CachedImage
+from python_backends.request.generate import CachedImage
+from python_backends.request.tenants import (
+    MAX_TENANT_CHARS,
+    check_tenant,
+    key_space,
+    request_parameters,
+    request_tenant,
+)
 from python_backends.store import EmbeddingStore, StoreConfig, tenant_key
-from python_backends.tenants import MAX_TENANT_CHARS, check_tenant, key_space, request_parameters, request_tenant
 from tests.unit.test_epd_pipeline import ENCODERS, KEYS, FakeStages, request
 
 

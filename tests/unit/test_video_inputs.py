@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from builders.default_model import build_default_model
-from python_backends.dali_video import VideoTransformConfig
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.video import VideoLimits, VideoSamplingConfig, video_bytes
-from python_backends.video_preprocess import DaliVideoPreprocessor
+from python_backends.preprocess.video_pipeline import VideoTransformConfig
+from python_backends.preprocess.videos import DaliVideoPreprocessor
+from python_backends.request.videos import VideoLimits, VideoSamplingConfig, video_bytes
 from tests.videos import ClipSpec, bad_videos, make_clip
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -72,10 +72,10 @@ _RSS_SCRIPT = """
 import json, resource, sys
 import psutil
 from tests.videos import ClipSpec, bad_videos, make_clip
-from python_backends.dali_video import VideoTransformConfig
+from python_backends.preprocess.video_pipeline import VideoTransformConfig
 from python_backends.errors import EpdError
-from python_backends.video import VideoLimits
-from python_backends.video_preprocess import DaliVideoPreprocessor
+from python_backends.request.videos import VideoLimits
+from python_backends.preprocess.videos import DaliVideoPreprocessor
 transform = VideoTransformConfig.from_file(sys.argv[1])
 pre = DaliVideoPreprocessor.for_config(transform, limits=VideoLimits(max_video_seconds=10))
 pre.preprocess([make_clip(ClipSpec("vp8", 64, 64, 5, 1))])  # warm: the first run allocates DALI's buffers
@@ -112,14 +112,14 @@ def test_bad_videos_in_bounded_memory() -> None:
 
 
 def test_video_encode_runs_the_pipeline_then_the_encoder_on_its_grid(preprocessor: DaliVideoPreprocessor) -> None:
-    """The encoders' video step (python_backends/video_encode.py): the preprocessed pixels of one
+    """The encoders' video step (python_backends/encode/videos.py): the preprocessed pixels of one
     video go to the vision encoder with the video's grid, rows come back per merged patch; a bad
     video is the preprocessing's INVALID_ARG, the encoder never called."""
     import asyncio
 
     import numpy as np
 
-    from python_backends.video_encode import VideoEncode
+    from python_backends.encode.videos import VideoEncode
 
     calls: list[tuple[tuple[int, ...], list[list[int]]]] = []
 
@@ -149,8 +149,8 @@ def test_encoder_and_epd_video_inputs() -> None:
 
     import numpy as np
 
-    from python_backends.cached_encoder import parse_encoder_videos
-    from python_backends.generate_request import GenerateRequest, raw_videos
+    from python_backends.encode.cached import parse_encoder_videos
+    from python_backends.request.generate import GenerateRequest, raw_videos
 
     clip = make_clip(ClipSpec("vp8", 64, 64, 5, 1))
     as_sent = {"video": np.array([clip, base64.b64encode(clip)], dtype=np.object_)}

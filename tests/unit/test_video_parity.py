@@ -1,12 +1,12 @@
 """The ``cpu`` target's video preprocessing against vLLM's own video loading + transformers' processor.
 
 Reference (what the ``llm`` model does with raw video bytes): vLLM's ``Qwen2VLVideoBackend``
-(OpenCV decode, fps sampling; :mod:`python_backends.video` says what it does) and
+(OpenCV decode, fps sampling; :mod:`python_backends.request.videos` says what it does) and
 transformers' ``Qwen2VLVideoProcessor`` loaded from the checkpoint.
 
 - Frame indices and ``video_grid_thw``: equal, always.
 - Decoded frames: equal to vLLM's bit for bit. The ``cpu`` target decodes with OpenCV the way
-  vLLM's loader does (:func:`python_backends.video.read_sampled_frames`), not with DALI's CPU
+  vLLM's loader does (:func:`python_backends.request.videos.read_sampled_frames`), not with DALI's CPU
   decoder, whose YUV->RGB conversion differs from OpenCV's by up to ~46 levels at sharp edges
   (mean 0.8-1.7) and flipped greedy tokens in 2 of 9 prompts
   (results/2026-12-01/video-equality-offline).
@@ -26,9 +26,10 @@ from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetad
 from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
 
 from builders.default_model import build_default_model
-from python_backends.dali_video import VideoTransformConfig
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.video import (
+from python_backends.preprocess.video_pipeline import VideoTransformConfig
+from python_backends.preprocess.videos import DaliVideoPreprocessor, patchify_video
+from python_backends.request.videos import (
     VideoLimits,
     VideoSamplingConfig,
     probe_video,
@@ -36,7 +37,6 @@ from python_backends.video import (
     sample_frame_indices,
     torch_arange_float32,
 )
-from python_backends.video_preprocess import DaliVideoPreprocessor, patchify_video
 from tests.videos import ClipSpec, make_clip
 
 LEVEL = 1 / (255 * 0.26130258)  # one uint8 step after normalisation, smallest std (G)

@@ -6,14 +6,14 @@ with a `request_id` it stops the running request of that id (the `epd` BLS sends
 client cancels, because a BLS request cannot be cancelled in Triton 2.51); with
 `transfer_params` it deletes that prefilled KV transfer (client gone before decode).
 
-Thin by design: inputs parsed by python_backends.pd_stage, served by
+Thin by design: inputs parsed by python_backends.pd.stage, served by
 python_backends.pd.engines.DecodeEngine; the request/error/cancel policy is
 python_backends.triton_edge.decoupled's.
 """
 
 from python_backends import contract
 from python_backends.pd.engines import DecodeEngine
-from python_backends.pd_stage import parse_stage_inputs, resolve_images
+from python_backends.pd.stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import KvTransferMetrics

@@ -3,7 +3,7 @@
 hash media (images and videos) -> embedding store lookup -> choose a path (request parameter `path`, else the
 deployment's `path_policy`, adaptive by default) -> disaggregated (encode misses -> prefill ->
 first token at once -> stream decode, over BLS) or colocated (epd's own vLLM engine, store hits
-as embeddings). The steps live in python_backends.epd_pipeline and its path modules
+as embeddings). The steps live in python_backends.epd.pipeline and its path modules
 (Triton-free, unit-tested with fakes), the BLS calls in python_backends.triton_edge.bls, the
 request/error/cancel policy in python_backends.triton_edge.decoupled. This file only wires them.
 """
@@ -13,13 +13,13 @@ from contextlib import aclosing
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.epd_pipeline import EpdPipeline, pinned_encoder, requested_path
-from python_backends.generate_request import check_image_headers, parse_generate_request, raw_videos, request_limits
-from python_backends.llm_engine import LlmEngine
-from python_backends.llm_video import VideoInputLimits
+from python_backends.engines.llm import LlmEngine
+from python_backends.engines.videos import VideoInputLimits
+from python_backends.epd.pipeline import EpdPipeline, pinned_encoder, requested_path
+from python_backends.request.generate import check_image_headers, parse_generate_request, raw_videos, request_limits
+from python_backends.request.tenants import request_parameters, request_tenant
 from python_backends.scaleout.remote import with_remote_encoders
 from python_backends.store import EmbeddingStore, KeyConfig
-from python_backends.tenants import request_parameters, request_tenant
 from python_backends.triton_edge.bls import BlsStages
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import CacheMetrics, PathMetrics

@@ -1,16 +1,16 @@
 """`llm`: one colocated vLLM engine that takes raw encoded images and videos (the baseline).
 
-Thin by design: requests are parsed by python_backends.generate_request, served by
-python_backends.llm_engine; the request/error/cancel policy is
+Thin by design: requests are parsed by python_backends.request.generate, served by
+python_backends.engines.llm; the request/error/cancel policy is
 python_backends.triton_edge.decoupled's.
 """
 
 from python_backends import contract
-from python_backends.generate_request import parse_generate_request, request_limits
-from python_backends.image_embeds import EmbedsSpec
-from python_backends.llm_engine import LlmEngine
-from python_backends.llm_video import VideoInputLimits, load_videos
-from python_backends.media import decode_images
+from python_backends.engines.llm import LlmEngine
+from python_backends.engines.videos import VideoInputLimits, load_videos
+from python_backends.request.generate import parse_generate_request, request_limits
+from python_backends.request.image_embeds import EmbedsSpec
+from python_backends.request.images import decode_images
 from python_backends.triton_edge.decoupled import DecoupledModel
 
 

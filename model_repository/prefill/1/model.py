@@ -1,7 +1,7 @@
 """`prefill`: a vLLM KV producer. Prompt + image references in; first token + KV transfer
 parameters out (max_tokens=1). Never receives media: its config has no image input.
 
-Thin by design: inputs parsed by python_backends.pd_stage, served by
+Thin by design: inputs parsed by python_backends.pd.stage, served by
 python_backends.pd.engines.PrefillEngine; the request/error/cancel policy is
 python_backends.triton_edge.decoupled's. Decoupled (one response per request) so that
 requests run concurrently on the engine's event loop, like `llm`.
@@ -9,7 +9,7 @@ requests run concurrently on the engine's event loop, like `llm`.
 
 from python_backends import contract
 from python_backends.pd.engines import PrefillEngine
-from python_backends.pd_stage import parse_stage_inputs, resolve_images
+from python_backends.pd.stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 

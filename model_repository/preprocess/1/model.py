@@ -1,17 +1,17 @@
 """`preprocess` (cpu target): the serialized DALI pipeline run on the CPU, dynamically batched.
 
-Thin by design: python_backends.encode_stage runs every request of a dynamic batch through
-python_backends.preprocess (the same pipeline that Triton's DALI backend serves on the gpu
+Thin by design: python_backends.preprocess.stage runs every request of a dynamic batch through
+python_backends.preprocess.images (the same pipeline that Triton's DALI backend serves on the gpu
 target) and gives one result or one coded error per request (python_backends.triton_edge.batched).
 """
 
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.dali_pipeline import ImageTransformConfig
-from python_backends.encode_stage import PreprocessStage
-from python_backends.media import ImageLimits
-from python_backends.preprocess import DaliImagePreprocessor
+from python_backends.preprocess.image_pipeline import ImageTransformConfig
+from python_backends.preprocess.images import DaliImagePreprocessor
+from python_backends.preprocess.stage import PreprocessStage
+from python_backends.request.images import ImageLimits
 from python_backends.triton_edge.batched import BatchedModel
 
 

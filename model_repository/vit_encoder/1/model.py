@@ -1,7 +1,7 @@
 """`vit_encoder` (cpu target): ONNX Runtime on the exported vision tower + merger.
 
-Thin by design: python_backends.encode_stage packs every request of a dynamic batch into as few
-ONNX Runtime calls as the patch budget allows (python_backends.vit_onnx) and gives one result
+Thin by design: python_backends.encode.stage packs every request of a dynamic batch into as few
+ONNX Runtime calls as the patch budget allows (python_backends.encode.vit_onnx) and gives one result
 or one coded error per request (python_backends.triton_edge.batched).
 """
 
@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.encode_stage import EncoderProvenance, EncoderStage
+from python_backends.encode.stage import EncoderProvenance, EncoderStage
+from python_backends.encode.vit_onnx import OnnxVisionEncoder
 from python_backends.triton_edge.batched import BatchedModel
-from python_backends.vit_onnx import OnnxVisionEncoder
 
 
 class TritonPythonModel(BatchedModel):

@@ -19,7 +19,7 @@ keys are shared by every encoder of the node (an image encoded by one is a hit f
 ``instance`` keys carry the encoder's name, so each encoder has its own cache (the
 baseline the shared store is measured against). A request's tenant (request parameter
 ``tenant``) takes its keys into that tenant's space under the ``isolated`` tenant policy
-(``python_backends/tenants.py``); the ``mm_hash`` answered is the unscoped key, which the
+(``python_backends/request/tenants.py``); the ``mm_hash`` answered is the unscoped key, which the
 same tenant sends back to ``epd`` as ``mm_hash:<hex>``.
 """
 
@@ -36,10 +36,10 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from python_backends import contract
 from python_backends.errors import EpdError, invalid_arg, item_renamed
-from python_backends.media import image_bytes
+from python_backends.request.images import image_bytes
+from python_backends.request.tenants import key_space
+from python_backends.request.videos import VideoLimits, sized_video_bytes
 from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
-from python_backends.tenants import key_space
-from python_backends.video import VideoLimits, sized_video_bytes
 
 
 @dataclass(frozen=True)

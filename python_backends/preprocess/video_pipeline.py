@@ -1,22 +1,22 @@
 """The one DALI pipeline that turns videos into Qwen2-VL ``pixel_values_videos``.
 
-Same rules as the image pipeline (:mod:`python_backends.dali_pipeline`): one definition,
+Same rules as the image pipeline (:mod:`python_backends.preprocess.image_pipeline`): one definition,
 serialized for the ``cpu`` target (run with ``device_id=None`` by
-:mod:`python_backends.video_preprocess`) and for ``gpu`` (Triton's DALI backend).
+:mod:`python_backends.preprocess.videos`) and for ``gpu`` (Triton's DALI backend).
 
-Per video it reproduces what vLLM does for Qwen2-VL (:mod:`python_backends.video`): the frames
+Per video it reproduces what vLLM does for Qwen2-VL (:mod:`python_backends.request.videos`): the frames
 the sampler picked (``frame_indices``: the sampler needs the container's frame count and fps,
 which the caller reads with the same OpenCV probe as vLLM), resized to the video processor's
 ``smart_resize`` size (``resize_hw``: with ``cap_pixels_per_frame`` the pixel budget depends on
 the number of sampled frames), bicubic with the processor's pass order
-(:func:`python_backends.dali_pipeline.pil_compatible_bicubic`), rescaled + normalized to
+(:func:`python_backends.preprocess.image_pipeline.pil_compatible_bicubic`), rescaled + normalized to
 ``[F, C, H, W]``. The temporal patch layout (``[grid_t * grid_h * grid_w, C * T * P * P]``) is
-made in numpy (:func:`python_backends.video_preprocess.patchify_video`).
+made in numpy (:func:`python_backends.preprocess.videos.patchify_video`).
 
 Where the frames are decoded differs by target, and that is deliberate:
 
 - ``cpu``: **not in DALI**. The caller decodes the sampled frames with OpenCV exactly as vLLM's
-  loader does (:func:`python_backends.video.read_sampled_frames`) and feeds them as
+  loader does (:func:`python_backends.request.videos.read_sampled_frames`) and feeds them as
   ``decoded_frames``. DALI's CPU decoder converts YUV to RGB differently from OpenCV (up to
   ~46 levels at sharp edges), enough to flip greedy tokens against ``llm``, which reads raw
   video through vLLM's own OpenCV loader (results/2026-12-01/video-equality-offline).
@@ -41,7 +41,7 @@ from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 from nvidia.dali.pipeline import Pipeline
 
-from python_backends.dali_pipeline import (
+from python_backends.preprocess.image_pipeline import (
     DEFAULT_NUM_THREADS,
     Device,
     ImageTransformConfig,

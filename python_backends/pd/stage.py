@@ -26,7 +26,7 @@ import numpy as np
 from python_backends import contract
 from python_backends.errors import invalid_arg
 from python_backends.pd.engines import ImageEmbeds
-from python_backends.sampling import parse_sampling_parameters
+from python_backends.request.sampling import parse_sampling_parameters
 from python_backends.store import EmbeddingStore, Reference
 from python_backends.store.device_memory import DeviceView
 

@@ -1,4 +1,4 @@
-"""CPU runner of the serialized DALI image pipeline (``python_backends/dali_pipeline.py``).
+"""CPU runner of the serialized DALI image pipeline (``python_backends/preprocess/image_pipeline.py``).
 
 This is the ``cpu`` target's ``preprocess``: the pipeline definition that Triton's DALI backend
 runs on a GPU, serialized for the CPU and deserialized here with ``device_id=None``. It takes
@@ -7,7 +7,7 @@ an :class:`EpdError` (``INVALID_ARG``) before any pixel is decoded where the hea
 and returns what transformers' ``Qwen2VLImageProcessor`` returns: ``pixel_values``
 ``[sum(t*h*w), C*T*P*P]`` float32 and ``image_grid_thw`` ``[num_images, 3]`` int64. The
 patch layout is made here in numpy when the serialized graph stops at the normalized frame
-(the CPU default, see ``python_backends/dali_pipeline.py``).
+(the CPU default, see ``python_backends/preprocess/image_pipeline.py``).
 
 Plain Python: no Triton import. One :class:`DaliImagePreprocessor` per model instance; it is
 not thread-safe (a DALI pipeline runs one batch at a time).
@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from python_backends.dali_pipeline import (
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.preprocess.image_pipeline import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_NUM_THREADS,
     INPUT_NAME,
     ImageTransformConfig,
     serialize_pipeline,
 )
-from python_backends.dali_runner import DaliCpuRunner
-from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.media import ImageLimits, check_image_header, image_bytes
+from python_backends.preprocess.runner import DaliCpuRunner
+from python_backends.request.images import ImageLimits, check_image_header, image_bytes
 
 LOGGER = logging.getLogger(__name__)
 

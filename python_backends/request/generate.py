@@ -17,15 +17,15 @@ import numpy as np
 
 from python_backends import contract
 from python_backends.errors import invalid_arg
-from python_backends.image_embeds import (
+from python_backends.request.image_embeds import (
     EmbedsSpec,
     ImageEmbedsInput,
     parse_image_embeds,
 )
-from python_backends.media import ImageLimits, check_image_header, image_bytes
-from python_backends.model_params import ModelParameters
-from python_backends.sampling import parse_sampling_parameters
-from python_backends.video import VideoLimits, sized_video_bytes
+from python_backends.request.images import ImageLimits, check_image_header, image_bytes
+from python_backends.request.sampling import parse_sampling_parameters
+from python_backends.request.videos import VideoLimits, sized_video_bytes
+from python_backends.runtime.model_params import ModelParameters
 
 IMAGE_PAD = "<|image_pad|>"
 # An ``image`` item that names a pre-encoded image instead of carrying it (``epd`` only).
@@ -46,7 +46,7 @@ class RequestLimits:
     # ``mm_hash:<key>`` image items accepted (models with an embedding store).
     accept_mm_hash: bool = False
     # ``video`` items accepted (up to this many; issue 16). Their header checks and decode are
-    # python_backends.llm_video's on ``llm``, the encoders' video preprocessing on ``epd``.
+    # python_backends.engines.videos's on ``llm``, the encoders' video preprocessing on ``epd``.
     max_videos: int = 0
 
 

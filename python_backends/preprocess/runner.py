@@ -1,8 +1,8 @@
 """What the ``cpu`` target's DALI runners share: a serialized pipeline deserialized with
 ``device_id=None`` and run one batch at a time (:class:`DaliCpuRunner`).
 
-Used by :class:`python_backends.preprocess.DaliImagePreprocessor` (images) and
-:class:`python_backends.video_preprocess.DaliVideoPreprocessor` (videos). Plain Python: no
+Used by :class:`python_backends.preprocess.images.DaliImagePreprocessor` (images) and
+:class:`python_backends.preprocess.videos.DaliVideoPreprocessor` (videos). Plain Python: no
 Triton import. Not thread-safe (a DALI pipeline runs one batch at a time).
 """
 

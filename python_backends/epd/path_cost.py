@@ -1,6 +1,6 @@
 """The adaptive path rule of ``epd``: a cost model, not a threshold (Triton-free, plain data).
 
-Per request, ``epd`` (python_backends/epd_pipeline.py) describes the work (:class:`RequestShape`:
+Per request, ``epd`` (python_backends/epd/pipeline.py) describes the work (:class:`RequestShape`:
 images, how many the store lacks, their size bucket, output tokens) and asks
 :meth:`PathCostModel.choose` for the path with the lower predicted completion time:
 

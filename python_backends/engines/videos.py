@@ -2,8 +2,8 @@
 
 ``llm`` is the baseline ("raw media through vLLM's own loading"): for video that is the loader
 vLLM registers for Qwen2-VL's video processor, ``Qwen2VLVideoBackend`` (OpenCV decode, the
-fps sampler; :mod:`python_backends.video` says what it does). Before it sees a byte, every
-video passes the same header checks as ``preprocess`` (:func:`python_backends.video.checked_video`:
+fps sampler; :mod:`python_backends.request.videos` says what it does). Before it sees a byte, every
+video passes the same header checks as ``preprocess`` (:func:`python_backends.request.videos.checked_video`:
 corrupt, truncated header, zero frames, unsupported codec on this target, too long, a frame
 too large), so a bad video is a clear INVALID_ARG and costs no decode. The loader gets the
 same sampling values (``max_frames`` from the config) as the checks, so it picks the frames
@@ -22,8 +22,8 @@ import numpy as np
 
 from python_backends import contract
 from python_backends.errors import EpdError, invalid_arg
-from python_backends.model_params import ModelParameters
-from python_backends.video import VideoLimits, VideoSamplingConfig, checked_video
+from python_backends.request.videos import VideoLimits, VideoSamplingConfig, checked_video
+from python_backends.runtime.model_params import ModelParameters
 
 # Decoded RGB bytes one video may need before the processor resizes it (frames x W x H x 3):
 # vLLM's loader holds the sampled frames at full size.

@@ -34,18 +34,18 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
 
-from python_backends.epd_references import ImageReferences, LeasedReferences, ms_since, stage_error
+from python_backends.engines.generation import GenerationChunk
+from python_backends.epd.references import ImageReferences, LeasedReferences, ms_since, stage_error
 from python_backends.errors import EpdError
-from python_backends.generate_request import GenerateRequest
-from python_backends.generation import GenerationChunk
-from python_backends.media import ImageLimits, decode_images
 from python_backends.pd.engines import ImageEmbeds, multi_modal_data, multi_modal_uuids
-from python_backends.pd_stage import owned_float32
+from python_backends.pd.stage import owned_float32
+from python_backends.request.generate import GenerateRequest
+from python_backends.request.images import ImageLimits, decode_images
 from python_backends.store import EmbeddingStore, Reference
 
 
 class ColocatedEngine(Protocol):
-    """What the path needs of its engine (``python_backends.llm_engine.LlmEngine``; a fake in
+    """What the path needs of its engine (``python_backends.engines.llm.LlmEngine``; a fake in
     the unit tests). Runs on epd's event loop."""
 
     def generate_prompt(

@@ -20,10 +20,10 @@ from typing import Any
 
 from PIL import Image
 
+from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.videos import LoadedVideo
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.generate_request import GenerateRequest
-from python_backends.generation import GenerationChunk
-from python_backends.llm_video import LoadedVideo
+from python_backends.request.generate import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class LlmEngine:
         request_id: str,
         videos: Sequence[LoadedVideo] = (),
     ) -> AsyncIterator[GenerationChunk]:
-        """``videos``: what vLLM's own loader returned (python_backends.llm_video.load_videos)."""
+        """``videos``: what vLLM's own loader returned (python_backends.engines.videos.load_videos)."""
         mm_data: dict[str, Any] = {}
         if request.image_embeds is not None:
             mm_data.update(request.image_embeds.multi_modal_data())

@@ -32,15 +32,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from python_backends import contract
-from python_backends.colocated_path import ColocatedEngine, ColocatedPath
-from python_backends.disaggregated_path import DisaggregatedPath, StageClient
-from python_backends.epd_references import ImageReferences, LeasedReferences, ms_since
+from python_backends.engines.generation import GenerationChunk
+from python_backends.epd.colocated import ColocatedEngine, ColocatedPath
+from python_backends.epd.disaggregated import DisaggregatedPath, StageClient
+from python_backends.epd.path_cost import Decision, PathCostModel, RequestShape
+from python_backends.epd.references import ImageReferences, LeasedReferences, ms_since
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.generate_request import CachedImage, GenerateRequest
-from python_backends.generation import GenerationChunk
-from python_backends.media import ImageLimits, header_pixels
-from python_backends.path_cost import Decision, PathCostModel, RequestShape
-from python_backends.sampling import DEFAULT_MAX_TOKENS
+from python_backends.request.generate import CachedImage, GenerateRequest
+from python_backends.request.images import ImageLimits, header_pixels
+from python_backends.request.sampling import DEFAULT_MAX_TOKENS
 from python_backends.store import EmbeddingStore, KeyConfig
 
 __all__ = ["EpdPipeline", "StageClient", "pinned_encoder", "requested_path"]

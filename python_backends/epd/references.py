@@ -4,7 +4,7 @@
    version). An image sent as ``mm_hash:<key>`` (pre-encoded, see ``cached_encoder.py``) is
    its key already. With a tenant (Triton request parameter ``tenant``) under the ``isolated``
    policy, both are taken into that tenant's key space (``store.keys.tenant_key``), so no
-   hit, join or ``mm_hash`` crosses tenants (``python_backends/tenants.py``).
+   hit, join or ``mm_hash`` crosses tenants (``python_backends/request/tenants.py``).
 2. **lookup** (node-wide cache only): a stored key is a hit at once, leased for this request,
    with no call to any encoder. A ``mm_hash`` that is not stored is NOT_FOUND, with a hint.
 3. **encode** (when the chosen path needs references for the misses): every other image goes
@@ -31,11 +31,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode, item_renamed
-from python_backends.generate_request import CachedImage
-from python_backends.generation import GenerationChunk
+from python_backends.request.generate import CachedImage
+from python_backends.request.tenants import key_space
 from python_backends.store import EmbeddingStore, KeyConfig, Reference, tenant_key
-from python_backends.tenants import key_space
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """One video -> its embeddings, inside an ``encoder_<i>`` model (``cpu`` target; issue 16).
 
-Steps: the ``cpu`` target's video preprocessing (:class:`python_backends.video_preprocess.DaliVideoPreprocessor`,
+Steps: the ``cpu`` target's video preprocessing (:class:`python_backends.preprocess.videos.DaliVideoPreprocessor`,
 run from the repository's serialized ``preprocess/1/video.dali``: the container checks, vLLM's
 frame sampler, OpenCV decode as vLLM's loader, DALI resize + normalize, the temporal patch
 layout), then the same vision tower as images (``vit_encoder``, reached by BLS; a video's grid
 has ``t`` = frames / temporal patch size). The result is stored by the encoder like an image's
-(:class:`python_backends.cached_encoder.CachedEncoder`, modality ``video``).
+(:class:`python_backends.encode.cached.CachedEncoder`, modality ``video``).
 
 Why the encoder runs the video pipeline itself instead of calling ``preprocess``: ``preprocess``
 is Triton's DALI backend on the ``gpu`` target, with one input (``image``) and a dynamic batcher
@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from python_backends.cached_encoder import EncodedImage
+from python_backends.encode.cached import EncodedImage
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.video_preprocess import DaliVideoPreprocessor
+from python_backends.preprocess.videos import DaliVideoPreprocessor
 
 # pixel_values [1, patches, patch_dim], grid [1, 3] -> embeddings [1, tokens, hidden]
 EncodePixels = Callable[[np.ndarray, np.ndarray], Awaitable[np.ndarray]]

@@ -4,7 +4,7 @@ The same definition serves both targets (DESIGN.md, "One source, two targets"):
 
 - ``gpu``: serialized with the ``mixed`` (nvJPEG) decoder and run by Triton's DALI backend.
 - ``cpu``: serialized with the ``cpu`` decoder and run with ``device_id=None`` by
-  :mod:`python_backends.preprocess` inside a python-backend model.
+  :mod:`python_backends.preprocess.images` inside a python-backend model.
 
 Per image it reproduces transformers' ``Qwen2VLImageProcessor``: decode to RGB (grayscale,
 palette, RGBA and CMYK converted as PIL's ``convert("RGB")`` does; alpha dropped; EXIF
@@ -13,14 +13,14 @@ computed *inside* the graph from the peeked header shape, bicubic resize, rescal
 and ``[1, grid_h, grid_w]`` (``image_grid_thw``). The last step, the patch layout
 ``[grid_h * grid_w, C * T * P * P]`` (``pixel_values``), is in the graph for the GPU target
 (the DALI backend's output feeds the encoder directly) and in numpy for the CPU target
-(:func:`python_backends.preprocess.patchify`): DALI's CPU transpose of that 7-D layout costs
+(:func:`python_backends.preprocess.images.patchify`): DALI's CPU transpose of that 7-D layout costs
 ~13 ms per image, numpy's 0.6 ms. Both give identical numbers (tested).
 
 Everything comes from the checkpoint's ``preprocessor_config.json``. Serialization is
 deterministic: explicit operator names and no source-location tracing, so the same config and
 device give the same bytes wherever the repository is built.
 
-CLI: ``python -m python_backends.dali_pipeline --model DIR --device cpu --out model.dali``.
+CLI: ``python -m python_backends.preprocess.image_pipeline --model DIR --device cpu --out model.dali``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from nvidia.dali.pipeline import Pipeline
 Device = Literal["cpu", "gpu"]
 
 # Names are a contract with the Triton DALI backend's config.pbtxt (input = external source
-# name, outputs in this order) and with python_backends.preprocess. Output 0 is
+# name, outputs in this order) and with python_backends.preprocess.images. Output 0 is
 # ``pixel_values`` [patches, C*T*P*P] when the graph makes the patch layout, else the
 # normalized frame [C, H, W].
 INPUT_NAME = "image"
@@ -343,7 +343,7 @@ def pipeline_of(
     define: Callable[[], Sequence[DataNode]], max_batch_size: int, num_threads: int = DEFAULT_NUM_THREADS
 ) -> Pipeline:
     """An unbuilt pipeline whose outputs ``define()`` makes (called inside ``with pipeline:``),
-    for every graph of this project (images here, videos in :mod:`python_backends.dali_video`).
+    for every graph of this project (images here, videos in :mod:`python_backends.preprocess.video_pipeline`).
     ``device_id=None``: serialization needs no GPU, and Triton's DALI backend sets the device
     when it loads the model. Depth 1: the CPU runner feeds one batch and runs it at once
     (deeper prefetch fails on the second run with feed_input, DESIGN.md)."""

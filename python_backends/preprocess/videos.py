@@ -1,11 +1,11 @@
-"""CPU runner of the serialized DALI video pipeline (:mod:`python_backends.dali_video`).
+"""CPU runner of the serialized DALI video pipeline (:mod:`python_backends.preprocess.video_pipeline`).
 
 The ``cpu`` target's video preprocessing: it takes a batch of encoded videos (raw bytes or
 base64), checks each from its container before any frame is decoded (size, codec, frame size,
 duration, decoded bytes), picks the frame indices vLLM's Qwen2-VL loader picks
-(:func:`python_backends.video.sample_frame_indices`), decodes exactly those frames with OpenCV
-the way vLLM's loader does (:func:`python_backends.video.read_sampled_frames`; why not DALI's
-CPU decoder: :mod:`python_backends.dali_video`), runs the pipeline (resize, normalize), and
+(:func:`python_backends.request.videos.sample_frame_indices`), decodes exactly those frames with OpenCV
+the way vLLM's loader does (:func:`python_backends.request.videos.read_sampled_frames`; why not DALI's
+CPU decoder: :mod:`python_backends.preprocess.video_pipeline`), runs the pipeline (resize, normalize), and
 returns what vLLM's loader + transformers' ``Qwen2VLVideoProcessor`` return:
 ``pixel_values_videos`` ``[sum(t*h*w), C*T*P*P]`` float32 and ``video_grid_thw``
 ``[num_videos, 3]`` int64.
@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from python_backends.dali_pipeline import DEFAULT_NUM_THREADS
-from python_backends.dali_runner import DaliCpuRunner
-from python_backends.dali_video import (
+from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.preprocess.image_pipeline import DEFAULT_NUM_THREADS
+from python_backends.preprocess.runner import DaliCpuRunner
+from python_backends.preprocess.video_pipeline import (
     DECODED_FRAMES_INPUT,
     DEFAULT_VIDEO_BATCH_SIZE,
     RESIZE_INPUT,
     VideoTransformConfig,
     serialize_video_pipeline,
 )
-from python_backends.errors import EpdError, ErrorCode, invalid_arg
-from python_backends.video import (
+from python_backends.request.videos import (
     CPU_CODECS,
     VideoLimits,
     VideoProbe,
@@ -107,7 +107,7 @@ class PreprocessedVideos:
 
 class DaliVideoPreprocessor(DaliCpuRunner):
     """The ``cpu`` target's video preprocessing: OpenCV decodes the sampled frames as vLLM's
-    loader does (:func:`python_backends.video.read_sampled_frames`), the serialized pipeline
+    loader does (:func:`python_backends.request.videos.read_sampled_frames`), the serialized pipeline
     resizes and normalizes them, at most ``max_batch_size`` videos a run."""
 
     def __init__(

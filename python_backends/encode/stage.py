@@ -1,0 +1,119 @@
+"""Request-level logic of the ``vit_encoder`` python model (the ``cpu`` target).
+
+Triton's dynamic batcher hands ``vit_encoder`` a list of requests per ``execute``, each with
+``pixel_values`` float32 ``[b, patches, C*T*P*P]`` and ``image_grid_thw`` int64 ``[b, 3]``
+(``preprocess``'s outputs); :class:`EncoderStage` runs them through ONNX Runtime together and
+answers ``image_embeds`` float32 ``[b, patches / merge**2, hidden]`` per request. A bad request
+fails alone. Plain Python: no Triton import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from python_backends.encode.vit_onnx import encoder_inputs, patch_counts
+from python_backends.errors import EpdError, invalid_arg
+from python_backends.preprocess.stage import Result, filled
+from python_backends.runtime.model_params import ModelParameters
+
+
+class VisionEncoder(Protocol):
+    """What :class:`EncoderStage` needs (``python_backends.encode.vit_onnx.OnnxVisionEncoder``)."""
+
+    merge_size: int
+    patch_dim: int
+    hidden_size: int
+
+    def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]: ...
+
+
+class EncoderStage:
+    """All images of a list of requests through the vision encoder; embeddings per request."""
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        self._encoder = encoder
+
+    def run(self, requests: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Result[np.ndarray]]:
+        """``requests``: (pixel_values ``[b, patches, patch_dim]``, image_grid_thw ``[b, 3]``)
+        each; returns ``image_embeds`` ``[b, tokens, hidden]`` or the request's error."""
+        results: list[Result[np.ndarray] | None] = [None] * len(requests)
+        flat: list[tuple[int, np.ndarray, np.ndarray]] = []
+        for slot, (pixels, grid) in enumerate(requests):
+            try:
+                flat.append((slot, *self._checked(pixels, grid)))
+            except EpdError as exc:
+                results[slot] = exc
+        if flat:
+            pixel_rows = np.concatenate([rows for _, rows, _ in flat])
+            grids = np.concatenate([grid for _, _, grid in flat])
+            per_image = self._encoder.encode(pixel_rows, grids)
+            first = 0
+            for slot, _, grid in flat:
+                results[slot] = np.stack(per_image[first : first + len(grid)])
+                first += len(grid)
+        return filled(results)
+
+    def _checked(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows ``[b * patches, patch_dim]``, grid ``[b, 3]``) after checking they agree."""
+        grid = np.asarray(image_grid_thw, dtype=np.int64)
+        if grid.ndim == 1:
+            grid = grid[None]
+        if pixel_values.ndim != 3 or grid.ndim != 2 or len(grid) != len(pixel_values):
+            raise invalid_arg(
+                f"pixel_values {list(pixel_values.shape)} and image_grid_thw {list(grid.shape)} must be "
+                "[images, patches, patch_dim] and [images, 3]"
+            )
+        counts = patch_counts(grid)  # also checks the grid's shape and signs
+        if any(count != pixel_values.shape[1] for count in counts):
+            raise invalid_arg(
+                f"image_grid_thw {grid.tolist()} needs {counts} patches per image, pixel_values has "
+                f"{pixel_values.shape[1]}"
+            )
+        rows = pixel_values.reshape(-1, pixel_values.shape[-1])
+        encoder_inputs(rows, grid, self._encoder.merge_size, self._encoder.patch_dim)  # merge multiples, widths
+        return rows, grid
+
+
+@dataclass(frozen=True)
+class EncoderProvenance:
+    """Where the served encoder's weights came from, as ``builders/repository.py`` recorded it
+    in the ``vit_encoder`` config (read at load; shown in the log and as metrics)."""
+
+    vision_shards: int
+    checkpoint_shards: int
+    vision_weight_bytes: int
+    checkpoint_weight_bytes: int
+
+    @classmethod
+    def from_parameters(cls, params: ModelParameters) -> EncoderProvenance:
+        values = {name: params.integer(name, -1, minimum=0) for name in cls.__dataclass_fields__}
+        missing = [name for name, value in values.items() if value < 0]
+        if missing:
+            raise ValueError(
+                f"model '{params.model_name}': parameters {missing} are missing; regenerate the "
+                "repository with `python -m builders.repository`"
+            )
+        return cls(**values)
+
+    def check(self, encoder: VisionEncoder, params: ModelParameters) -> None:
+        """The ONNX file must be the one the config was generated for."""
+        for name in ("patch_dim", "hidden_size", "merge_size"):
+            expected = params.integer(name, -1)
+            actual = getattr(encoder, name)
+            if expected != actual:
+                raise ValueError(
+                    f"model '{params.model_name}': the ONNX file has {name}={actual}, the config says "
+                    f"{expected}; regenerate the repository with `python -m builders.repository`"
+                )
+
+    def describe(self, model_file: str, megabytes: float, seconds: float) -> str:
+        return (
+            f"vit_encoder: loaded {model_file} ({megabytes:.1f} MB) in {seconds:.2f} s; its weights are the "
+            f"vision tower + merger only ({self.vision_weight_bytes} of {self.checkpoint_weight_bytes} "
+            f"checkpoint weight bytes), exported from {self.vision_shards} of {self.checkpoint_shards} "
+            "checkpoint shard files; the language-model shards were never read"
+        )

@@ -1,0 +1,3 @@
+"""The ``epd`` orchestrator: hash -> lookup -> encode -> choose a path -> prefill/decode, and the
+path cost model (Triton-free).
+"""

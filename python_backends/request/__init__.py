@@ -1,0 +1,3 @@
+"""The user-facing request: inputs, sampling parameters, media limits and checks, tenants, the
+request's Triton parameters (Triton-free).
+"""
