@@ -41,9 +41,31 @@ MODELS = ("preprocess", "vit_encoder", "encode", "encoder_0", "encoder_1", "pref
 SAMPLING = {"max_tokens": 2, "temperature": 0.0}  # TTFT is the point; decode is not
 
 
-def images(count: int) -> list[bytes]:
-    from bench.encode import photo_like_jpeg
+def photo_like_jpeg(width: int, height: int, seed: int) -> bytes:
+    """Smooth gradients, shapes and mild noise, JPEG q90: close enough to a photo's cost."""
+    import io
 
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 1, width, dtype=np.float32)[None, :, None]
+    colors = rng.uniform(0, 255, (2, 2, 3)).astype(np.float32)
+    base = (1 - y) * ((1 - x) * colors[0, 0] + x * colors[0, 1]) + y * ((1 - x) * colors[1, 0] + x * colors[1, 1])
+    base += rng.normal(0, 4, base.shape).astype(np.float32)
+    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(12):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        radius = int(rng.integers(10, max(11, min(width, height) // 4)))
+        draw.ellipse((x0, y0, x0 + radius, y0 + radius), fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def images(count: int) -> list[bytes]:
     return [photo_like_jpeg(448, 336, seed=10_000 + i) for i in range(count)]
 
 

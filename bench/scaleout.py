@@ -31,15 +31,14 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from bench.cache import private_repository, ready_server
-from bench.machine import describe_machine
+from bench.machine import describe_machine, one_line
 from bench.metrics import distribution
-from bench.reference_bytes import report_head, table
 from bench.server_stats import counter_deltas, scrape, sum_counter
 from bench.workload import synthetic_image
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
@@ -178,6 +177,17 @@ def run_point(current: Layout, workload: str, concurrency: int, requests: int) -
         "remote_failures": sum_counter(pd, "epd_remote_encoder_failures") or 0,
         "equal_to_llm": sum(r["token_ids"] == expected[image] for r, image in zip(records, batch, strict=True)),
     }
+
+
+def report_head(title: str, machine: dict[str, Any], command: str) -> list[str]:
+    """A results.md's first lines: the title, the machine and the command that made it."""
+    return [f"# {title}", "", f"Machine: {one_line(machine)}", "", f"Command: `{command}`", ""]
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A Markdown table: a header row, its rule and one line per row (cells already formatted)."""
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
 def render(results: dict[str, Any]) -> str:

@@ -2,8 +2,8 @@
 streaming, concurrency 1 and 2 (``llm``) and 1 to 4 (``epd``) on the session server, and ``epd``
 also with system shared memory, on a second server whose repository takes no video (see
 ``images_only_server``). Then perf_analyzer's request pattern replayed without perf_analyzer
-(``bench.perf_analyzer_replay``) against the session server's ``epd`` on each serving path, at
-concurrency 2 and 4.
+(``tests/server/perf_analyzer_replay.py``) against the session server's ``epd`` on each serving
+path, at concurrency 2 and 4.
 
 The binary is the one ``make tools`` installs (bench/perf_analyzer_tool.py: tritonclient
 2.41.1's build, which runs on glibc 2.36); the tests skip only where it could not be installed,
@@ -26,13 +26,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.cli import main as bench_main
-from bench.perf_analyzer_replay import replay
 from bench.perf_analyzer_tool import PerfAnalyzer, locate
 from bench.server_stats import scrape
 from builders.repository import write_repository
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from python_backends import contract
 from tests.server.conftest import CACHE_POLICY, LOG_DIR, SLOT, TEST_EXIT_TIMEOUT_S, copy_model_code, serving
+from tests.server.perf_analyzer_replay import replay
 
 pytestmark = pytest.mark.server
 
@@ -124,7 +124,8 @@ def _counters(server: TritonServer, model: str) -> tuple[float, float]:
     return counts["nv_inference_request_success"], counts["nv_inference_request_failure"]
 
 
-# Concurrency levels per model: epd up to 4, where perf_analyzer once failed from 2 on (issue 15).
+# Concurrency levels per model: epd up to 4, where perf_analyzer once failed from 2 on
+# (docs/benchmarks/investigations.md).
 LEVELS = {"llm": (1, 2), "epd": (1, 2, 3, 4)}
 
 
@@ -171,11 +172,12 @@ def test_perf_analyzer_streams_images(
     assert success_after - success_before >= len(requests)
 
 
-# perf_analyzer's request pattern without perf_analyzer (bench/perf_analyzer_replay.py says what it
-# does): one gRPC stream per concurrency slot, per-slot request ids "0", "1", ... (the same id on
-# every stream at once), the empty final response asked for, every declared output requested. The
-# original failure ("Failed to retrieve results from inference request." at c=2, issue 15) was on
-# epd's disaggregated path, the only path epd had then: it is forced here, next to the default.
+# perf_analyzer's request pattern without perf_analyzer (tests/server/perf_analyzer_replay.py says
+# what it does): one gRPC stream per concurrency slot, per-slot request ids "0", "1", ... (the same
+# id on every stream at once), the empty final response asked for, every declared output requested.
+# The original failure ("Failed to retrieve results from inference request." at c=2;
+# docs/benchmarks/investigations.md) was on epd's disaggregated path, the only path epd had then:
+# it is forced here, next to the default.
 PATHS = {"default": None, "disaggregated": {"path": "disaggregated"}}
 
 
