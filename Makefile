@@ -94,19 +94,19 @@ test-server: setup tools
 test-scaleout: setup
 	TRITON_EPD_SCALEOUT_TESTS=1 $(PY) -m pytest tests/server/test_scaleout.py tests/server/test_scaleout_fallback.py -v -rs
 
-# A stage crash end to end (issue 17): SIGKILL encoder_0's stub under load, the launcher restarts.
+# A stage crash end to end: SIGKILL encoder_0's stub under load, the launcher restarts.
 test-crash: setup
 	TRITON_EPD_CRASH_TESTS=1 $(PY) -m pytest tests/server/test_crash.py -v -rs
 
 # Cancellation at each point (before/during encode, between prefill and decode, mid-decode) on epd
-# and llm, closed stream and client gone (issue 17): its own server with test-only pauses, ~6 min.
+# and llm, closed stream and client gone: its own server with test-only pauses, ~6 min.
 test-cancel: setup
 	TRITON_EPD_CANCEL_TESTS=1 $(PY) -m pytest tests/server/test_cancel_points.py -v -rs
 
 bench-cold-start: setup
 	$(PY) -m bench.cold_start --out results/latest/cold_start
 
-# Scale-out layouts one after another (issue 13): all vs 1E+1PD vs 2E+1PD (1-3 servers at a time).
+# Scale-out layouts one after another: all vs 1E+1PD vs 2E+1PD (1-3 servers at a time).
 bench-scaleout: setup
 	$(PY) -m bench.scaleout --out results/latest/scaleout
 
@@ -122,7 +122,7 @@ bench-quick: setup
 		--modes llm llm:repeated ensemble epd epd:repeated --concurrency 1 2 4 8 16 --request-rate 4 8 \
 		--requests 32 --warmup 4 --reps 3 --slo-ttft-ms 500 --slo-tpot-ms 50 --time-budget 400 --media-salt auto $(BENCH_ARGS)
 
-# Peer comparison (issue 7): llm and epd (unique and repeated images) against vLLM's native EPD
+# Peer comparison: llm and epd (unique and repeated images) against vLLM's native EPD
 # (encoder-only vllm serve + EC connector + router) and colocated vllm serve, one server group at
 # a time, c=1/4/8. On a shared machine it waits (up to 5 min per group) for other work to leave
 # the CPUs, and measures a repetition again when other processes took > 25% of them.
@@ -145,24 +145,25 @@ bench-perf-analyzer: setup tools
 	$(PY) -m bench.perf_analyzer_run --out $(BENCH_PA_OUT) --count 8 --output-tokens 16 --image-size 128x96 \
 		--window-requests 8 --runs llm:1 llm:2 epd:1 epd:2 epd:4 $(BENCH_ARGS)
 
-# Soak (issue 17): the 10 min run, not in CI (`make test` runs 60 s of it: tests/server/test_soak.py). CPU heavy: run it alone.
+# Soak (tests/stress/soak.py): the 10 min run, not in CI (`make test` runs 60 s of it: tests/server/test_soak.py).
+# CPU heavy: run it alone.
 SOAK_OUT ?= results/latest/soak
 # The 60 s soak test alone (`make test` runs it with the other server tests).
 test-soak: setup
 	$(PY) -m pytest tests/server/test_soak.py -v -rs
 
 soak: setup
-	$(PY) -m bench soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
+	$(PY) -m tests.stress.soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
 
 # Thousands of cancelled gRPC streams on tiny models (ours and Triton's own pattern), then a stop:
-# how often Triton 2.51 never unloads the model (issue 17), ~20 min.
+# how often Triton 2.51 never unloads the model (docs/operations.md), ~20 min.
 cancel-storm: setup
-	$(PY) -m bench.cancel_storm --out results/latest/cancel-storm
+	$(PY) -m tests.stress.cancel_storm --out results/latest/cancel-storm
 
-# Crash table (issue 17): a fresh server per case, SIGKILL under load, restarted like a container.
+# Crash table (tests/stress/crash.py): a fresh server per case, SIGKILL under load, restarted like a container.
 CRASH_OUT ?= results/latest/crash
 crash: setup
-	$(PY) -m bench crash --out $(CRASH_OUT) $(BENCH_ARGS)
+	$(PY) -m tests.stress.crash --out $(CRASH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json

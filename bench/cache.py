@@ -27,9 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import describe_machine, one_line
 from bench.metrics import distribution
 from bench.server_stats import counter_deltas, scrape_required, sum_counter
+from builders.machine import describe_machine, one_line
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
 

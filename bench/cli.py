@@ -368,9 +368,9 @@ def _meta(args: argparse.Namespace, machine: dict[str, Any], started: float, ori
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from bench.machine import describe_machine
     from bench.report import markdown, write_outputs
     from bench.sweep import Sweep
+    from builders.machine import describe_machine
 
     config = _sweep_config(args)
     if config is None:
@@ -393,11 +393,11 @@ def command_run(args: argparse.Namespace) -> int:
 
 
 def command_peers(args: argparse.Namespace) -> int:
-    from bench.machine import describe_machine
     from bench.peer_servers import PeerSettings
     from bench.peers import PeerRun, PeerRunConfig
     from bench.peers_report import peers_markdown, write_peer_outputs
     from builders.default_model import build_default_model, resolve_model
+    from builders.machine import describe_machine
 
     config = _sweep_config(args)
     if config is None:
@@ -461,16 +461,16 @@ def command_perf_analyzer_inputs(args: argparse.Namespace) -> int:
     return 0
 
 
-# ``python -m bench crash|soak ...``: stage crashes under load, and the long mixed-load soak.
-SEPARATE_COMMANDS = {"crash": "bench.crash", "soak": "bench.soak"}
+# The crash and soak harnesses are stress tests now (tests/stress/), not bench commands.
+MOVED_COMMANDS = {"crash": "make crash", "soak": "make soak"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SEPARATE_COMMANDS:  # experiments with their own argument parser
-        import importlib
-
-        return int(importlib.import_module(SEPARATE_COMMANDS[argv[0]]).main(argv[1:]))
+    if argv and argv[0] in MOVED_COMMANDS:
+        print(f"python -m bench {argv[0]} is gone: run `{MOVED_COMMANDS[argv[0]]}` "
+              f"(python -m tests.stress.{argv[0]} ...)", file=sys.stderr)  # fmt: skip
+        return 2
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in the results: the exact command that produced them
     handlers = {

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.machine import one_line
 from bench.metrics import PERCENTILES
+from builders.machine import one_line
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 STATS = ("mean", *(f"p{p}" for p in PERCENTILES))

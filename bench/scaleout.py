@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.cache import private_repository, ready_server
-from bench.machine import describe_machine, one_line
 from bench.metrics import distribution
 from bench.server_stats import counter_deltas, scrape, sum_counter
 from bench.workload import synthetic_image
+from builders.machine import describe_machine, one_line
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
 

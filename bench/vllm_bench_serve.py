@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {t: results[t] for t in (*OUR_MODELS, BASELINE) if t in results}
     rows = summarize(results)
     command = "python -m bench.vllm_bench_serve " + shlex.join(argv)
-    from bench.machine import describe_machine
+    from builders.machine import describe_machine
 
     summary = {
         "command": command,

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench.server_stats import MetricsSnapshot, parse_metrics
 from builders.stage_watch import find_py_spy, native_stacks, server_processes
 from builders.tritonserver import StopReport, TritonServer
 from python_backends.runtime.heartbeat import heartbeat_age_s
@@ -140,8 +140,15 @@ def _request_counters(metrics_text: str, models: list[str]) -> list[str]:
     ]
 
 
-def _gauge(metrics: MetricsSnapshot, name: str) -> float | None:
-    return next((value for (gauge, _), value in metrics.gauges.items() if gauge == name), None)
+def _gauges(metrics_text: str) -> dict[str, float]:
+    """Every sample that is not a counter's, by name (the first of each name); ValueError when
+    ``metrics_text`` is not the metrics format."""
+    gauges: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.type != "counter":
+            for sample in family.samples:
+                gauges.setdefault(sample.name, float(sample.value))
+    return gauges
 
 
 def held_by_triton(models: list[str], metrics_text: str, beating: dict[str, bool], connections: int) -> bool:
@@ -153,13 +160,13 @@ def held_by_triton(models: list[str], metrics_text: str, beating: dict[str, bool
     (``make cancel-storm`` reproduces it on a tiny model; fixed upstream; README "Soak").
     Anything else (a hung stub, a request of ours never ended, a stream a test left open) is not."""
     try:
-        metrics = parse_metrics(metrics_text)
+        gauges = _gauges(metrics_text)
     except ValueError:  # /metrics did not answer (``_fetch``'s "<failed: ...>"): nothing is known
         return False
 
     def holds_nothing(model: str) -> bool:
-        running = _gauge(metrics, f"epd_{model}_running_requests")
-        streams = _gauge(metrics, f"epd_{model}_bls_open_streams")
+        running = gauges.get(f"epd_{model}_running_requests")
+        streams = gauges.get(f"epd_{model}_bls_open_streams")
         return running == 0 and not streams and beating.get(model, False)
 
     return bool(models) and connections == 0 and all(holds_nothing(model) for model in models)

@@ -1,4 +1,4 @@
-"""A stage crash under load, end to end (the full table: ``python -m bench crash``, README
+"""A stage crash under load, end to end (the full table: ``make crash``, docs/operations.md
 "Crashes"): ``triton-epd-serve`` run as a container's restart policy runs it, ``epd`` load with a
 deadline per request, then SIGKILL of ``encoder_0``'s stub. Clients see errors, never a hang;
 the launcher notices the dead stage, stops the server (readiness goes down) and exits with
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.crash import Paths, run_case
 from builders.launcher import STAGE_CRASHED
 from tests.server.conftest import LOG_DIR, SERVER_REPOSITORY, copy_model_code
+from tests.stress.crash import Paths, run_case
 
 pytestmark = [
     pytest.mark.server,

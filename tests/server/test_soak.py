@@ -1,4 +1,4 @@
-"""60 s of the soak (``bench.soak``; ``make soak`` runs 10 minutes) against the session server:
+"""60 s of the soak (``tests.stress.soak``; ``make soak`` runs 10 minutes) against the session server:
 mixed load at concurrency 4 -- good requests with unique and repeated images, corrupt images,
 streams cancelled mid-way -- with every server process sampled. Asserts what is deterministic
 on a shared machine: no good request fails, every bad input gets a coded error naming it, nothing
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from bench.soak import run_soak
 from builders.tritonserver import TritonServer
 from tests.server.conftest import CACHE_POLICY
+from tests.stress.soak import run_soak
 
 # In `make test` (issue 17: "a 60 s version in CI"). Its ~300 streams cancelled after their first
 # response can make Triton 2.51 keep `epd` from unloading at the session's stop: a gRPC frontend

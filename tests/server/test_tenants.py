@@ -3,8 +3,9 @@
 Tenant B sending tenant A's image gets no hit and no faster answer: the request is a miss that
 encodes (the encoders' encode counter rises by one) exactly as for an image no one ever sent; B's
 ``mm_hash:`` reference to A's image gets the byte-identical code and message of an unknown hash.
-Timing is not asserted here (bench/tenants.py measures it into results/). Also: the store's files
-are the owner's only and its reference secret never reaches the server log.
+Timing is not asserted here (a timing script was written, never run and deleted:
+docs/benchmarks/investigations.md). Also: the store's files are the owner's only and its
+reference secret never reaches the server log.
 """
 
 from __future__ import annotations

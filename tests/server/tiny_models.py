@@ -1,5 +1,5 @@
 """Tiny decoupled python models (no vLLM, seconds to start) for the stop tests and the cancel
-storm (``bench/cancel_storm.py``): ``ticker`` streams tokens with the real DecoupledModel,
+storm (``tests/stress/cancel_storm.py``): ``ticker`` streams tokens with the real DecoupledModel,
 ``relay`` streams them over BLS with the real BlsCaller, and ``canonical`` is Triton's own
 decoupled pattern (python_backend's repeat example: a thread per request, no code of ours).
 """

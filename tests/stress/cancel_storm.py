@@ -1,7 +1,7 @@
 """Cancel storm: does a tiny decoupled model unload at stop after many cancelled gRPC streams?
 
-Issue 17's residual stop hang ("Exit timeout expired", the model never unloads, its stub idle)
-needs thousands of cancels to show. This runs it without vLLM, on tiny models that start in
+The residual stop hang of docs/operations.md ("Exit timeout expired", the model never unloads, its
+stub idle) needs thousands of cancels to show. This runs it without vLLM, on tiny models that start in
 seconds (tests/server/tiny_models.py), one model per server so the live model is known:
 
 - ``ticker``: our DecoupledModel (every request ends with one FINAL, counted as running until then);
@@ -20,7 +20,7 @@ round: ``--seconds`` of ``--clients`` closed-loop gRPC streaming clients, then S
 whether Triton alone held the model (tests/server/stop_dump.py ``held_by_triton``: the model's own
 counters at 0, its stub alive and never finalized, no client connection left).
 
-    python -m bench.cancel_storm --rounds 5 --seconds 40 --clients 8 --out results/latest/cancel-storm
+    python -m tests.stress.cancel_storm --rounds 5 --seconds 40 --clients 8 --out results/latest/cancel-storm
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench.machine import describe_machine, one_line
+from builders.machine import describe_machine, one_line
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 from tests.server.stop_dump import watch_stuck_stop
@@ -177,7 +177,8 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace, machine: dic
     lines = [
         "# Cancel storm: unclean stops after cancelled gRPC streams",
         "",
-        f"`python -m bench.cancel_storm --rounds {args.rounds} --seconds {args.seconds:g} --clients {args.clients}`"
+        f"`python -m tests.stress.cancel_storm --rounds {args.rounds} --seconds {args.seconds:g}"
+        f" --clients {args.clients}`"
         f" ({args.exit_timeout_s} s exit timeout, {TICK_S * 1000:.0f} ms per token); {one_line(machine)}.",
         "",
         "| model | load | rounds | requests | cancelled | errors | unclean stops | of them: exit timeout "

@@ -14,9 +14,9 @@ run as a container's restart policy runs it: started again whenever it exits, on
 5. the store: leases and claims of dead processes reaped, 0 active leases once idle, and a
    request with an image stored before the crash is served (a hit) by the recovered server.
 
-Writes ``crash.json`` and ``crash.md`` (the README's crash table) under ``--out``.
+Writes ``crash.json`` and ``crash.md`` (the crash table of docs/operations.md) under ``--out``.
 
-    python -m bench crash [--cases stub:encoder_0 stub:prefill stub:decode engine:decode tritonserver]
+    python -m tests.stress.crash [--cases stub:encoder_0 stub:prefill stub:decode engine:decode tritonserver]
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Any
 
 import psutil
 
-from bench.fault_load import FaultLoad, error_messages, small_jpeg, tally
-from bench.machine import describe_machine, one_line
+from builders.machine import describe_machine, one_line
 from builders.processes import ProcessGroup
 from builders.stage_watch import find_role
 from builders.tritonserver import REPO_ROOT, Ports
 from client.epd_client import GrpcClient, chat_prompt
+from tests.stress.fault_load import FaultLoad, error_messages, small_jpeg, tally
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "crash"
 DEFAULT_CASES = ("stub:encoder_0", "stub:prefill", "stub:decode", "engine:decode", "tritonserver")
@@ -343,7 +343,7 @@ def write_report(cases: list[dict[str, Any]], out: Path, command: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench crash", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.stress.crash", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES))
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--deadline-s", type=float, default=90.0, help="a request unanswered this long is a hang")
@@ -359,7 +359,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python -m bench crash " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tests.stress.crash " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = Paths.under(args.work, str(os.getpid()))
     args.work.mkdir(parents=True, exist_ok=True)
     repo = prepare_repository(paths)

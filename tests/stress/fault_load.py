@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from client.epd_client import ClientError, GrpcClient, chat_prompt
+from tests.images import synthetic_image
 
 SAMPLING = {"max_tokens": 8, "temperature": 0.0}
 KINDS = ("unique", "repeated", "bad", "cancel")
@@ -29,9 +30,7 @@ HANG_MARK = "no response from"
 
 def small_jpeg(seed: int, size: int = 112) -> bytes:
     """A distinct JPEG per seed (different bytes, different content key), cheap to make."""
-    from bench.encode import photo_like_jpeg
-
-    return photo_like_jpeg(size, size, seed=seed)
+    return synthetic_image(size, size, seed=seed)
 
 
 @dataclass(frozen=True)

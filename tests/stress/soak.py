@@ -14,7 +14,7 @@ Total RSS is sampled and plotted too, but not judged: on a machine without swap 
 file-backed library pages that the kernel drops and reloads as free memory comes and goes
 (``builders.stage_watch.anonymous_rss``), so it moves with other processes' load.
 
-    python -m bench soak --duration 600 --concurrency 8 [--url HOST:GRPC --http-url HOST:HTTP --store PATH]
+    python -m tests.stress.soak --duration 600 --concurrency 8 [--url HOST:GRPC --http-url HOST:HTTP --store PATH]
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.fault_load import FaultLoad, Outcome, as_rows, error_messages, tally
-from bench.machine import describe_machine, one_line
+from builders.machine import describe_machine, one_line
 from builders.stage_watch import sample_process, server_processes
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from tests.stress.fault_load import FaultLoad, Outcome, as_rows, error_messages, tally
 
 DEFAULT_OUT = REPO_ROOT / "results" / "latest" / "soak"
 MIX = {"unique": 0.3, "repeated": 0.35, "bad": 0.15, "cancel": 0.2}
@@ -242,7 +242,7 @@ def write_report(result: dict[str, Any], out: Path, command: str, load_note: str
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.stress.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--sample-s", type=float, default=3.0)
@@ -255,8 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python -m bench soak " + " ".join(sys.argv[1:] if argv is None else argv)
-    from bench.crash import Paths, prepare_repository
+    command = "python -m tests.stress.soak " + " ".join(sys.argv[1:] if argv is None else argv)
+    from tests.stress.crash import Paths, prepare_repository
 
     paths = Paths.under(REPO_ROOT / "build" / "bench-soak", f"soak-{os.getpid()}")
     paths.work.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ def test_render_has_one_row_per_point() -> None:
         "stage_ms_mean": {"encode": 50.0, "prefill": 20.0}, "encodes": 4.0, "cache_hits": 12,
         "cross_node_bytes": 4096.0, "remote_encode_ms_mean": None, "equal_to_llm": 16,
     }  # fmt: skip
-    from bench.machine import describe_machine
+    from builders.machine import describe_machine
 
     results = {"machine": describe_machine(), "command": "python -m bench.scaleout", "requests": 16,
                "ready_s": {"all": 60.0}, "points": [point, {**point, "layout": "all"}]}  # fmt: skip

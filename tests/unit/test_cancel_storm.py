@@ -1,10 +1,10 @@
-"""bench.cancel_storm's tally: unclean stops per (model, load), and its table."""
+"""tests.stress.cancel_storm's tally: unclean stops per (model, load), and its table."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench.cancel_storm import markdown, summarize
+from tests.stress.cancel_storm import markdown, summarize
 
 
 def row(model: str, load: str, clean: bool, early: int = 3, mid: int = 5, complete: int = 2) -> dict:

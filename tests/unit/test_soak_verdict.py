@@ -1,12 +1,12 @@
-"""The soak's flatness verdict (bench/soak.py): judged on anonymous RSS and fds, not total RSS."""
+"""The soak's flatness verdict (tests/stress/soak.py): judged on anonymous RSS and fds, not total RSS."""
 
 from __future__ import annotations
 
 import os
 
-from bench.fault_load import Outcome
-from bench.soak import verdict
 from builders.stage_watch import anonymous_rss, sample_process
+from tests.stress.fault_load import Outcome
+from tests.stress.soak import verdict
 
 MiB = 2**20
 
