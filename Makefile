@@ -156,7 +156,7 @@ soak: setup
 	$(PY) -m tests.stress.soak --duration 600 --concurrency 8 --out $(SOAK_OUT) $(BENCH_ARGS)
 
 # Thousands of cancelled gRPC streams on tiny models (ours and Triton's own pattern), then a stop:
-# how often Triton 2.51 never unloads the model (docs/operations.md), ~20 min.
+# how often Triton 2.51 never unloads the model (docs/benchmarks/cancel-storm.md), ~20 min.
 cancel-storm: setup
 	$(PY) -m tests.stress.cancel_storm --out results/latest/cancel-storm
 

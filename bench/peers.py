@@ -9,7 +9,8 @@ to every served model, greedy token ids and prompt lengths compared across all m
 stop. In the ``vllm-epd`` group, ``ec_load_proof`` also shows that the consumer reads the
 stored encoder cache (zeroed embeddings change its answer) rather than encoding the image
 again. The results are merged into one summary with ratios against ``llm``, against the
-best peer, and the issue's goals checked at every load point (``bench.peers_report``).
+best peer, and the peer comparison's goals (docs/benchmarks/peers.md) checked at every load
+point (``bench.peers_report``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What ``bench peers`` concludes and writes: the comparisons (ratios against the best peer,
-the issue's goals, validity warnings, sweep-time token agreement) and the outputs: the usual
+the goals of docs/benchmarks/peers.md, validity warnings, sweep-time token agreement) and the outputs: the usual
 files (summary.json, raw.json, results.csv, plots) plus peers.csv and a results.md that starts
 with what the peer comparison is for: the goals, the ratios against the best peer and output
 equality."""
@@ -29,7 +29,7 @@ RATIO_COLUMNS = (
 
 
 THROUGHPUT_METRICS = ("request_throughput", "output_token_throughput")
-# The issue's stated goals (ours, CPU).
+# The peer comparison's goals (ours, CPU; docs/benchmarks/peers.md).
 E2E_GOAL_FACTOR = 1.15
 
 
@@ -99,7 +99,7 @@ def _top_stages(point: dict[str, Any], count: int = 3) -> str:
 
 
 def goal_checks(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's goals at every load point both modes ran: ``epd:repeated`` beats
+    """The peer comparison's goals at every load point both modes ran: ``epd:repeated`` beats
     ``vllm-epd:repeated`` on TTFT p50 and p90; ``epd`` e2e p50 within 1.15x ``vllm-colocated``'s."""
     checks = []
     labels = list(dict.fromkeys(p["load_label"] for p in points if p.get("status") == "ran"))

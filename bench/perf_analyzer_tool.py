@@ -1,4 +1,4 @@
-"""Install and locate the ``perf_analyzer`` build that runs on these machines (DESIGN.md).
+"""Install and locate the ``perf_analyzer`` build that runs on these machines (docs/facts.md).
 
 PyPI's ``perf-analyzer`` wheel needs glibc 2.38; Debian 12 has 2.36. The binary inside the
 ``tritonclient==2.41.1`` wheel (built for glibc <= 2.35) runs, given two shared libraries:

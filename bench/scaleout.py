@@ -1,5 +1,5 @@
-"""Scale-out benchmark (issue 13): ``all`` vs 1E+1PD vs 2E+1PD, unique and repeated images,
-concurrency 1/4/8, in one run (not a test).
+"""Scale-out benchmark: ``all`` vs 1E+1PD vs 2E+1PD, unique and repeated images, concurrency
+1/4/8, in one run (not a test; docs/benchmarks/scale-out.md).
 
 Layouts (each started, measured and stopped in turn; one at a time fits the shared machine):
 

@@ -15,9 +15,9 @@ Modes run one after the other (every point of a mode, then the next mode), or wi
 within a point repetition by repetition (every mode's first repetition, then every mode's
 second, in an order drawn each round), so that on a shared machine whose load drifts the
 modes compared at one point ran seconds apart, not a sweep (or a mode's repetitions) apart.
-Until 2026-12-02 (issue 14, path benchmark runs 1-9) ``interleave`` ran a mode's repetitions
-back to back; within-mode spread then showed up as one mode's bias (the same path measured
-1.44x apart at one point of run 9).
+In the serving-path benchmark's runs 1-9 (docs/benchmarks/serving-paths.md) ``interleave`` ran
+a mode's repetitions back to back; within-mode spread then showed up as one mode's bias (the same
+path measured 1.44x apart at one point of run 9).
 """
 
 from __future__ import annotations
@@ -375,8 +375,8 @@ class Sweep:
 
 def round_order(modes: int, seed: int, point: int, rep: int) -> list[int]:
     """The order of the modes in one interleaved round: a permutation drawn per (point, round).
-    Until 2026-12-02 each round rotated one fixed order by one mode, which kept nearly every
-    mode right after the same other one in every round: whatever a mode leaves behind (an
+    Each round once rotated one fixed order by one mode (docs/benchmarks/serving-paths.md, run
+    17), which kept nearly every mode right after the same other one in every round: whatever a mode leaves behind (an
     engine warm or cold, work still running) then biased the next one the same way each time.
     Drawn orders spread that over the modes."""
     return [int(i) for i in np.random.default_rng([seed, 11, point, rep]).permutation(modes)]

@@ -42,7 +42,8 @@ from python_backends import contract
 from python_backends.contract import ModelInterface
 
 POSITIONS_MODEL_TEMPLATE = "vit_positions_model.py"
-ENCODER_MODEL_TEMPLATE = "encoder_model.py"
+# Every encoder_<i> serves the kept model.py of encoder_0 (the one always there: encoders >= 1).
+ENCODER_MODEL_SOURCE = Path(__file__).resolve().parents[1] / "model_repository" / "encoder_0" / "1" / "model.py"
 
 
 def _json(value: Any) -> str:
@@ -283,7 +284,7 @@ def _python_model_config(target: Target, name: str, interface: ModelInterface, p
 
 def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     """``encoder_<i>``: media in, store write, references out (one model per encoder)."""
-    model_py = (TEMPLATES / ENCODER_MODEL_TEMPLATE).read_text()
+    model_py = ENCODER_MODEL_SOURCE.read_text()
     parameters = {
         **_store_parameters(target, facts),
         **_key_parameters(target, model_dir),
@@ -296,7 +297,8 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
     files: dict[str, str] = {}
     for name in target.cache.encoder_models:
         files[f"{name}/config.pbtxt"] = _python_model_config(target, name, interface, parameters)
-        files[f"{name}/1/model.py"] = model_py
+        if name != contract.encoder_model_names(1)[0]:  # encoder_0's is the kept source itself
+            files[f"{name}/1/model.py"] = model_py
     return files
 
 

@@ -1,4 +1,5 @@
-"""Layout advisor: a SimPy discrete-event model of colocated and xE+yP+zD serving (issue 14).
+"""Layout advisor: a SimPy discrete-event model of colocated and xE+yP+zD serving
+(docs/benchmarks/advisor.md).
 
 - ``profiles``: hardware profiles (stage service times) as JSON under ``profiles/``.
 - ``simulator``: the discrete-event model, fed with a profile, a layout and a workload.

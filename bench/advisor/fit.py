@@ -33,15 +33,16 @@ MODE_SETUPS: dict[str, tuple[str, float]] = {
     "epd:colocated": ("colocated", 0.0),
     "epd:colocated:repeated": ("colocated", 1.0),
 }
-# The same modes as issue 14's path benchmark names them (``MODEL[:PATH][:MEDIA]``): llm with
-# unique images is plain ``llm``; epd forced onto its disaggregated path is the ``epd`` above.
+# The same modes as the serving-path benchmark names them (``MODEL[:PATH][:MEDIA]``,
+# docs/benchmarks/serving-paths.md): llm with unique images is plain ``llm``; epd forced onto its
+# disaggregated path is the ``epd`` above.
 MODE_ALIASES: dict[str, str] = {
     "llm:unique": "llm",
     "epd:disaggregated:unique": "epd",
     "epd:disaggregated:repeated": "epd:repeated",
     "epd:colocated:unique": "epd:colocated",
 }
-TOLERANCE = 0.20  # the issue's acceptance: predictions within +-20% on e2e p50
+TOLERANCE = 0.20  # the acceptance (docs/benchmarks/advisor.md): predictions within +-20% on e2e p50
 
 # The parameters the fit moves, with bounds; the rest of the profile stays as given.
 FIT_PARAMETERS: tuple[tuple[str, float, float], ...] = (

@@ -146,6 +146,7 @@ TENANT = "tenant"
 # Request parameter of an encoder model (a ``pd`` server on another node asks it): answer the
 # stored embedding by value too, with its digest (``python_backends/scaleout/digest.py``).
 BY_VALUE = "by_value"
+ENCODER_REQUEST_PARAMETER = "encoder"  # epd: the encoder model a request pins
 EMBEDDING_DIGEST = "embedding_digest"
 # preprocess (cpu): the serialized DALI pipeline.
 PIPELINE_FILE = "pipeline_file"

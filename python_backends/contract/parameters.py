@@ -1,8 +1,8 @@
 """Every config parameter with its one default, how values parse, and the cache policy.
 
 ``ModelParameters`` (python_backends/runtime/model_params.py) reads a model's parameters with these
-defaults and bounds; ``builders`` write them. The store's own defaults (path, capacity) live
-with the store (``python_backends/store/config.py``) and are read from there.
+defaults and bounds; ``builders`` write them. The store's defaults (path, capacity) are here
+too: the store reads them from the contract, never the other way round.
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ from python_backends.contract.names import (
     ContractError,
     encoder_model_names,
 )
-from python_backends.store.config import DEFAULT_CAPACITY_BYTES, DEFAULT_STORE_PATH
+
+# The node's embedding store: LMDB on tmpfs, 1 GiB (the store's defaults too: store/config.py).
+DEFAULT_STORE_PATH = "/dev/shm/triton-epd-embeddings"
+DEFAULT_CAPACITY_BYTES = 1 << 30
 
 __all__ = [
     "PARAMETERS",

@@ -1,6 +1,6 @@
 """An encoder instance in front of the node's embedding store: media in, references out.
 
-Who calls what: each ``encoder_<i>`` model (template ``builders/templates/encoder_model.py``)
+Who calls what: each ``encoder_<i>`` model (``model_repository/encoder_0/1/model.py``, via ``server.py``)
 builds one :class:`CachedEncoder` with the node's :class:`EmbeddingStore`, the key config and
 an ``encode`` coroutine that runs the ``encode`` ensemble (preprocess -> vit_encoder) by BLS.
 ``epd`` calls the encoder models for the images it did not find in the store; clients may

@@ -27,7 +27,6 @@ its last chunk is handed on; on a failure or cancellation, when the request ends
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -43,40 +42,7 @@ from python_backends.request.images import ImageLimits, header_pixels
 from python_backends.request.sampling import DEFAULT_MAX_TOKENS
 from python_backends.store import EmbeddingStore, KeyConfig
 
-__all__ = ["EpdPipeline", "StageClient", "pinned_encoder", "requested_path"]
-
-
-def _request_parameter(request_parameters: str | None, name: str) -> object | None:
-    if not request_parameters:
-        return None
-    try:
-        parameters = json.loads(request_parameters)
-    except ValueError:
-        return None  # Triton gives JSON; anything else carries nothing
-    return parameters.get(name) if isinstance(parameters, dict) else None
-
-
-def pinned_encoder(request_parameters: str | None) -> str | None:
-    """The encoder model a request pins (Triton request parameter ``encoder``), if any."""
-    value = _request_parameter(request_parameters, "encoder")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise EpdError("request parameter 'encoder' must be the name of an encoder model", ErrorCode.INVALID_ARG)
-    return value
-
-
-def requested_path(request_parameters: str | None) -> str | None:
-    """The serving path a request forces (Triton request parameter ``path``), if any."""
-    value = _request_parameter(request_parameters, contract.PATH_REQUEST_PARAMETER)
-    if value is None:
-        return None
-    if value not in contract.PATH_POLICIES:
-        raise EpdError(
-            f"request parameter 'path' must be one of {', '.join(contract.PATH_POLICIES)}, got {value!r}",
-            ErrorCode.INVALID_ARG,
-        )
-    return None if value == contract.ADAPTIVE_POLICY else str(value)
+__all__ = ["EpdPipeline", "StageClient"]
 
 
 class EpdPipeline:

@@ -15,26 +15,13 @@ The tenant never appears in logs, keys on the wire or error messages.
 
 from __future__ import annotations
 
-import json
 import unicodedata
-from collections.abc import Mapping
 from typing import Any
 
 from python_backends import contract
 from python_backends.errors import invalid_arg
 
 MAX_TENANT_CHARS = 256
-
-
-def request_parameters(raw: str | None) -> Mapping[str, Any]:
-    """A request's Triton parameters (``request.parameters()``: JSON) as a mapping."""
-    if not raw:
-        return {}
-    try:
-        parameters = json.loads(raw)
-    except ValueError:
-        return {}  # Triton always gives JSON; anything else carries no parameter
-    return parameters if isinstance(parameters, dict) else {}
 
 
 def check_tenant(value: Any) -> str:
@@ -51,12 +38,6 @@ def check_tenant(value: Any) -> str:
     if any(unicodedata.category(char) in ("Cc", "Cs") for char in value):
         raise invalid_arg(f"request parameter '{contract.TENANT}' must not contain control characters")
     return value
-
-
-def request_tenant(parameters: Mapping[str, Any]) -> str | None:
-    """The request's tenant (checked), or None when it names none."""
-    value = parameters.get(contract.TENANT)
-    return None if value is None else check_tenant(value)
 
 
 def key_space(tenant: str | None, policy: str) -> str | None:

@@ -9,14 +9,16 @@ still pass its own.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from python_backends import contract
 from python_backends.contract import ContractError
 
 if TYPE_CHECKING:
-    from python_backends.store import StoreConfig
+    from python_backends.store import KeyConfig, StoreConfig
 
 
 @dataclass(frozen=True)
@@ -106,3 +108,14 @@ class ModelParameters:
         )
         config.validate()  # at load, with the store's own message
         return config
+
+    def key_config(self, repository: Path, video_sampling: Mapping[str, Any] | None) -> KeyConfig:
+        """The store's content keys as every store-using model takes them: media bytes +
+        preprocessing config + the served encoder file's digest (+ video sampling)."""
+        from python_backends.store import KeyConfig
+
+        return KeyConfig.from_files(
+            Path(self.string(contract.PREPROCESSOR_CONFIG)),
+            repository / self.string(contract.ENCODER_FILE),
+            video_sampling,
+        )

@@ -1,7 +1,7 @@
-"""The settings of one embedding store, and the defaults other modules read from here.
+"""The settings of one embedding store.
 
-``DEFAULT_CAPACITY_BYTES`` is the one default of the store's capacity: the repository
-builder's cache policy and the model parameters read it instead of spelling their own.
+Its defaults (path, capacity) are the contract's (``contract/parameters.py``): the repository
+builder's cache policy, the model parameters and the store read the same two constants.
 """
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from python_backends.contract.parameters import DEFAULT_CAPACITY_BYTES, DEFAULT_STORE_PATH
 from python_backends.errors import invalid_arg
 from python_backends.store.device_memory import cuda_device_index
 from python_backends.store.reference import check_location
 
-DEFAULT_STORE_PATH = "/dev/shm/triton-epd-embeddings"
-DEFAULT_CAPACITY_BYTES = 1 << 30
 _MIB = 1 << 20
 
 

@@ -22,12 +22,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
-
-from python_backends.pd.transfer import list_transfers
 
 
 class MetricHandle:
@@ -223,12 +220,12 @@ class KvTransferMetrics:
     """``epd_kv_pending_transfers``: prefilled KV transfers in the node's KV folder that no decode
     has consumed or discarded yet (0 once every request, cancelled ones too, has ended)."""
 
-    def __init__(self, metrics: ModelMetrics, store: Path) -> None:
-        self._store = store
+    def __init__(self, metrics: ModelMetrics, pending: Callable[[], int]) -> None:
+        self._count = pending  # ``pd.transfer.list_transfers`` of the KV folder, counted
         self._pending = metrics.gauge("epd_kv_pending_transfers", "Prefilled KV transfers not yet consumed or dropped")
 
     def refresh(self) -> None:
-        self._pending.set(len(list_transfers(self._store)))
+        self._pending.set(self._count())
 
     async def refresh_every(self, period_s: float) -> None:
         while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -104,3 +105,21 @@ def chunk_tensors(chunk: GenerationChunk, declared: Collection[str] | None = Non
 
 def chunk_response(chunk: GenerationChunk, declared: Collection[str] | None = None) -> pb_utils.InferenceResponse:
     return response(chunk_tensors(chunk, declared))
+
+
+def encoder_response(answers: Sequence[Any], by_value: tuple[np.ndarray, np.ndarray, str] | None) -> Any:
+    """An ``encoder_<i>`` model's one response: references, mm_hashes, hits (and, ``by_value``,
+    the embedding, its grid and digest). ``answers``: ``encode.cached.EncoderAnswer``."""
+    tensors = [
+        bytes_tensor(contract.REFERENCES, [a.reference.to_bytes() for a in answers]),
+        bytes_tensor(contract.MM_HASH, [a.client_mm_hash for a in answers]),
+        tensor(contract.CACHE_HIT, [a.cache_hit for a in answers], bool),
+    ]
+    if by_value is not None:
+        embeds, grid, digest = by_value
+        tensors += [
+            tensor(contract.IMAGE_EMBEDS, embeds, np.float32),
+            tensor(contract.IMAGE_GRID_THW, grid, np.int64),
+            bytes_tensor(contract.EMBEDDING_DIGEST, [digest]),
+        ]
+    return response(tensors)

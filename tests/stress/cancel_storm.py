@@ -1,8 +1,9 @@
 """Cancel storm: does a tiny decoupled model unload at stop after many cancelled gRPC streams?
 
-The residual stop hang of docs/operations.md ("Exit timeout expired", the model never unloads, its
-stub idle) needs thousands of cancels to show. This runs it without vLLM, on tiny models that start in
-seconds (tests/server/tiny_models.py), one model per server so the live model is known:
+The residual stop hang of docs/benchmarks/cancel-storm.md ("Exit timeout expired", the model never
+unloads, its stub idle) needs thousands of cancels to show. This runs it without vLLM, on tiny
+models that start in seconds (tests/server/tiny_models.py), one model per server so the live model
+is known:
 
 - ``ticker``: our DecoupledModel (every request ends with one FINAL, counted as running until then);
 - ``canonical``: Triton's own decoupled pattern (a thread per request, no code of ours);

@@ -14,7 +14,7 @@ run as a container's restart policy runs it: started again whenever it exits, on
 5. the store: leases and claims of dead processes reaped, 0 active leases once idle, and a
    request with an image stored before the crash is served (a hit) by the recovered server.
 
-Writes ``crash.json`` and ``crash.md`` (the crash table of docs/operations.md) under ``--out``.
+Writes ``crash.json`` and ``crash.md`` (the crash table of docs/benchmarks/crashes.md) under ``--out``.
 
     python -m tests.stress.crash [--cases stub:encoder_0 stub:prefill stub:decode engine:decode tritonserver]
 """

@@ -16,9 +16,10 @@ from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
 from python_backends.engines.generation import GenerationChunk
 from python_backends.epd import colocated as colocated_path
 from python_backends.epd.path_cost import PathCostModel
-from python_backends.epd.pipeline import EpdPipeline, requested_path
+from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.request.generate import GenerateRequest
+from python_backends.request.parameters import RequestParameters
 from tests.images import synthetic_image
 from tests.unit import test_epd_pipeline
 from tests.unit.test_epd_pipeline import ENCODERS, KEYS, FakeStages, request
@@ -192,6 +193,9 @@ def test_a_forced_path_that_is_not_served_is_a_clear_error(store):
 
 
 def test_the_path_request_parameter():
+    def requested_path(raw):
+        return RequestParameters.parse(raw).path
+
     assert requested_path(json.dumps({"path": "colocated"})) == COLOCATED_PATH
     assert requested_path(json.dumps({"path": "adaptive"})) is None  # the deployment's rule, explicitly
     assert requested_path(json.dumps({"encoder": "encoder_0"})) is None and requested_path(None) is None

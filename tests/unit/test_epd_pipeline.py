@@ -14,9 +14,10 @@ import pytest
 
 from python_backends.encode.cached import CachedEncoder, EncodedImage, cache_namespace
 from python_backends.engines.generation import GenerationChunk
-from python_backends.epd.pipeline import EpdPipeline, pinned_encoder
+from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.request.generate import CachedImage, GenerateRequest
+from python_backends.request.parameters import RequestParameters
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig, parse_reference
 
 KEYS = KeyConfig({"size": 336}, "encoder-v1")
@@ -303,10 +304,10 @@ def test_a_pre_encoded_image_is_used_by_mm_hash_and_an_unknown_one_is_not_found(
 
 
 def test_pinned_encoder_comes_from_triton_request_parameters():
-    assert pinned_encoder(None) is None and pinned_encoder("{}") is None
-    assert pinned_encoder('{"encoder": "encoder_1", "other": 3}') == "encoder_1"
+    assert RequestParameters.parse(None).encoder is None and RequestParameters.parse("{}").encoder is None
+    assert RequestParameters.parse('{"encoder": "encoder_1", "other": 3}').encoder == "encoder_1"
     with pytest.raises(EpdError):
-        pinned_encoder('{"encoder": 3}')
+        RequestParameters.parse('{"encoder": 3}')
 
 
 def test_an_encoder_error_names_the_image_by_its_index_in_the_request(store):

@@ -1,6 +1,6 @@
 """client/grpc_streams.py: a finished stream is read to its end by the server's close, an abandoned
 one is cancelled (fake calls; the leak it avoids is shown on a real server by
-``python -m tests.stress.cancel_storm --loads cancel_after_final``, docs/operations.md)."""
+``python -m tests.stress.cancel_storm --loads cancel_after_final``, docs/benchmarks/cancel-storm.md)."""
 
 from __future__ import annotations
 

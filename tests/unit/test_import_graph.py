@@ -1,8 +1,13 @@
 """Imports run one way: model_repository -> python_backends (the runtime) <- builders (build time).
 
-The runtime (every module under python_backends/, the kept model.py files and the template
-models that builders copy into the repository) never imports the build side (builders), the
-user client (client) or the benchmarks (bench), not even lazily inside a function.
+- The runtime (every module under python_backends/, the kept model.py files and the template
+  model that builders write for the gpu target) never imports the build side (builders), the
+  user client (client) or the benchmarks (bench), not even lazily inside a function.
+- Only python_backends/triton_edge/ imports Triton's ``triton_python_backend_utils``: everything
+  else is plain Python, tested without a server.
+- The contract (python_backends/contract/) imports nothing of the runtime but itself.
+- bench (shipped) never imports tests (not shipped), and no test helper imports bench: only
+  the tests of bench's own code do.
 """
 
 from __future__ import annotations
@@ -70,3 +75,59 @@ def test_the_runtime_never_imports_the_build_or_client_side() -> None:
 )
 def test_the_check_sees_every_kind_of_import(code: str, found: str) -> None:
     assert found in {name for name, _ in imported_modules(code, "python_backends.pd")}
+
+
+def project_modules(*roots: str) -> list[Path]:
+    paths = (path for root in roots for path in (REPO_ROOT / root).rglob("*.py"))
+    return sorted(path for path in paths if "__pycache__" not in path.parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    package = ".".join(path.relative_to(REPO_ROOT).parts[:-1])
+    return list(imported_modules(path.read_text(), package))
+
+
+def test_only_the_triton_edge_imports_triton_python_backend_utils() -> None:
+    edge = REPO_ROOT / "python_backends" / "triton_edge"
+    modules = project_modules("python_backends", "model_repository", "builders", "client", "bench")
+    assert any(edge in path.parents for path in modules)
+    outside = [
+        f"{path.relative_to(REPO_ROOT)}:{line}"
+        for path in modules
+        if edge not in path.parents
+        for name, line in imports_of(path)
+        if name.split(".")[0] == "triton_python_backend_utils"
+    ]
+    assert not outside, "import Triton through python_backends.triton_edge, not here:\n" + "\n".join(outside)
+
+
+def test_the_contract_imports_nothing_of_the_runtime() -> None:
+    modules = project_modules("python_backends/contract")
+    assert len(modules) >= 3
+    runtime = [
+        f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+        for path in modules
+        for name, line in imports_of(path)
+        if name.startswith("python_backends") and not name.startswith("python_backends.contract")
+        and name != "python_backends"
+    ]
+    assert not runtime, "\n".join(runtime)
+
+
+def test_bench_and_tests_do_not_lean_on_each_other() -> None:
+    bench_to_tests = [
+        f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+        for path in project_modules("bench")
+        for name, line in imports_of(path)
+        if name.split(".")[0] == "tests"
+    ]
+    helpers = [
+        path for path in project_modules("tests") if not path.name.startswith("test_") and path.name != "conftest.py"
+    ]
+    helpers_to_bench = [
+        f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+        for path in helpers
+        for name, line in imports_of(path)
+        if name.split(".")[0] == "bench"
+    ]
+    assert not bench_to_tests and not helpers_to_bench, "\n".join(bench_to_tests + helpers_to_bench)

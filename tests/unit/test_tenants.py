@@ -16,12 +16,11 @@ from python_backends.encode.cached import CachedEncoder
 from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.request.generate import CachedImage
+from python_backends.request.parameters import RequestParameters
 from python_backends.request.tenants import (
     MAX_TENANT_CHARS,
     check_tenant,
     key_space,
-    request_parameters,
-    request_tenant,
 )
 from python_backends.store import EmbeddingStore, StoreConfig, tenant_key
 from tests.unit.test_epd_pipeline import ENCODERS, KEYS, FakeStages, request
@@ -120,13 +119,13 @@ def test_encoder_keys_follow_the_policy(store):
 )
 def test_bad_tenants_are_invalid_arg_without_echoing_the_value(value, message):
     with pytest.raises(EpdError, match=message) as info:
-        request_tenant(request_parameters(json.dumps({"tenant": value})))
+        RequestParameters.parse(json.dumps({"tenant": value}))
     assert info.value.code is ErrorCode.INVALID_ARG
 
 
 def test_tenant_parameters():
-    assert request_tenant(request_parameters(None)) is None
-    assert request_tenant(request_parameters('{"encoder": "encoder_0"}')) is None
-    assert request_tenant(request_parameters('{"tenant": "acme@example.com"}')) == "acme@example.com"
+    assert RequestParameters.parse(None).tenant is None
+    assert RequestParameters.parse('{"encoder": "encoder_0"}').tenant is None
+    assert RequestParameters.parse('{"tenant": "acme@example.com"}').tenant == "acme@example.com"
     assert check_tenant("ünïcode tenant") == "ünïcode tenant"
     assert key_space("t", "isolated") == "t" and key_space("t", "shared") is None

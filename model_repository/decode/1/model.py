@@ -14,6 +14,7 @@ python_backends.triton_edge.decoupled's.
 from python_backends import contract
 from python_backends.pd.engines import DecodeEngine
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
+from python_backends.pd.transfer import list_transfers
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import KvTransferMetrics
@@ -26,7 +27,7 @@ class TritonPythonModel(DecoupledModel):
         self.max_tokens_limit = self.params.integer(contract.MAX_TOKENS_LIMIT)
         self.store = EmbeddingStore(self.params.store_config())
         self.engine = self.start_engine(args, DecodeEngine)
-        self.transfers = KvTransferMetrics(self.metrics, self.engine.store)
+        self.transfers = KvTransferMetrics(self.metrics, lambda: len(list_transfers(self.engine.store)))
         self.loop.submit(self.transfers.refresh_every(1.0))
 
     def parse(self, inputs, request):

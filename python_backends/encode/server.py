@@ -1,0 +1,98 @@
+"""What an ``encoder_<i>`` model serves with, built once from its config parameters (Triton-free).
+
+``model_repository/encoder_0/1/model.py`` (copied by builders/ to every ``encoder_<i>``) hands
+over the BLS client of the ``encode`` ensemble and gets back an :class:`EncoderServer`: it
+parses each request (media, ``lease_owner``, request parameters, once) and answers references,
+plus the stored embedding and its digest when the request asks ``by_value`` (a PD server on
+another node: it verifies what crossed the network, ``scaleout/digest.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from python_backends import contract
+from python_backends.encode.cached import (
+    CachedEncoder,
+    EncoderAnswer,
+    cache_namespace,
+    parse_encoder_inputs,
+    parse_encoder_videos,
+    parse_lease_owner,
+)
+from python_backends.encode.videos import VideoEncode
+from python_backends.engines.videos import VideoInputLimits
+from python_backends.errors import invalid_arg
+from python_backends.preprocess.video_pipeline import VideoTransformConfig
+from python_backends.preprocess.videos import DaliVideoPreprocessor
+from python_backends.request.parameters import RequestParameters
+from python_backends.runtime.model_params import ModelParameters
+from python_backends.scaleout.digest import by_value_answer
+from python_backends.store import EmbeddingStore
+
+
+@dataclass(frozen=True)
+class EncoderRequest:
+    items: list[bytes]  # encoded images, or videos
+    modality: str  # contract.IMAGE or contract.VIDEO (modalities are named as their inputs)
+    lease_owner: int | None
+    parameters: RequestParameters
+
+
+@dataclass
+class EncoderServer:
+    encoder: CachedEncoder
+    store: EmbeddingStore
+    max_images: int
+    max_image_bytes: int
+    videos: VideoInputLimits | None  # None: no video (max_videos 0)
+
+    @classmethod
+    def build(cls, params: ModelParameters, repository: Path, model_name: str, stages: Any) -> EncoderServer:
+        """``stages``: the BLS client of the ``encode`` ensemble (``encode``, ``encode_pixels``)."""
+        store = EmbeddingStore(params.store_config())
+        videos = VideoInputLimits.from_params(params)
+        keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
+        encode_video = None
+        if videos is not None:
+            pipeline = DaliVideoPreprocessor.from_file(
+                repository / contract.PREPROCESS_MODEL / "1" / contract.VIDEO_DALI_FILE,
+                VideoTransformConfig.from_file(Path(params.string(contract.PREPROCESSOR_CONFIG)).parent),
+                sampling=videos.sampling,
+                limits=videos.limits,
+                max_batch_size=1,
+                num_threads=params.integer(contract.DALI_NUM_THREADS),
+            )
+            encode_video = VideoEncode(pipeline, stages.encode_pixels)
+        policy = params.cache_policy()
+        encoder = CachedEncoder(
+            store, keys, stages.encode, namespace=cache_namespace(policy.scope, model_name),
+            tenant_policy=policy.tenants, encode_video=encode_video,
+        )  # fmt: skip
+        limits = params.integer(contract.MAX_IMAGES_PER_REQUEST), params.integer(contract.MAX_IMAGE_BYTES)
+        return cls(encoder, store, *limits, videos)
+
+    def parse(self, inputs: Mapping[str, np.ndarray], raw_parameters: str | None) -> EncoderRequest:
+        """A request's media and parameters, checked (an ``EpdError`` is the client's)."""
+        videos = parse_encoder_videos(inputs, self.videos.limits if self.videos else None)
+        if videos is None:
+            items, lease_owner = parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
+        else:
+            items, lease_owner = videos, parse_lease_owner(inputs)
+        parameters = RequestParameters.parse(raw_parameters)
+        if parameters.by_value and (len(items) != 1 or lease_owner is not None or videos is not None):
+            raise invalid_arg(f"'{contract.BY_VALUE}' takes one image and no lease_owner")
+        return EncoderRequest(items, contract.IMAGE if videos is None else contract.VIDEO, lease_owner, parameters)
+
+    async def serve(self, request: EncoderRequest) -> tuple[list[EncoderAnswer], Any]:
+        """The references of every item, and (``by_value``) the stored embedding, grid and digest."""
+        by_value = request.parameters.by_value
+        owner = os.getpid() if by_value else request.lease_owner  # by value: released once read here
+        answers = await self.encoder.references(request.items, owner, request.parameters.tenant, request.modality)
+        return answers, by_value_answer(self.store, answers[0].reference) if by_value else None

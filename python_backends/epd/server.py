@@ -1,0 +1,72 @@
+"""What the ``epd`` model serves with, built once from its config parameters (Triton-free).
+
+``model_repository/epd/1/model.py`` hands over the Triton-bound parts (the BLS stage client,
+a way to start its colocated vLLM engine) and gets back an :class:`EpdServer`: it parses each
+request (inputs and request parameters, once) and runs it through :class:`EpdPipeline`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from python_backends import contract
+from python_backends.engines.videos import VideoInputLimits
+from python_backends.epd.colocated import ColocatedEngine
+from python_backends.epd.disaggregated import StageClient
+from python_backends.epd.pipeline import EpdPipeline
+from python_backends.request.generate import (
+    GenerateRequest,
+    RequestLimits,
+    check_image_headers,
+    parse_generate_request,
+    raw_videos,
+    request_limits,
+)
+from python_backends.request.parameters import RequestParameters
+from python_backends.runtime.model_params import ModelParameters
+from python_backends.scaleout.remote import RemoteEncoders, with_remote_encoders
+from python_backends.store import EmbeddingStore
+
+
+@dataclass
+class EpdServer:
+    pipeline: EpdPipeline
+    store: EmbeddingStore
+    limits: RequestLimits
+    videos: VideoInputLimits | None  # None: no video (max_videos 0)
+    remote: RemoteEncoders | None  # a ``pd`` server's remote encoder servers
+    colocated: ColocatedEngine | None  # the colocated path's engine, unless the policy is disaggregated
+
+    @classmethod
+    def build(
+        cls,
+        params: ModelParameters,
+        repository: Path,
+        stages: StageClient,
+        start_colocated: Callable[[], ColocatedEngine],
+    ) -> EpdServer:
+        videos = VideoInputLimits.from_params(params)
+        limits = request_limits(params, accept_mm_hash=True, max_videos=videos.limits.max_videos if videos else 0)
+        store = EmbeddingStore(params.store_config())
+        keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
+        cache = params.cache_policy()
+        policy = params.string(contract.PATH_POLICY)
+        colocated = start_colocated() if policy != contract.DISAGGREGATED_PATH else None
+        stages, remote = with_remote_encoders(params, store, keys, stages)  # --remote-encoders: over gRPC
+        pipeline = EpdPipeline(
+            store, stages, keys, params.string(contract.ENCODER_MODELS_KEY).split(","),
+            node_cache=cache.scope == "node", tenant_policy=cache.tenants, colocated=colocated,
+            image_limits=limits.images, policy=policy,
+        )  # fmt: skip
+        return cls(pipeline, store, limits, videos, remote, colocated)
+
+    def parse(self, inputs: Mapping[str, Any], raw_parameters: str | None) -> tuple[GenerateRequest, RequestParameters]:
+        """A request's inputs and Triton parameters, checked (an ``EpdError`` is the client's)."""
+        request = parse_generate_request(inputs, self.limits)
+        check_image_headers(request, self.limits)
+        if self.videos is not None:  # raw bytes, as the encoders key them; their containers are checked there
+            request = raw_videos(request, self.videos.limits)
+        return request, RequestParameters.parse(raw_parameters)
