@@ -1,4 +1,5 @@
-"""A vLLM engine core process dies with the stub that started it.
+"""A vLLM engine inside a python model's process: started from the model's folder
+(:func:`start_hosted_engine`), and its engine core process dying with the stub that started it.
 
 vLLM 0.32's engine core (a child process, forked or spawned) does not notice while idle that its
 parent died: after the epd stub crashed on 2026-12-02 its engine core kept ~1.7 GB and its 1 GiB KV
@@ -14,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 PARENT_CHECK_S = 1.0
@@ -53,3 +55,17 @@ def engine_cores_die_with_parent() -> None:
     if _original is None:
         _original = EngineCoreProc.run_engine_core
         EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)  # type: ignore[method-assign]
+
+
+def start_hosted_engine(
+    engine_type: Any, environment: dict[str, str], engine_args_file: Path, run: Callable[[Any], Any]
+) -> Any:
+    """Start ``engine_type`` (``LlmEngine``, ``PrefillEngine``, ``DecodeEngine``: a classmethod
+    ``start(engine_args)`` coroutine) from ``engine_args.json`` beside the model, after applying
+    the model's ``VLLM_*`` and ``OMP_*`` parameters (``environment``: read at engine start).
+    ``run``: runs a coroutine to completion on the model's event loop."""
+    from python_backends.engines.llm import apply_vllm_environment, load_engine_args
+
+    apply_vllm_environment(environment)
+    engine_cores_die_with_parent()  # a crashed stub leaves no engine core behind
+    return run(engine_type.start(load_engine_args(engine_args_file)))

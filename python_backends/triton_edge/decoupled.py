@@ -41,8 +41,7 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
 from python_backends.engines.generation import GenerationChunk
-from python_backends.engines.llm import apply_vllm_environment, load_engine_args
-from python_backends.engines.process import engine_cores_die_with_parent
+from python_backends.engines.process import start_hosted_engine
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.runtime.event_loop import EventLoopThread
 from python_backends.runtime.heartbeat import Heartbeat, start_heartbeat
@@ -94,6 +93,7 @@ class DecoupledModel:
     metrics: ModelMetrics
     _vllm_engine: Any = None  # the engine start_engine started
     _unfinished: MetricHandle | None = None  # epd_<model>_unfinished_requests, with a vLLM engine
+    _bls: BlsCaller | None = None  # ``engine`` when it reaches other models over BLS
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -122,13 +122,9 @@ class DecoupledModel:
     # --- helpers for setup and parse ----------------------------------------------------------
 
     def start_engine(self, args: dict[str, str], engine_type: Any) -> Any:
-        """Start a vLLM engine wrapper of ``engine_type`` from ``engine_args.json`` beside the model,
-        after applying the model's ``VLLM_*`` and ``OMP_*`` parameters to the environment (read at
-        engine start)."""
-        apply_vllm_environment(self.params.vllm_environment())
-        engine_cores_die_with_parent()  # a crashed stub leaves no engine core behind
-        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
-        engine = self.loop.run(engine_type.start(engine_args))
+        """Start the vLLM engine this model hosts (``engines/process.py``); shut down in finalize."""
+        engine_args = Path(args["model_repository"]) / args["model_version"] / "engine_args.json"
+        engine = start_hosted_engine(engine_type, self.params.vllm_environment(), engine_args, self.loop.run)
         self._vllm_engine = engine  # may differ from ``self.engine`` (epd: its colocated engine)
         # Scraped by tests and operators: returns to 0 once cancelled streams are aborted.
         self._unfinished = self.metrics.gauge(
@@ -165,8 +161,9 @@ class DecoupledModel:
             f"epd_{self.model_name}_running_requests", f"Requests the {self.model_name} model is still serving"
         )
         self.setup(args)
-        if isinstance(self.engine, BlsCaller):
-            self.loop.submit(self._report_open_streams(self.engine))
+        self._bls = self.engine if isinstance(self.engine, BlsCaller) else None  # epd, encoder_<i>
+        if self._bls is not None:
+            self.loop.submit(self._report_open_streams(self._bls))
 
     async def _report_open_streams(self, caller: BlsCaller, period_s: float = 1.0) -> None:
         # Scraped by the tests before every stop: a stream left open holds up the unload (issue 19).
@@ -267,10 +264,10 @@ class DecoupledModel:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self._accepting = False
-        if isinstance(self.engine, BlsCaller):
+        if self._bls is not None:
             # No new BLS calls: a cancelled request's cleanup (epd's abort_decode) would call models
             # that are unloading too, and a call blocked there keeps this stub from exiting.
-            self.engine.shutdown()
+            self._bls.shutdown()
         # Cancels what still runs (each ends as a cancel and aborts its engine request), shuts the
         # vLLM engine down *on the loop* (AsyncLLM closes its sockets and cancels its output
         # handler there: after the loop stopped they never were, and the zmq objects were left to
