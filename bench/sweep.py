@@ -22,41 +22,25 @@ path measured 1.44x apart at one point of run 9).
 
 from __future__ import annotations
 
-import gc
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from bench.loadgen import LoadPoint, closed_loop, run_point
-from bench.metrics import RequestRecord, Slo, median_summary, summarize
-from bench.server_stats import (
-    DEFAULT_CACHE_HIT_METRIC,
-    DEFAULT_ENCODE_METRIC,
-    CpuMeter,
-    ModeLayout,
-    counter_deltas,
-    cpu_usage,
-    discover_layout,
-    per_model_server_ms,
-    scrape,
-    sum_counter,
-)
-from bench.stages import disaggregation_reading, stage_breakdown
+from bench.loadgen import LoadPoint
+from bench.metrics import RequestRecord, Slo
+from bench.point_run import PointRun, log, not_run
+from bench.server_stats import DEFAULT_CACHE_HIT_METRIC, DEFAULT_ENCODE_METRIC, CpuMeter, ModeLayout, discover_layout
+from bench.stages import disaggregation_reading
 from bench.triton_target import TritonGrpcTarget
 from bench.workload import WorkloadBuilder, WorkloadSpec
 
 MEDIA_POLICIES = ("default", "unique", "repeated", "identical")
 PATH_POLICIES = ("adaptive", "disaggregated", "colocated")  # epd's (python_backends/contract)
-# Request keys of a noise retry: repetition + stride x attempt, never a key measured before.
-NOISE_RETRY_KEY_STRIDE = 1000
-# Request keys of an ``again`` mode: repetition + offset (under the retry stride), so that the
-# control never sends a request (prompt, image) its original sent: a cache hit is not a control.
+# Request keys of an ``again`` mode: repetition + offset (under point_run.NOISE_RETRY_KEY_STRIDE), so
+# that the control never sends a request (prompt, image) its original sent: a cache hit is not a control.
 AGAIN_KEY_OFFSET = 500
 AGAIN = "again"
 RATIO_METRICS = (
@@ -178,10 +162,6 @@ class SweepOutput:
     raw: list[dict[str, Any]]
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 class Sweep:
     """One run of a ``SweepConfig`` against one server (see module docstring)."""
 
@@ -237,7 +217,7 @@ class Sweep:
             modes, points = [], []
             for mode in self.config.modes:
                 if reasons[mode.label] is not None:
-                    _log(f"[bench] skipping mode {mode.label}: {reasons[mode.label]}")
+                    log(f"[bench] skipping mode {mode.label}: {reasons[mode.label]}")
                     modes.append(
                         {
                             "label": mode.label,
@@ -282,8 +262,8 @@ class Sweep:
         self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint, share: str
     ) -> dict[str, Any]:
         if (reason := self._not_running(share)) is not None:
-            _log(f"[bench] {mode.label} {point.label} not run: {reason}")
-            return _not_run(mode, point, reason)
+            log(f"[bench] {mode.label} {point.label} not run: {reason}")
+            return not_run(mode, point, reason)
         return await self._run_point(target, mode, layout, index, point)
 
     async def _run_mode(self, target: Any, mode: ModeSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -307,12 +287,12 @@ class Sweep:
         per_mode: list[list[dict[str, Any]]] = [[] for _ in modes]
         for index, point in enumerate(self.config.points):
             if (reason := self._not_running("--time-budget")) is not None:
-                _log(f"[bench] {point.label} not run: {reason}")
+                log(f"[bench] {point.label} not run: {reason}")
                 for mode, mode_points in zip(modes, per_mode, strict=True):
-                    mode_points.append(_not_run(mode, point, reason))
+                    mode_points.append(not_run(mode, point, reason))
                 continue
             runs = [
-                _PointRun(self, target, mode, layout, index, point)
+                PointRun(self, target, mode, layout, index, point)
                 for mode, (_, layout) in zip(modes, entries, strict=True)
             ]
             for run in runs:
@@ -322,7 +302,7 @@ class Sweep:
                     if self.halted() is None:
                         await runs[position].measure(rep)
             for run, mode_points in zip(runs, per_mode, strict=True):
-                mode_points.append(run.result_or_not_run())
+                mode_points.append(run.result_ornot_run())
         for mode, (entry, _), mode_points in zip(modes, entries, per_mode, strict=True):
             self._read(entry, mode, mode_points)
         return [entry for entry, _ in entries], [p for mode_points in per_mode for p in mode_points]
@@ -341,12 +321,12 @@ class Sweep:
     async def _run_point(
         self, target: Any, mode: ModeSpec, layout: ModeLayout, index: int, point: LoadPoint
     ) -> dict[str, Any]:
-        run = _PointRun(self, target, mode, layout, index, point)
+        run = PointRun(self, target, mode, layout, index, point)
         await run.warm()
         for rep in range(self.config.reps):
             if self.halted() is None:
                 await run.measure(rep)
-        return run.result_or_not_run()
+        return run.result_ornot_run()
 
     def _ratios(self, points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         return ratios_vs_baseline(points, self.config.baseline)
@@ -408,14 +388,6 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
 
-def _per(value: float | None, instances: int) -> float | None:
-    return None if value is None else value / instances
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def harness_cost(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Client (load generator) CPU per request against the server's, over all measured runs."""
     client = server = 0.0
@@ -445,129 +417,3 @@ def harness_cost(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "other_processes_cpu_share_mean": float(np.mean(others)) if others else None,
         "other_processes_cpu_share_max": max(others) if others else None,
     }
-
-
-def _not_run(mode: ModeSpec, point: LoadPoint, reason: str) -> dict[str, Any]:
-    return {"mode": mode.label, "load_label": point.label, "status": f"not run: {reason}"}
-
-
-@dataclass
-class _PointRun:
-    """One mode at one load point: its warm-up, its repetitions (each measured again with fresh
-    requests while other processes took more than ``max_noise`` of the CPUs), its point entry."""
-
-    sweep: Sweep
-    target: Any
-    mode: ModeSpec
-    layout: ModeLayout
-    index: int
-    point: LoadPoint
-    reps: list[dict[str, Any]] = field(default_factory=list)
-    records: list[RequestRecord] = field(default_factory=list)
-
-    @property
-    def reuse(self) -> float:
-        return self.mode.reuse_ratio(self.sweep.config.workload)
-
-    async def _send(self, prepared: Any) -> RequestRecord:
-        return await self.target.send(self.mode.model, prepared, self.sweep.config.request_timeout_s)
-
-    def _prepare(self, requests: Sequence[Any]) -> list[Any]:
-        return [self.target.prepare(r, self.mode.model, **self.mode.prepare_options()) for r in requests]
-
-    def _build(self, count: int, phase: str, rep: int) -> list[Any]:
-        mode = self.mode
-        return self.sweep.builder.build(count, self.reuse, phase, self.index, rep, mode.identical, mode.media_namespace)
-
-    async def warm(self) -> None:
-        config = self.sweep.config
-        if not config.warmup_requests:
-            return
-        # prime_pool: a mode with reuse first shows the server every pool image (its repeated media).
-        primers = self.sweep.builder.pool_primers() if self.reuse > 0 and config.prime_pool else []
-        warm = self._prepare(primers + self._build(config.warmup_requests, "warmup", self.mode.key_rep(0)))
-        await closed_loop(self._send, warm, self.point.warmup_concurrency, config.max_seconds_per_point, lambda: None)
-
-    async def measure(self, rep: int) -> None:
-        config, mode = self.sweep.config, self.mode
-        for attempt in range(config.noise_retries + 1):
-            # A retry gets fresh requests (its own key range): the discarded attempt's
-            # unique images are in the server's caches now.
-            key_rep = mode.key_rep(rep) + NOISE_RETRY_KEY_STRIDE * attempt
-            items = self._prepare(self._build(config.requests_per_point, "measure", key_rep))
-            rep_summary, rep_records = await self._measure(items, rep)
-            other = rep_summary["cpu"].get("other_processes_cpu_share")
-            quiet = config.max_noise is None or other is None or other <= config.max_noise
-            if quiet or attempt == config.noise_retries:
-                break
-            _log(
-                f"[bench] {mode.label} {self.point.label} rep {rep + 1}: other processes took {other:.0%} of the CPUs "
-                f"(> {config.max_noise:.0%}); measuring this repetition again with fresh requests"
-            )
-        rep_summary["noisy_attempts_discarded"] = attempt
-        self.reps.append(rep_summary)
-        self.records.extend(rep_records)
-        self.sweep.raw.extend(
-            {"mode": mode.label, "load_label": self.point.label, "rep": rep, **r.to_json()} for r in rep_records
-        )
-
-    async def _measure(self, items: list[Any], rep: int) -> tuple[dict[str, Any], list[RequestRecord]]:
-        sweep, config, mode, point = self.sweep, self.sweep.config, self.mode, self.point
-        rng = np.random.default_rng([config.workload.seed, 7, self.index, rep])
-        description = f"{mode.label} {point.label} rep {rep + 1}/{config.reps}"
-        before_metrics = scrape(sweep.metrics_url)
-        # Objects made so far (workload, earlier records) never need collecting again: a
-        # full GC pass in the middle of a point would show up as client-side latency.
-        gc.collect()
-        gc.freeze()
-        with tqdm(total=len(items), desc=description, leave=False, disable=not config.progress, file=sys.stderr) as bar:
-            before_cpu = sweep.meter.sample()
-            result = await run_point(
-                self._send, items, point, config.max_seconds_per_point, rng, lambda: bar.update(1), config.max_inflight
-            )
-            after_cpu = sweep.meter.sample()
-        deltas = counter_deltas(before_metrics, scrape(sweep.metrics_url))
-        summary = summarize(result.records, config.slo)
-        instances = self.layout.total_instances or 1
-        summary.update(
-            not_sent=result.not_sent,
-            max_dispatch_lag_ms=result.max_dispatch_lag_s * 1000.0,
-            request_throughput_per_instance=_per(summary["request_throughput"], instances),
-            output_token_throughput_per_instance=_per(summary["output_token_throughput"], instances),
-            cache_hits=sum_counter(deltas, config.cache_hit_metric),
-            encodes=sum_counter(deltas, config.encode_metric),
-            cpu=cpu_usage(before_cpu, after_cpu, len(result.records)),
-            load_average_1m=os.getloadavg()[0],
-            per_model_server_ms=per_model_server_ms(deltas, self.layout.models),
-            server_counters=deltas,
-        )
-        ttft = summary["ttft_ms"]["p50"]
-        _log(
-            f"[bench] {description}: {summary['requests']} ok, {summary['errors']} errors, "
-            f"TTFT p50 {ttft if ttft is None else round(ttft)} ms, "
-            f"{_fmt(summary['request_throughput'])} req/s, {_fmt(summary['output_token_throughput'])} tok/s"
-        )
-        return summary, result.records
-
-    def result_or_not_run(self) -> dict[str, Any]:
-        """The point's entry; a point during which the server was lost is not run (its records
-        stay in the raw output)."""
-        halted = self.sweep.halted()
-        return self.result() if halted is None else _not_run(self.mode, self.point, halted)
-
-    def result(self) -> dict[str, Any]:
-        mode, point = self.mode, self.point
-        self.sweep.records[(mode.label, point.label)] = self.records
-        summary = median_summary(self.reps)
-        return {
-            "mode": mode.label,
-            "model": mode.model,
-            "status": "ran",
-            "load_kind": point.kind,
-            "pattern": point.pattern,
-            "load": point.value,
-            "load_label": point.label,
-            "summary": summary,
-            "reps": self.reps,
-            "stages": stage_breakdown(self.records, summary.get("per_model_server_ms", {}), self.layout),
-        }

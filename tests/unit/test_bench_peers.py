@@ -305,15 +305,16 @@ def test_a_group_that_fails_to_start_is_reported_and_the_run_goes_on(
 
 
 def test_a_noisy_repetition_is_measured_again_with_fresh_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.point_run as point_run_module
     import bench.sweep as sweep_module
 
     shares = iter([0.6, 0.1, 0.05])  # rep 1: noisy, then clean; rep 2: clean
-    real = sweep_module.cpu_usage
+    real = point_run_module.cpu_usage
 
     def scripted_usage(*args: Any, **kwargs: Any) -> dict[str, Any]:
         return {**real(*args, **kwargs), "other_processes_cpu_share": next(shares)}
 
-    monkeypatch.setattr(sweep_module, "cpu_usage", scripted_usage)
+    monkeypatch.setattr(point_run_module, "cpu_usage", scripted_usage)
     config = SweepConfig(
         modes=[ModeSpec.parse("vllm-colocated")],
         points=[LoadPoint("concurrency", 1)],
