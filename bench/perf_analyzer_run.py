@@ -300,7 +300,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    from bench.cli import _workload_arguments
+    from bench.cli_args import workload_arguments
 
     parser = argparse.ArgumentParser(prog="python -m bench.perf_analyzer_run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="Triton gRPC HOST:PORT (default: start a server here)")
@@ -319,7 +319,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--harness-reps", type=int, default=3, help="harness passes over the entries per round")
     parser.add_argument("--timeout-s", type=float, default=600)
-    _workload_arguments(parser)
+    workload_arguments(parser)
     args = parser.parse_args(argv)
     if args.url:
         args.metrics_url = args.metrics_url or f"http://{args.url.rpartition(':')[0]}:8002/metrics"
@@ -373,10 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace, argv: Sequence[str], tool: PerfAnalyzer) -> int:
-    from bench.cli import _declared_inputs, _workload_spec
+    from bench.cli import _declared_inputs
+    from bench.cli_args import workload_spec
     from bench.workload import WorkloadBuilder
 
-    spec = _workload_spec(args)
+    spec = workload_spec(args)
     requests = WorkloadBuilder(spec).build(args.count, spec.reuse_ratio, phase="perf_analyzer")
     models = sorted({run.split(":")[0] for run in args.runs} | {args.compare_model})
     # Only the inputs each model declares, ``epd``'s ``errors_as_outputs`` filled in (shared memory).

@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Path = args.out
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    from bench.cli import DEFAULT_MODEL_DIR
+    from bench.cli_args import DEFAULT_MODEL_DIR
 
     model_dir = args.model or DEFAULT_MODEL_DIR
     results: dict[str, dict[int, dict[str, Any]]] = {}

@@ -371,12 +371,12 @@ def test_media_salt_changes_images_not_prompts() -> None:
 
 
 def test_peers_command_salts_media_per_run_and_run_does_not() -> None:
-    from bench.cli import _workload_spec, build_parser
+    from bench.cli_args import build_parser, workload_spec
 
-    peers = _workload_spec(build_parser().parse_args(["peers"]))
+    peers = workload_spec(build_parser().parse_args(["peers"]))
     assert peers.media_salt  # a fresh salt
-    assert _workload_spec(build_parser().parse_args(["peers", "--media-salt", "x"])).media_salt == "x"
-    assert _workload_spec(build_parser().parse_args(["run"])).media_salt == ""  # bench run keeps its images
+    assert workload_spec(build_parser().parse_args(["peers", "--media-salt", "x"])).media_salt == "x"
+    assert workload_spec(build_parser().parse_args(["run"])).media_salt == ""  # bench run keeps its images
 
 
 def test_unique_media_served_from_the_store_is_flagged() -> None:
