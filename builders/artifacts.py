@@ -282,7 +282,7 @@ def build_plan_artifact(
     stamp_dir: Path = DEFAULT_STAMPS,
 ) -> bool:
     """TensorRT plan where TensorRT imports (the NGC image); elsewhere a warning, no plan."""
-    from builders.encoder import build_tensorrt_plan, tensorrt_unavailable_reason
+    from builders.tensorrt_plan import build_tensorrt_plan, tensorrt_unavailable_reason
 
     reason = tensorrt_unavailable_reason()
     if reason:
@@ -299,7 +299,7 @@ def build_plan_artifact(
         "precision": serving.trt_precision,
         "profile": profile,
         "tensorrt": _tensorrt_version(),
-        "source": _source_digest("builders/encoder.py", "builders/tensorrt_config.py"),
+        "source": _source_digest("builders/encoder.py", "builders/tensorrt_plan.py", "builders/tensorrt_config.py"),
     }
 
     def build(scratch: Path) -> dict[str, Any]:

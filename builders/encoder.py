@@ -10,9 +10,9 @@ Steps, each a small function:
 3. :func:`export_onnx` exports :class:`ExportableVisionTower`: the data-dependent pieces
    (rotary position ids, ``cu_seqlens``) are graph inputs computed outside by
    ``python_backends.encode.vit_onnx``; attention inside is masked block-diagonally from
-   ``cu_seqlens``, so one graph serves any patch count and any number of images (DESIGN.md).
+   ``cu_seqlens``, so one graph serves any patch count and any number of images (docs/facts.md).
 4. :func:`validate_onnx` checks ONNX Runtime against the transformers module over many grids.
-5. :func:`build_tensorrt_plan` (GPU only) serializes the ``tensorrt_plan`` engine for one
+5. :func:`builders.tensorrt_plan.build_tensorrt_plan` (GPU only) serializes the ``tensorrt_plan`` engine for one
    optimisation profile (``builders/tensorrt_config.py``, which also renders its config.pbtxt).
 
 CLI: ``python -m builders.encoder --model DIR --out DIR/vit_encoder/1 [--tensorrt fp16]``.
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from builders.tensorrt_config import TrtProfile
 from python_backends import contract
 from python_backends.encode.vit_onnx import (
     INPUT_NAMES,
@@ -360,80 +359,6 @@ def validate_onnx(
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. TensorRT (GPU target)
-# ---------------------------------------------------------------------------------------------
-
-
-# Where a container with GPUs has its /dev/nvidia0, /dev/nvidia1, ... device nodes.
-DEVICE_DIR = Path("/dev")
-
-
-def no_gpu_reason() -> str | None:
-    """None where a GPU is visible (nvidia-smi lists one, or /dev/nvidiaN exists); else why not.
-    Makes no CUDA context."""
-    from builders.preflight import query_gpus  # it imports this package's modules
-
-    gpus, note = query_gpus()
-    if gpus or sorted(DEVICE_DIR.glob("nvidia[0-9]*")):
-        return None
-    return f"no GPU visible ({note})"
-
-
-def tensorrt_unavailable_reason() -> str | None:
-    """None where TensorRT's Python API imports and a GPU is visible; else why not (for skips and
-    CLI errors). TensorRT builds a plan on, and for, the GPU it runs on: the image imports
-    tensorrt at ``docker build`` too, where there is no GPU, so the plan waits for the first start."""
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError as exc:  # includes the PyPI placeholder packages that fail to load
-        return f"tensorrt is not importable here ({exc}); build plans in the NGC Triton image"
-    no_gpu = no_gpu_reason()
-    if no_gpu:
-        return f"tensorrt imports but {no_gpu}; the plan is built at the first start with a GPU"
-    return None
-
-
-def build_tensorrt_plan(
-    onnx_path: str | Path,
-    plan_path: str | Path,
-    patch_dim: int,
-    profile: TrtProfile | None = None,
-    precision: Precision = "fp16",
-    workspace_bytes: int = 4 << 30,
-) -> Path:
-    """Serialize a TensorRT engine for one profile. Runs only where ``tensorrt`` imports."""
-    reason = tensorrt_unavailable_reason()
-    if reason:
-        raise EncoderBuildError(reason)
-    import tensorrt as trt
-
-    profile = profile or TrtProfile()
-    profile.validate()
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):  # from file: finds external weight data
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise EncoderBuildError(f"TensorRT could not parse {onnx_path}: {errors}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-    if precision == "fp16":
-        config.set_flag(trt.BuilderFlag.FP16)
-    optimization_profile = builder.create_optimization_profile()
-    for name, (low, opt, high) in profile.input_shapes(patch_dim).items():
-        optimization_profile.set_shape(name, low, opt, high)
-    config.add_optimization_profile(optimization_profile)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise EncoderBuildError("TensorRT failed to build the engine; see its log above")
-    plan_path = Path(plan_path)
-    plan_path.parent.mkdir(parents=True, exist_ok=True)
-    plan_path.write_bytes(bytes(serialized))
-    return plan_path
-
-
-# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -458,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         if not report.ok:
             raise EncoderBuildError(f"ONNX parity {report.worst:.2e} > {report.tolerance:.0e}")
     if args.tensorrt:
+        from builders.tensorrt_plan import build_tensorrt_plan
+
         dims = tower_dims(tower)
         plan = build_tensorrt_plan(onnx_path, Path(args.out) / PLAN_FILE, dims["patch_dim"], precision=args.tensorrt)
         print(f"wrote {plan}")

@@ -24,7 +24,7 @@ def _missing() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
-    from builders.encoder import tensorrt_unavailable_reason
+    from builders.tensorrt_plan import tensorrt_unavailable_reason
 
     return tensorrt_unavailable_reason()
 
@@ -76,7 +76,7 @@ def run_plan(plan: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
 def test_plan_matches_onnx_runtime(precision: str, exported: tuple[Path, int, object], tmp_path: Path) -> None:
     import onnxruntime as ort
 
-    from builders.encoder import build_tensorrt_plan
+    from builders.tensorrt_plan import build_tensorrt_plan
 
     onnx_path, patch_dim, profile = exported
     plan = build_tensorrt_plan(onnx_path, tmp_path / "model.plan", patch_dim, profile, precision)  # type: ignore[arg-type]

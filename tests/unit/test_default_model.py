@@ -14,7 +14,6 @@ import pytest
 from builders.default_model import (
     INDEX_FILE,
     LANGUAGE_SHARD,
-    SPECIAL_TOKENS,
     STAMP_FILE,
     VISION_SHARD,
     ModelDirError,
@@ -22,6 +21,7 @@ from builders.default_model import (
     main,
     resolve_model,
 )
+from builders.tiny_checkpoint import SPECIAL_TOKENS
 
 IMAGE_SPAN = "<|vision_start|><|image_pad|><|vision_end|>"
 

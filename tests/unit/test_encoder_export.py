@@ -18,16 +18,15 @@ from builders.encoder import (
     PARITY_TOLERANCE,
     VALIDATION_GRIDS,
     EncoderBuildError,
-    build_tensorrt_plan,
     export_onnx,
     load_vision_tower,
     load_vision_weights,
-    tensorrt_unavailable_reason,
     torch_reference,
     tower_dims,
     validate_onnx,
 )
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes, tensorrt_config
+from builders.tensorrt_plan import build_tensorrt_plan, tensorrt_unavailable_reason
 from python_backends.encode.vit_onnx import (
     OnnxVisionEncoder,
     embedding_counts,
@@ -206,12 +205,12 @@ def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
     import sys
     import types
 
-    import builders.encoder
     import builders.preflight
+    import builders.tensorrt_plan
 
     monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))  # importable
     monkeypatch.setattr(builders.preflight, "query_gpus", lambda: (None, "nvidia-smi not found"))
-    monkeypatch.setattr(builders.encoder, "DEVICE_DIR", tmp_path)
+    monkeypatch.setattr(builders.tensorrt_plan, "DEVICE_DIR", tmp_path)
     reason = tensorrt_unavailable_reason()
     assert reason is not None and "no GPU visible (nvidia-smi not found)" in reason and "first start" in reason
     with pytest.raises(EncoderBuildError, match="no GPU visible"):
