@@ -2,7 +2,7 @@
 
 Tensors come from ``python_backends/contract.py`` (sized with the exported encoder's facts),
 parameter keys too; the values come from the target (``builders/targets.py``). Models per
-target (names are a contract, DESIGN.md):
+target (names are a contract, docs/architecture.md):
 
 - ``llm``: one colocated vLLM engine (both targets).
 - ``preprocess``: the one DALI pipeline (``python_backends/preprocess/image_pipeline.py``), serialized into
@@ -14,7 +14,7 @@ target (names are a contract, DESIGN.md):
   python-backend model with dynamic batching; ``gpu``: a ``tensorrt_plan`` (``model.plan``,
   built where TensorRT imports) with CUDA graphs (``builders/tensorrt_config.py``).
 - ``vit_positions`` (``gpu`` only): the TensorRT graph takes rotary position ids and
-  ``cu_seqlens`` as inputs (DESIGN.md, ONNX export recipe); this python model computes them
+  ``cu_seqlens`` as inputs (docs/facts.md, ONNX export recipe); this python model computes them
   from ``image_grid_thw`` (on ``cpu`` the ONNX Runtime model does so itself).
 - ``encode``: ensemble ``preprocess -> [vit_positions ->] vit_encoder``; in: ``image`` (uint8,
   the encoded file); out: ``image_embeds`` and ``image_grid_thw`` per image. A request of one
@@ -102,7 +102,7 @@ def _max_videos(video_limits: dict[str, Any]) -> int:
 def _with_video(role_args: dict[str, Any], video_limits: dict[str, Any]) -> dict[str, Any]:
     """An engine's args with ``video`` in ``limit_mm_per_prompt`` when the model takes video
     (vLLM profiles start-up memory with the largest dummy video the limit allows: measured
-    nothing on cpu, results/2026-12-01/video-engine-start)."""
+    nothing on cpu, docs/benchmarks/video.md)."""
     max_videos = _max_videos(video_limits)
     if max_videos:
         role_args["limit_mm_per_prompt"] = {**role_args.get("limit_mm_per_prompt", {}), "video": max_videos}

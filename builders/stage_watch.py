@@ -145,7 +145,7 @@ class StageWatch:
     Triton's python backend, python_backends/runtime/heartbeat.py).
 
     Why the launcher needs it: Triton 2.51's python backend neither restarts a dead stub nor
-    marks its model not-ready; measured (results/2026-12-01/crash/triton-alone/): every later
+    marks its model not-ready; measured (docs/benchmarks/crashes.md): every later
     request to that model failed ("Stub process ... is not healthy") while ``/v2/health/ready``
     and the model's ready endpoint still answered 200. A crashed stage
     is only recovered by restarting the server, so the launcher stops tritonserver and exits
@@ -182,7 +182,7 @@ class StageWatch:
     def save_hung_stacks(self, folder: Path) -> Path | None:
         """The native and Python stacks of every hung stub (:func:`native_stacks`), in one file in
         ``folder``, before the server is stopped: the only record of what deadlocked (Triton's
-        python backend, results/2026-12-01/scaleout/bls-deadlock/). None when no stub hangs."""
+        python backend, docs/benchmarks/bls-deadlock.md). None when no stub hangs."""
         hung = self.hung_stubs()
         if not hung:
             return None

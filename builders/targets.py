@@ -252,7 +252,7 @@ TARGETS: dict[str, Target] = {
             # (VLLM_CPU_OMP_THREADS_BIND) applies only to worker processes it spawns, and the worker
             # runs in the engine core here, so each engine runs torch's default, one OpenMP thread
             # per core, spinning between parallel regions (perf: 52-68% of engine samples; one
-            # thread: server CPU per request -30-50%, results/2026-12-02/omp-threads/). With one
+            # thread: server CPU per request -30-50%, docs/benchmarks/omp-threads.md). With one
             # thread the disaggregated path runs ~2x faster and met Triton 2.51's BLS deadlock
             # (README, Crashes) in 3 of 4 long runs, CI's session server once: not the default
             # until that deadlock is avoided.

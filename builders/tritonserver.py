@@ -8,7 +8,7 @@ that all of them start Triton the same way. Two installations are supported:
   folder we assemble under ``build/`` because the python backend needs the stub built
   for *our* interpreter, and the loader needs the interpreter's libpython first on
   ``LD_LIBRARY_PATH`` (otherwise the stub picks up the system libpython and stdlib
-  extensions fail with ``undefined symbol: _PyModule_Add``; see DESIGN.md).
+  extensions fail with ``undefined symbol: _PyModule_Add``; see docs/facts.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ yet: the server closes the stream a moment later. grpc cancels a call it garbage
 that, and a cancel that lands between Triton 2.51's last response and its close of the stream can
 leave the request alive in Triton's gRPC frontend for good, and with it the model: that model then
 never unloads and the server's stop ends with "Exit timeout expired"
-(``results/2026-12-02/cancel-storm/``: ``cancel_after_final``). So after the final response the
+(docs/benchmarks/cancel-storm.md: ``cancel_after_final``). So after the final response the
 caller reads the stream to its end, and cancels only a request it gives up on.
 """
 

@@ -11,7 +11,7 @@ class ContractError(ValueError):
     """A value breaks the contract (a parameter that does not parse, an unknown name or size)."""
 
 
-# Models (DESIGN.md: the names are used by tests, clients and docs).
+# Models (docs/architecture.md: the names are used by tests, clients and docs).
 LLM_MODEL = "llm"
 EPD_MODEL = "epd"
 ENSEMBLE_MODEL = "ensemble"
@@ -94,7 +94,7 @@ MAX_IMAGE_PIXELS = "max_image_pixels"
 MAX_TOKENS_LIMIT = "max_tokens_limit"
 MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
 LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
-# Video limits of ``llm``, ``epd`` and the encoders (issue 16). ``max_frames`` caps the frame
+# Video limits of ``llm``, ``epd`` and the encoders. ``max_frames`` caps the frame
 # sampler (python_backends/request/videos.py) and is passed to vLLM's loader; ``video_codecs`` are the
 # codecs the target's decoder reads (comma-separated).
 MAX_VIDEOS = "max_videos"

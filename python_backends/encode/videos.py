@@ -1,4 +1,4 @@
-"""One video -> its embeddings, inside an ``encoder_<i>`` model (``cpu`` target; issue 16).
+"""One video -> its embeddings, inside an ``encoder_<i>`` model (``cpu`` target).
 
 Steps: the ``cpu`` target's video preprocessing (:class:`python_backends.preprocess.videos.DaliVideoPreprocessor`,
 run from the repository's serialized ``preprocess/1/video.dali``: the container checks, vLLM's

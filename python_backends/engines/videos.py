@@ -1,4 +1,4 @@
-"""Videos on ``llm``: checked from the container, then read by vLLM's own loader (issue 16).
+"""Videos on ``llm``: checked from the container, then read by vLLM's own loader.
 
 ``llm`` is the baseline ("raw media through vLLM's own loading"): for video that is the loader
 vLLM registers for Qwen2-VL's video processor, ``Qwen2VLVideoBackend`` (OpenCV decode, the

@@ -1,6 +1,6 @@
 """The one DALI pipeline that turns encoded images into Qwen2-VL ``pixel_values``.
 
-The same definition serves both targets (DESIGN.md, "One source, two targets"):
+The same definition serves both targets (docs/architecture.md, "One source, two targets"):
 
 - ``gpu``: serialized with the ``mixed`` (nvJPEG) decoder and run by Triton's DALI backend.
 - ``cpu``: serialized with the ``cpu`` decoder and run with ``device_id=None`` by
@@ -346,7 +346,7 @@ def pipeline_of(
     for every graph of this project (images here, videos in :mod:`python_backends.preprocess.video_pipeline`).
     ``device_id=None``: serialization needs no GPU, and Triton's DALI backend sets the device
     when it loads the model. Depth 1: the CPU runner feeds one batch and runs it at once
-    (deeper prefetch fails on the second run with feed_input, DESIGN.md)."""
+    (deeper prefetch fails on the second run with feed_input, docs/facts.md)."""
     pipeline = Pipeline(batch_size=max_batch_size, num_threads=num_threads, device_id=None, prefetch_queue_depth=1)
     with _without_source_tracing(), pipeline:
         pipeline.set_outputs(*define())

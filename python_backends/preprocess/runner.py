@@ -36,7 +36,7 @@ class DaliCpuRunner:
         return cls(Path(path).read_bytes(), *args, **kwargs)
 
     def _build(self) -> Pipeline:
-        # Depth 1: feed_input then run, one batch at a time (deeper prefetch fails, DESIGN.md).
+        # Depth 1: feed_input then run, one batch at a time (deeper prefetch fails, docs/facts.md).
         pipeline = Pipeline.deserialize(
             serialized_pipeline=self._serialized,
             batch_size=self._max_batch_size,

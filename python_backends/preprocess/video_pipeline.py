@@ -19,7 +19,7 @@ Where the frames are decoded differs by target, and that is deliberate:
   loader does (:func:`python_backends.request.videos.read_sampled_frames`) and feeds them as
   ``decoded_frames``. DALI's CPU decoder converts YUV to RGB differently from OpenCV (up to
   ~46 levels at sharp edges), enough to flip greedy tokens against ``llm``, which reads raw
-  video through vLLM's own OpenCV loader (results/2026-12-01/video-equality-offline).
+  video through vLLM's own OpenCV loader (docs/benchmarks/video.md).
 - ``gpu``: the ``mixed`` (NVDEC) decoder in the graph, from the encoded ``video`` and
   ``frame_indices`` (H.264/HEVC/AV1 need it; its colour conversion is NVDEC's, not OpenCV's).
 

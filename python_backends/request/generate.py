@@ -45,7 +45,7 @@ class RequestLimits:
     image_embeds: EmbedsSpec | None = None
     # ``mm_hash:<key>`` image items accepted (models with an embedding store).
     accept_mm_hash: bool = False
-    # ``video`` items accepted (up to this many; issue 16). Their header checks and decode are
+    # ``video`` items accepted (up to this many). Their header checks and decode are
     # python_backends.engines.videos's on ``llm``, the encoders' video preprocessing on ``epd``.
     max_videos: int = 0
 

@@ -209,10 +209,10 @@ def read_sampled_frames(data: bytes, frame_indices: Sequence[int], index: int) -
     """The frames at ``frame_indices`` as RGB uint8 ``[F, H, W, 3]``, decoded exactly as vLLM's
     Qwen2-VL loader decodes them (``OpenCVVideoBackendMixin._read_frames_no_recovery``).
 
-    Why OpenCV and not DALI's CPU decoder (issue 16): ``llm`` reads raw video with this loader,
+    Why OpenCV and not DALI's CPU decoder: ``llm`` reads raw video with this loader,
     and DALI's decoder converts YUV to RGB differently (bilinear chroma in floating point
     against swscale's nearest-neighbour fixed point: up to ~46 levels at sharp edges), which
-    flipped greedy tokens in 2 of 9 prompts (results/2026-12-01/video-equality-offline). Same
+    flipped greedy tokens in 2 of 9 prompts (docs/benchmarks/video.md). Same
     library, same calls, same order: the capture opened on an in-memory stream with the same
     backend, the frame-count seek to the end and back to frame 0, then every frame up to the
     last sampled one grabbed in order, the sampled ones retrieved (BGR) and converted with

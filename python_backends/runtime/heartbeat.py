@@ -2,7 +2,7 @@
 launcher's stage watch (``builders/stage_watch.py``, ``StageWatch.hung``).
 
 Why: a stub can deadlock inside Triton's python backend and never die. Seen in ``epd``'s stub
-(results/2026-12-01/scaleout/bls-deadlock/): a thread opening a BLS stream held the GIL while it
+(docs/benchmarks/bls-deadlock.md): a thread opening a BLS stream held the GIL while it
 waited for a lock held by the stub's message thread, which waited for a stream's lock held by a
 reader that waited for the GIL. Its requests never end, Triton still reports the model ready, and
 the process is alive, so the stage watch, which looks for dead processes, saw nothing. Such a stub

@@ -116,7 +116,7 @@ class BlsCaller:
         Python's reference gone by then, that erase would destroy the iterator there, and with it
         every response it read and their numpy outputs: Python objects freed without the GIL,
         which corrupts Python's allocator (the epd stub's ``pymalloc_alloc`` segfault and
-        ``malloc_consolidate`` abort on 2026-12-02, results/2026-12-02/bls-release/). Kept here, the
+        ``malloc_consolidate`` abort on 2026-12-02, docs/benchmarks/bls-release.md). Kept here, the
         last reference is Python's, dropped by a pool thread that holds the GIL."""
         now = self._clock()
         expired = []
@@ -170,7 +170,7 @@ class BlsCaller:
         Why: Triton 2.51's stub keeps every BLS response iterator that has not reached its final
         response in a map, and at unload destroys them while holding that map's lock; each destructor
         queues a cleanup message whose sender thread takes the same lock, so two or more left-over
-        iterators deadlock the stub and the model never unloads (issue 19: "Exit timeout expired"
+        iterators deadlock the stub and the model never unloads ("Exit timeout expired"
         after cancelled ``epd`` streams). The stage ends the stream soon: ``epd`` aborts ``decode``.
         """
 

@@ -166,7 +166,7 @@ class DecoupledModel:
             self.loop.submit(self._report_open_streams(self._bls))
 
     async def _report_open_streams(self, caller: BlsCaller, period_s: float = 1.0) -> None:
-        # Scraped by the tests before every stop: a stream left open holds up the unload (issue 19).
+        # Scraped by the tests before every stop: a stream left open holds up the unload.
         gauge = self.metrics.gauge(
             f"epd_{self.model_name}_bls_open_streams",
             f"BLS response streams the {self.model_name} model opened that have not reached their final response",
@@ -281,7 +281,7 @@ class DecoupledModel:
         self.metrics.release()
         # The stub exits next. Python's exit runs a full garbage collection over every object of
         # torch, vLLM and transformers: ~2.5 s of a vLLM stub's unload on these 2 cores (py-spy:
-        # gc_collect_main after finalize; results/2026-12-01/unload/). Nothing is left to release
+        # gc_collect_main after finalize; docs/benchmarks/cancellation.md). Nothing is left to release
         # by then; frozen objects are skipped by that collection (and memory goes back with the
         # process).
         gc.freeze()

@@ -3,7 +3,7 @@
 Lifetime rule: Triton requires a ``MetricFamily`` to outlive its ``Metric``s, and both must go
 while the stub is still alive. Left to the interpreter's exit, they are destroyed with the stub
 (``Metric::Clear <- MetricFamily::~MetricFamily <- Stub::~Stub``) after its shared memory is
-gone, and every server stop logged ``Segfault encountered`` (issue 17). So models never hold a
+gone, and every server stop logged ``Segfault encountered``. So models never hold a
 ``pb_utils.Metric``: :class:`ModelMetrics` keeps them and hands out :class:`MetricHandle`s, and
 :meth:`ModelMetrics.release` (called by the model's ``finalize``) drops every metric, then every
 family.
