@@ -382,3 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(paths.store.parent, ignore_errors=True)
     print(f"wrote {args.out / 'crash.md'}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -280,3 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result["verdict"].items() if k != "flat"}, indent=1))
     print(f"wrote {args.out / 'soak.md'}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
