@@ -1,7 +1,7 @@
 """Every kind of bad input in tests/server/bad_input_cases.py, sent to ``epd`` on the session
 server: each gets its coded error with a message that names the problem, nothing is INTERNAL,
-no traceback reaches the client, the server keeps serving, and the README's "Bad input" table is
-exactly what the server said (regenerate it with ``UPDATE_README=1``).
+no traceback reaches the client, the server keeps serving, and the "Bad input" table of
+docs/operations.md is exactly what the server said (regenerate it with ``UPDATE_DOCS=1``).
 
 How the code is read: a gRPC stream carries a model's error as a message only, so the requests ask
 for errors in the ``error`` output (``errors_as_outputs``: JSON code + message). Triton rejects some
@@ -23,13 +23,13 @@ import tritonclient.grpc as grpcclient
 
 from builders.tritonserver import REPO_ROOT, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
-from tests.server.bad_input_cases import CASES, GOOD, BadInput, readme_table, render_table
+from tests.server.bad_input_cases import CASES, GOOD, BadInput, docs_table, render_table
 
 pytestmark = [
     pytest.mark.server,
 ]
 
-README = REPO_ROOT / "README.md"
+OPERATIONS = REPO_ROOT / "docs" / "operations.md"
 # Triton core's code for every request it refuses on its own input checks (datatype, shape, names).
 TRITON_INPUT_CHECK = "INVALID_ARG"
 
@@ -92,18 +92,19 @@ def test_every_bad_input_gets_its_code_and_a_message_that_names_the_problem(serv
     assert done.num_output_tokens == 2
 
 
-def test_readme_table_is_what_the_server_says(answers):
+def test_docs_table_is_what_the_server_says(answers):
     rows = [(case.kind, *answers[case.kind]) for case in CASES]
     table = render_table(rows)
-    readme = README.read_text()
-    current = readme_table(readme)
+    page = OPERATIONS.read_text()
+    current = docs_table(page)
     if current is None:
-        pytest.fail(f"README.md has no bad-input table: put the two marker lines of tests/server/bad_input_cases.py "
-                    f"in its 'Bad input' section, then rerun with UPDATE_README=1. Table:\n{table}")
-    if os.environ.get("UPDATE_README") == "1" and current is not None:
-        README.write_text(readme.replace(current, table))
+        pytest.fail(f"docs/operations.md has no bad-input table: put the two marker lines of "
+                    f"tests/server/bad_input_cases.py in its 'Bad input' section, then rerun with UPDATE_DOCS=1. "
+                    f"Table:\n{table}")
+    if os.environ.get("UPDATE_DOCS") == "1" and current is not None:
+        OPERATIONS.write_text(page.replace(current, table))
         current = table
     assert current == table, (
-        "README.md's bad-input table differs from what the server answers; rerun with UPDATE_README=1 "
+        "docs/operations.md's bad-input table differs from what the server answers; rerun with UPDATE_DOCS=1 "
         f"to regenerate it. Expected:\n{table}"
     )
