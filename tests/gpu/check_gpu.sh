@@ -35,7 +35,7 @@ PYEOF
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-# numpy 2 is a known risk of the image (README, Containers): numpy, vLLM, DALI and torch must
+# numpy 2 is a known risk of the image (docs/gpu.md): numpy, vLLM, DALI and torch must
 # import together in one interpreter, at their pinned versions (a python backend stub cannot be
 # run without Triton; the server tests in the image show whether tensors cross it right).
 "$PY" - > "$OUT/imports.txt" 2>&1 <<'PYEOF'

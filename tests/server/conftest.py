@@ -117,7 +117,7 @@ def check_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = No
 
 class TritonHeldModel(UserWarning):
     """A stop that hit Triton's exit timeout only because Triton 2.51's gRPC frontend kept a
-    cancelled stream's request (README "Soak"; ``make cancel-storm``)."""
+    cancelled stream's request (docs/operations.md "Server stop"; ``make cancel-storm``)."""
 
 
 def held_only_by_triton(report: StopReport, stuck: stop_dump.StuckStop) -> bool:

@@ -157,7 +157,7 @@ def held_by_triton(models: list[str], metrics_text: str, beating: dict[str, bool
     stream), whose stub still runs Python and never began ``finalize`` (its heartbeat file is
     fresh: finalize removes it first), and no gRPC connection of this process to the server is
     left. That is Triton 2.51's gRPC frontend keeping a request of a cancelled stream alive
-    (``make cancel-storm`` reproduces it on a tiny model; fixed upstream; README "Soak").
+    (``make cancel-storm`` reproduces it on a tiny model; fixed upstream; docs/operations.md "Server stop").
     Anything else (a hung stub, a request of ours never ended, a stream a test left open) is not."""
     try:
         gauges = _gauges(metrics_text)

@@ -10,7 +10,7 @@ retirement (``RETIRE_S`` 0) its stub crashed in 4 of 6 runs of 45-120 s (glibc's
 fastbin chunk detected", a segfault in ``pymalloc_alloc`` under ``PyArray_NewFromDescr_int`` as in
 the epd stub's crash in the path benchmark, or a stop that hung), with it in none of 4
 (``python -m tests.server.test_bls_release --out DIR`` runs both, interleaved;
-results/2026-12-02/bls-release/). A race: this test catches a regression about half the time.
+docs/benchmarks/bls-release.md). A race: this test catches a regression about half the time.
 """
 
 from __future__ import annotations

@@ -233,8 +233,8 @@ def test_a_client_leaving_at_each_point_leaves_nothing(
 
 @pytest.mark.parametrize("model", [
     "epd",
-    # Measured 2026-12-01: epd 1.1 s, llm 3.5 s (results/2026-12-01/cancel/run3.txt); llm took 8.4 s
-    # (run2.txt) while its engine core's and its stub's final garbage collections were waited out.
+    # Measured 2026-12-01: epd 1.1 s, llm 3.5 s (docs/benchmarks/cancellation.md); llm took 8.4 s
+    # before, while its engine core's and its stub's final garbage collections were waited out.
     "llm",
 ])
 def test_the_model_unloads_within_5_s_after_the_cancellations(paused_server: TritonServer, model: str) -> None:

@@ -1,6 +1,6 @@
 """A stub that runs no Python any more is caught by the launcher's stage watch and its server
 stopped, as a crashed stage is (issue 17; the deadlock it stands for:
-results/2026-12-01/scaleout/bls-deadlock/).
+docs/benchmarks/bls-deadlock.md).
 
 A real tritonserver with a tiny model on our real DecoupledModel, with the heartbeat folder the
 launcher gives its servers. One request makes the model hold the GIL for good, in a C call, as the

@@ -65,7 +65,7 @@ def input_files(server: TritonServer, tmp_path_factory: pytest.TempPathFactory) 
 # out ("does not support optional inputs"). ``llm`` declares ``image_embeds``/``image_grid_thw``
 # (by-value embeddings), which an image request cannot also carry, so it runs without. ``epd``'s
 # ``errors_as_outputs`` is filled with its neutral ``false`` (bench.perf_analyzer.data_entry), and
-# with that the case ran clean 3 times (results/2026-12-01/perf-analyzer/epd-shm); since e681360
+# with that the case ran clean 3 times (docs/benchmarks/perf-analyzer.md); since e681360
 # the session server's ``epd`` also declares the optional ``video``, which an image request leaves
 # out, and a 0-item ``video`` cannot go in shared memory. A model with ``max_videos`` 0 declares no
 # ``video`` (ModelInterface.taking_videos): the shm case runs against such an ``epd``, on a server

@@ -544,7 +544,7 @@ def test_an_encoder_killed_under_load_fails_over_and_rejoins(topology: Topology,
         # The same pixels under another key (a fresh encode, every encoder up, no failure): if
         # epd answers that too, the difference from llm is the encode path's own (DALI vs the HF
         # processor inside llm, a near-tie of the random-weight model: request 35's 108x96 image,
-        # results/2026-12-01/scaleout/near-tie.md), not something the failover did; anything
+        # docs/benchmarks/investigations.md), not something the failover did; anything
         # else is a failover fault.
         fresh = tokens_of(pd, "epd", prompt, [with_note(images[i], b"fresh " + secrets.token_bytes(8))], sampling)
         line = (f"request {i}: epd {answers[i].result.token_ids}, llm {expected[images[i]]}, "

@@ -4,7 +4,7 @@ streams cancelled mid-way -- with every server process sampled. Asserts what is 
 on a shared machine: no good request fails, every bad input gets a coded error naming it, nothing
 hangs, and once idle no lease, engine request or stub fd (beyond those open after the warm-up) is
 left over. RSS/fd flatness within 5% is printed, and judged on the 10-minute results file
-(results/2026-12-01/soak/): too noisy to assert in 60 s."""
+(docs/benchmarks/soak.md): too noisy to assert in 60 s."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.stress.soak import run_soak
 
 # In `make test` (issue 17: "a 60 s version in CI"). Its ~300 streams cancelled after their first
 # response can make Triton 2.51 keep `epd` from unloading at the session's stop: a gRPC frontend
-# race fixed upstream after 2.51 (results/2026-12-02/cancel-storm/). The stop check reports that
-# case, and only that case, as a TritonHeldModel warning (results/2026-12-02/soak-held/); it costs
+# race fixed upstream after 2.51 (docs/benchmarks/cancel-storm.md). The stop check reports that
+# case, and only that case, as a TritonHeldModel warning (docs/benchmarks/soak.md); it costs
 # the run Triton's exit timeout. epd's stub died under this load ("double free or corruption") in
 # two full runs on 2026-12-01 01:11-02:43, both with a BLS reader thread per stream (e896481), and
 # in no soak or full run since that was reverted (5bfc5cb).

@@ -384,7 +384,7 @@ def test_every_gpu_module_imports_from_the_declared_dependencies_alone() -> None
 # The image serializes the pipelines with its dali backend's DALI 1.51.2; this machine's DALI is
 # 2.4.0. The import venv's DALI 1.x stand-in serializes both gpu pipelines (a DALI-2-only operator
 # such as `%` on a node, or fn.decoders.video, fails there) and its cpu pipelines give the same
-# pixels as 2.4.0's (measured: identical on 6 images and 3 clips, results/2026-12-01/gpu-requirements).
+# pixels as 2.4.0's (measured: identical on 6 images and 3 clips, docs/benchmarks/gpu.md).
 DALI_1X_SCRIPT = r'''
 import sys
 from pathlib import Path

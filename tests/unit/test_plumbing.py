@@ -338,7 +338,7 @@ def test_an_engine_shut_down_once_is_not_shut_down_again_when_it_goes(monkeypatc
 
 def test_omp_parameters_are_engine_environment_and_set_this_processs_torch_threads(monkeypatch):
     """``OMP_*`` model parameters reach the engine core like ``VLLM_*`` ones, and the stub's own
-    torch (vLLM's input processing) gets the thread count too (results/2026-12-02/omp-threads/)."""
+    torch (vLLM's input processing) gets the thread count too (docs/benchmarks/omp-threads.md)."""
     import os
 
     import torch

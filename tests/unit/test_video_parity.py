@@ -9,7 +9,7 @@ transformers' ``Qwen2VLVideoProcessor`` loaded from the checkpoint.
   vLLM's loader does (:func:`python_backends.request.videos.read_sampled_frames`), not with DALI's CPU
   decoder, whose YUV->RGB conversion differs from OpenCV's by up to ~46 levels at sharp edges
   (mean 0.8-1.7) and flipped greedy tokens in 2 of 9 prompts
-  (results/2026-12-01/video-equality-offline).
+  (docs/benchmarks/video.md).
 - Pixels (``pixel_values_videos``): DALI's resize + normalize and our patch layout against the
   processor's, from those same frames: within the image path's documented tolerance
   (tests/unit/test_preprocess_parity.py: <= 10 levels anywhere (border band), mean <= 0.25 level).
