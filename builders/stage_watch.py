@@ -1,8 +1,8 @@
 """The processes of one running tritonserver, found by role, and what each one holds.
 
 Used by the launcher (:class:`StageWatch`: stop the server when a stage died), the crash
-harness (``bench.crash``: which pid to SIGKILL) and the soak
-(``bench.soak``: RSS, open fds and threads of every process over time). Roles:
+harness (``tests.stress.crash``: which pid to SIGKILL) and the soak
+(``tests.stress.soak``: RSS, open fds and threads of every process over time). Roles:
 
 ``tritonserver``       the server itself;
 ``stub:<model>``       the python-backend stub of ``<model>`` (one per instance; the first);
