@@ -1,6 +1,6 @@
 """``epd``'s disaggregated path: encoders -> prefill -> KV transfer -> decode (Triton-free).
 
-After the shared hash and lookup (``epd_references.py``), per request:
+After the shared hash and lookup (``epd/references.py``), per request:
 
 3. **encode** the images the store lacks through the encoder models (references, leased).
 4. **prefill** with the prompt and the references (max_tokens=1): the first token and the KV
@@ -30,15 +30,20 @@ class StageClient(Protocol):
     """How the orchestrator reaches the stages. Implemented with BLS in ``triton_edge/bls.py``
     and by a scripted fake in the unit tests. Methods run on the ``epd`` event loop. ``prefill``
     answers one chunk: the first token and the KV ``transfer_params`` ("" when nothing is left to
-    decode); ``decode`` streams tokens 2..N (``num_output_tokens`` counts the first one too)."""
+    decode); ``decode`` streams tokens 2..N (``num_output_tokens`` counts the first one too).
+
+    A client that picks each image's encoder itself (remote encoder servers:
+    ``scaleout/remote.RemoteEncoderStages``) has a true ``routes_images`` attribute; the BLS
+    client has none: the pipeline picks for it."""
 
     async def encode_reference(
-        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
+        self, encoder: str | None, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
     ) -> tuple[bytes, bool]:
         """One image (or video: ``modality``) through encoder model ``encoder``: its reference
         (leased for the process ``lease_owner``) and whether the store already had it (or
-        another request made it). ``tenant``: the request's tenant, passed on as the encoder's
-        request parameter."""
+        another request made it). ``encoder`` is None only for an unpinned image sent to a
+        client that routes images itself. ``tenant``: the request's tenant, passed on as the
+        encoder's request parameter."""
         ...
 
     async def prefill(

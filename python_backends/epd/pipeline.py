@@ -10,15 +10,16 @@ tests/unit/test_epd_paths.py).
 
 Per request:
 
-1. **hash** and 2. **lookup** (``epd_references.py``): content keys (in the request's tenant's
+1. **hash** and 2. **lookup** (``epd/references.py``): content keys (in the request's tenant's
    key space under the ``isolated`` tenant policy), and leased references for the images the
    store holds.
 3. **choose the path**: the one the request forces (Triton request parameter ``path``), else
    the deployment's policy: ``disaggregated``, ``colocated``, or ``adaptive`` (default), which
    asks the cost model (``path_cost.py``) for the path with the lower predicted completion time.
    A forced path this epd cannot serve is an error (UNAVAILABLE), never a silent switch.
-4. **serve** on that path: ``disaggregated_path.py`` (encoders -> prefill -> KV transfer ->
-   decode) or ``colocated_path.py`` (epd's own engine, store hits as embeddings).
+4. **serve** on that path: ``epd/disaggregated.py`` (encoders -> prefill -> KV transfer ->
+   decode; each missed image's encoder by the rule in ``epd/references.py``) or
+   ``epd/colocated.py`` (epd's own engine, store hits as embeddings).
 
 The last chunk carries the timings, the cache counts and the path (``serving_path`` output);
 its times feed the cost model. Every lease the request took is released: on finishing, before
@@ -61,9 +62,12 @@ class EpdPipeline:
         cost_model: PathCostModel | None = None,
     ) -> None:
         self.store = store
+        # Stages that route images themselves (remote encoders) say so: the pipeline then picks no
+        # encoder for an image (``ImageReferences.pick``), so no pick of its own is discarded there.
         self.references = ImageReferences(
-            store, keys, encoders, stages.encode_reference, node_cache=node_cache, tenant_policy=tenant_policy
-        )
+            store, keys, encoders, stages.encode_reference, node_cache=node_cache, tenant_policy=tenant_policy,
+            routes_images=bool(getattr(stages, "routes_images", False)),
+        )  # fmt: skip
         self.paths: dict[str, DisaggregatedPath | ColocatedPath] = {
             contract.DISAGGREGATED_PATH: DisaggregatedPath(stages, self.references)
         }
@@ -78,6 +82,7 @@ class EpdPipeline:
         self.cost = cost_model or PathCostModel()
 
     def encoder_for(self, key: str, pinned: str | None = None) -> str:
+        """The encoder model an image goes to on the local path (``ImageReferences.encoder_for``)."""
         return self.references.encoder_for(key, pinned)
 
     def shape(self, request: GenerateRequest, leased: LeasedReferences) -> RequestShape:
@@ -129,7 +134,7 @@ class EpdPipeline:
         leased = LeasedReferences()
         try:
             if encoder is not None:
-                self.references.encoder_for("0" * 16, encoder)  # an unknown name fails before any work
+                self.references.checked_pin(encoder)  # an unknown name fails before any work
             start = time.perf_counter()
             self.references.lookup(request.images, leased, timings, tenant, request.videos)
             shape = self.shape(request, leased)

@@ -1,7 +1,7 @@
 """Steps 1-3 of every ``epd`` request, whichever path serves it: hash, lookup, encode (Triton-free).
 
 1. **hash**: the content key of each image (media bytes + preprocessing config + encoder
-   version). An image sent as ``mm_hash:<key>`` (pre-encoded, see ``cached_encoder.py``) is
+   version). An image sent as ``mm_hash:<key>`` (pre-encoded, see ``encode/cached.py``) is
    its key already. With a tenant (Triton request parameter ``tenant``) under the ``isolated``
    policy, both are taken into that tenant's key space (``store.keys.tenant_key``), so no
    hit, join or ``mm_hash`` crosses tenants (``python_backends/request/tenants.py``).
@@ -11,8 +11,13 @@
    to one encoder model (``encoder_<i>``), all at once; the encoder claims the key in the store
    (single-flight across every process), encodes misses through the ``encode`` ensemble, writes
    the store and returns a reference leased for this process. Which encoder: the one a request
-   pins (Triton request parameter ``encoder``), else the key's home (key modulo the number of
-   encoders: the same image always meets the same encoder, which matters for per-instance caches).
+   pins (Triton request parameter ``encoder``), else the key's home among the encoder models by
+   the one rule of every encoder, local or remote (``scaleout/routing.home``: rendezvous
+   hashing; the same image always meets the same encoder, which matters for per-instance
+   caches, and adding an encoder moves only its share of the keys). Stages that route images
+   themselves (``routes_images``: remote encoder servers, ``scaleout/remote.py``) get no pick
+   for an image, only the request's pin (``encoder`` None otherwise): the data flows one way,
+   the pipeline never picks what the stage would then discard.
 
 The hit check runs once per image: the lookup in step 2 (it counts the hit; a miss is counted
 by the claim that follows, hence ``count_miss=False``). The encoder's ``claim`` in step 3 is the
@@ -35,12 +40,14 @@ from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode, item_renamed
 from python_backends.request.generate import CachedImage
 from python_backends.request.tenants import key_space
+from python_backends.scaleout.routing import home
 from python_backends.store import EmbeddingStore, KeyConfig, Reference, tenant_key
 
 log = logging.getLogger(__name__)
 
-# encoder model, media, lease owner, tenant, modality -> (wire reference, whether the store had it)
-EncodeReference = Callable[[str, bytes, int, str | None, str], Awaitable[tuple[bytes, bool]]]
+# encoder model (None: the stage routes the image), media, lease owner, tenant, modality
+#   -> (wire reference, whether the store had it)
+EncodeReference = Callable[[str | None, bytes, int, str | None, str], Awaitable[tuple[bytes, bool]]]
 
 
 @dataclass
@@ -92,13 +99,17 @@ class ImageReferences:
         *,
         node_cache: bool = True,
         tenant_policy: str = "isolated",
+        routes_images: bool = False,
     ) -> None:
+        """``routes_images``: ``encode_reference`` picks each image's encoder itself (remote
+        encoder servers); it is then named only a request's pin, and videos' encoders."""
         if not encoders:
             raise ValueError("epd needs at least one encoder model")
         self.store = store
         self.keys = keys
         self.encoders = list(encoders)
         self.encode_reference = encode_reference
+        self.routes_images = routes_images
         # Per-instance caches (``node_cache=False``) hold keys only their encoder can compute:
         # every image then goes to its encoder, which is what that setting is for.
         self.node_cache = node_cache
@@ -106,12 +117,21 @@ class ImageReferences:
         self.tenant_policy = tenant_policy
 
     def encoder_for(self, key: str, pinned: str | None = None) -> str:
-        """The encoder model an image goes to: the pinned one, else the key's home."""
-        if pinned is None:
-            return self.encoders[int(key[:16], 16) % len(self.encoders)]
+        """The encoder model an image goes to: the pinned one, else the key's home among them."""
+        return home(self.encoders, key) if pinned is None else self.checked_pin(pinned)
+
+    def checked_pin(self, pinned: str) -> str:
+        """A request's pinned encoder model; INVALID_ARG if this epd serves no such one."""
         if pinned in self.encoders:
             return pinned
         raise EpdError(f"unknown encoder {pinned!r}; this epd serves {', '.join(self.encoders)}", ErrorCode.INVALID_ARG)
+
+    def pick(self, key: str, pinned: str | None, modality: str) -> str | None:
+        """What step 3 names to ``encode_reference``: the encoder model, or None for an image
+        that the stage routes itself (unpinned, ``routes_images``)."""
+        if pinned is None and self.routes_images and modality == "image":
+            return None
+        return self.encoder_for(key, pinned)
 
     def lookup(
         self,
@@ -184,7 +204,7 @@ class ImageReferences:
         async def one(key: str, image: bytes) -> None:
             modality = leased.modalities.get(key, "image")
             try:
-                encoder = self.encoder_for(key, pinned)
+                encoder = self.pick(key, pinned, modality)
                 wire, cache_hit = await self.encode_reference(encoder, image, owner, leased.tenant, modality)
             except EpdError as exc:  # the encoder saw one item: name it as the client did
                 index = indices[key] - (leased.num_images if modality == "video" else 0)

@@ -1,4 +1,4 @@
-"""The digest an embedding carries across nodes (issue 13, item 3).
+"""The digest an embedding carries across nodes (see docs/scale-out.md).
 
 Who calls what: an ``encoder_<i>`` model asked for an embedding ``by_value`` (by a ``pd`` server
 on another node) computes :func:`embedding_digest` over the entry it stored, and sends it with

@@ -1,12 +1,12 @@
 """Where a ``pd`` server's encoders are: ``HOST:PORT,...``, ``dns:NAME:PORT`` or ``file:PATH``.
 
-Who calls what: ``RemoteEncoders`` (``scaleout/remote.py``) asks :meth:`EndpointSource.current`
-every few seconds and gives the answer to the router. A DNS name is resolved each time (a
-Kubernetes headless Service answers one A record per ready pod), a file is read each time (one
-address per line or comma-separated, ``#`` comments), so encoders join and leave without a
-restart. A lookup that fails answers no encoders (logged, and kept in ``problem`` for the error
-requests get), never an exception: the server keeps serving, and requests get one clear
-UNAVAILABLE error until encoders are back.
+Who calls what: membership (``scaleout/membership.py``) asks :meth:`EndpointSource.current`
+every few seconds, admits what it finds and gives the admitted ones to the router. A DNS name is
+resolved each time (a Kubernetes headless Service answers one A record per ready pod), a file is
+read each time (one address per line or comma-separated, ``#`` comments), so encoders join and
+leave without a restart. A lookup that fails answers no encoders (logged, and kept in
+``problem`` for the error requests get), never an exception: the server keeps serving, and
+requests get one clear UNAVAILABLE error until encoders are back. See docs/scale-out.md.
 """
 
 from __future__ import annotations

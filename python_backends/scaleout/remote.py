@@ -1,12 +1,16 @@
-"""``epd`` on a ``pd`` server: images encoded by remote encoder servers over gRPC.
+"""``epd`` on a ``pd`` server: images encoded by remote encoder servers over gRPC, with failover
+(see docs/scale-out.md).
 
 Who calls what: the ``epd`` model (``--role pd --remote-encoders SPEC``) wraps its BLS stages in
-:class:`RemoteEncoderStages`, whose ``encode_reference`` is :meth:`RemoteEncoders.encode_reference`;
-the pipeline is unchanged (it already looked the image up in the local store: only misses come
-here). :meth:`RemoteEncoders.run` runs on the ``epd`` event loop: it re-reads the endpoint source,
-admits new encoders and polls readiness every ``refresh_s``.
+:class:`RemoteEncoderStages` (:func:`with_remote_encoders`). Those route images themselves
+(``routes_images``): the pipeline looked each image up in the local store and sends only the
+misses here, naming no encoder unless the request pins one (the pin names one of this server's
+encoder models: only the local fallback uses it). :meth:`RemoteEncoders.run` runs on the ``epd``
+event loop: each ``refresh_s`` it refreshes the membership (``scaleout/membership.py``) and
+exports the counters (``scaleout/stats.py``).
 
-Per image: the router (``routing.py``) picks the key's home (or a less loaded encoder); then
+Per image: the router (``scaleout/routing.py``) picks the key's home by the one rule of
+:func:`python_backends.scaleout.routing.home` (or a less loaded encoder); then
 
 - an encoder on **this node with this store** (same ``node_id`` and store path in its
   ``encoder_0`` config): its ``encoder_0`` claims the key in the shared store, encodes if needed
@@ -20,20 +24,18 @@ Per image: the router (``routing.py``) picks the key's home (or a less loaded en
 
 A call that fails (server gone, deadline, bad answer) counts against the encoder's breaker and
 is retried on another encoder within the request's deadline; with none left the request gets
-one UNAVAILABLE error. At admission an encoder must answer the local content key for a probe
-image: one with another checkpoint or preprocessing config is refused (log line + metric).
+one UNAVAILABLE error, or, on a server with its own encoder models and ``remote_local_fallback``,
+is encoded there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import struct
 import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,134 +44,34 @@ from python_backends import contract
 from python_backends.encode.cached import CachedEncoder, EncodedImage
 from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.scaleout import wire
 from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import EndpointSource
-from python_backends.scaleout.routing import NoEncoderAvailable, Router
+from python_backends.scaleout.membership import EncoderServer, Membership
+from python_backends.scaleout.routing import NoEncoderAvailable, Router, home
+from python_backends.scaleout.stats import MetricExport, ScaleoutStats
 from python_backends.store import EmbeddingStore, KeyConfig
 
 log = logging.getLogger(__name__)
 
-ENCODER_MODEL = contract.encoder_model_names(1)[0]
-# Status codes that say the image (not the encoder) is at fault: no retry elsewhere.
-CLIENT_FAULTS = ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED")
-
-
-def probe_image(size: int = 56) -> bytes:
-    """A small grey PNG (made here, no imaging library): every encoder must key it as we do."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    rows = b"".join(b"\x00" + bytes([(x * 4 + y * 2) % 256 for x in range(size)]) for y in range(size))
-    header = struct.pack(">IIBBBBB", size, size, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
-
-
-PROBE_IMAGE = probe_image()
-
-
-class EncoderRefused(Exception):
-    """An encoder server that must not be used (wrong role, checkpoint or preprocessing)."""
+# This server's own encode of an image, given the image's routing key (the local fallback).
+LocalEncode = Callable[[str], Awaitable[tuple[bytes, bool]]]
 
 
 class _ClientFault(Exception):
     """The encoder refused the image itself (bad media): the request fails, the encoder is fine."""
 
 
-@dataclass
-class EndpointStats:
-    requests: int = 0
-    failures: int = 0
-    retries: int = 0
-    latency_s: float = 0.0
+@dataclass(frozen=True)
+class _Fetch:
+    """The by-value call in progress in this task: which server, its request parameters, how long."""
+
+    server: EncoderServer
+    parameters: Mapping[str, Any]
+    timeout_s: float
 
 
-@dataclass
-class ScaleoutStats:
-    """Totals since start (exported as counters by :meth:`RemoteEncoders.export`)."""
-
-    endpoints: dict[str, EndpointStats] = field(default_factory=dict)
-    local_hits: int = 0  # cross-node path: another request of this node had stored it meanwhile
-    local_fallbacks: int = 0  # encoded on this server's own encoder models: no remote encoder left
-    cross_node_bytes: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
-    lookup_failures: int = 0  # source lookups that found no encoder (a DNS name resolving to nothing, ...)
-    addresses_found: int = 0  # addresses the last lookup gave
-
-    def of(self, address: str) -> EndpointStats:
-        return self.endpoints.setdefault(address, EndpointStats())
-
-
-@dataclass
-class EncoderServer:
-    address: str
-    client: Any  # tritonclient.grpc.aio.InferenceServerClient
-    shares_store: bool
-
-
-# gRPC's reconnect back-off grows to 120 s by default: an encoder restarted after a minute down
-# would wait that long to be seen. Capped near the readiness poll, it rejoins within seconds.
-RECONNECT_BACKOFF_MS = (500, 2000)  # initial, max
-
-
-def _connect(address: str) -> Any:
-    from tritonclient.grpc import aio as grpc_aio  # imported on the serving side only
-    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
-
-    keepalive = KeepAliveOptions()
-    options = [  # tritonclient's defaults, plus the reconnect back-off
-        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
-        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
-        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
-        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
-        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
-    ]
-    return grpc_aio.InferenceServerClient(address, channel_args=options)
-
-
-def _status(exc: BaseException) -> str:
-    """The gRPC status name of a failed call ("" when it carries none)."""
-    if isinstance(exc, EpdError):
-        names = {ErrorCode.INVALID_ARG: "INVALID_ARGUMENT", ErrorCode.NOT_FOUND: "NOT_FOUND"}
-        return names.get(exc.code, exc.code.value)
-    code = getattr(exc, "code", None)  # grpc.aio.AioRpcError from a stream
-    if callable(code):
-        return str(getattr(code(), "name", ""))
-    status = getattr(exc, "status", None)  # tritonclient's InferenceServerException
-    value = status() if callable(status) else None
-    return "" if value is None else str(value).removeprefix("StatusCode.")
-
-
-async def _stream_one(client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None,
-                      timeout_s: float) -> Any:
-    """One request to a decoupled model over a gRPC stream: its first response. The stream is
-    read to its end (the server closes it after the request's final response): cancelling a
-    finished request's stream left the encoder model unable to unload at stop."""
-
-    async def requests() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": model, "inputs": inputs, "parameters": dict(parameters or {})}
-
-    responses = client.stream_infer(requests(), stream_timeout=timeout_s)
-    answer = None
-    try:
-        async for result, error in responses:
-            if error is not None:
-                raise error
-            if result is not None and (errors := result.as_numpy(contract.ERROR)) is not None:
-                fields = json.loads(bytes(errors.reshape(-1)[0]))  # errors_as_outputs: the code survives
-                raise EpdError(f"{model}: {fields['message']}", ErrorCode(fields["code"]))
-            if answer is None and result is not None and result.get_response().outputs:
-                answer = result
-    except BaseException:
-        responses.cancel()  # a failed or abandoned call: the server stops working on it
-        raise
-    if answer is None:
-        raise ConnectionError(f"{model}: the stream ended without an answer")
-    return answer
+_FETCH: ContextVar[_Fetch] = ContextVar("remote_encoder_fetch")
 
 
 def checked_embedding(embeds: Any, grid: Any, merge_size: int) -> EncodedImage:
@@ -201,7 +103,20 @@ def verify_answer(result: Any, encoded: EncodedImage, key: str) -> None:
         raise ValueError("the embedding's digest does not match what arrived")
 
 
+async def _call(server: EncoderServer, inputs: list[Any], parameters: Mapping[str, Any], timeout_s: float) -> Any:
+    """One request to ``server``'s encoder model; a refusal of the image is a :class:`_ClientFault`."""
+    try:
+        return await wire.stream_one(server.client, wire.ENCODER_MODEL, inputs, parameters, timeout_s)
+    except Exception as exc:
+        if wire.status(exc) in wire.CLIENT_FAULTS:
+            raise _ClientFault(str(exc)) from None
+        raise
+
+
 class RemoteEncoders:
+    """Encodes images on the remote encoder servers, with failover; owns the router, the
+    membership that feeds it and the counters (exported by :meth:`export`)."""
+
     def __init__(
         self,
         source: EndpointSource,
@@ -216,96 +131,32 @@ class RemoteEncoders:
         refused_retry_s: float = 30.0,
         tenant_policy: str = "isolated",
         router: Router | None = None,
-        connect: Callable[[str], Any] = _connect,
+        connect: Callable[[str], Any] = wire.connect,
     ) -> None:
-        self.source, self.store, self.keys = source, store, keys
-        self.node_id, self.store_path, self.merge_size = node_id, store_path, merge_size
-        self.deadline_s, self.refresh_s, self.tenant_policy = deadline_s, refresh_s, tenant_policy
+        self.store, self.keys, self.merge_size, self.deadline_s = store, keys, merge_size, deadline_s
         self.router = router or Router()
-        self.connect = connect
-        self.servers: dict[str, EncoderServer] = {}
-        self.unreachable: dict[str, str] = {}  # address -> why it is not admitted yet (tried each refresh)
-        self.refused_until: dict[str, float] = {}  # a refused address is checked again after refused_retry_s
-        self.refused_retry_s = refused_retry_s
         self.stats = ScaleoutStats()
-        self._exported: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-
-    # -- membership ----------------------------------------------------------------------------
-
-    async def admit(self, address: str) -> EncoderServer | None:
-        """A checked server, or None while it is not ready; raises :class:`EncoderRefused`."""
-        client = self.connect(address)
-        try:
-            if not await client.is_server_ready(client_timeout=2.0):
-                await client.close()
-                self.unreachable[address] = "not ready"
-                return None
-            config = await client.get_model_config(ENCODER_MODEL, as_json=True, client_timeout=5.0)
-        except Exception as exc:
-            await client.close()
-            if _status(exc) == "NOT_FOUND" or "unknown model" in str(exc):
-                raise EncoderRefused(f"serves no {ENCODER_MODEL}: not an encoder-role server ({exc})") from None
-            # Not reachable now (refused, no such host, timed out): tried again at the next refresh.
-            self.unreachable[address] = f"not reachable ({' '.join(str(exc).split())[:200]})"
-            return None
-        parameters = {k: v.get("string_value", "") for k, v in config["config"].get("parameters", {}).items()}
-        try:
-            answer = await _stream_one(client, ENCODER_MODEL, [_image_input_bytes(PROBE_IMAGE)], None, 60.0)
-        except Exception as exc:
-            await client.close()
-            raise EncoderRefused(f"could not encode the probe image: {exc}") from None
-        theirs, ours = str(answer.as_numpy(contract.MM_HASH).reshape(-1)[0], "utf-8"), self.keys.key(PROBE_IMAGE)
-        if theirs != ours:
-            await client.close()
-            raise EncoderRefused(
-                f"keys the probe image as {theirs[:16]}..., this server as {ours[:16]}...: it serves another "
-                "checkpoint, encoder build or preprocessing config"
-            )
-        same_node = parameters.get(contract.NODE_ID) == self.node_id
-        shares = same_node and parameters.get(contract.STORE_PATH) == self.store_path
-        return EncoderServer(address, client, shares)
+        self.membership = Membership(
+            source, keys, self.router, self.stats, node_id=node_id, store_path=store_path,
+            refresh_s=refresh_s, refused_retry_s=refused_retry_s, connect=connect,
+        )  # fmt: skip
+        self.metrics = MetricExport(self.stats, self.router)
+        # Built once: the cross-node path's single-flight claim in this node's store. Its encode
+        # fetches by value from the server of the call in progress (``_FETCH``, set per call).
+        self.cross_node = CachedEncoder(store, keys, self._fetch_by_value, tenant_policy=tenant_policy)
 
     async def refresh(self) -> None:
-        """One round: re-read the source, admit newcomers, drop leavers, poll readiness."""
-        addresses = await self.source.current()
-        self.stats.addresses_found = len(addresses)
-        self.stats.lookup_failures += bool(self.source.problem)
-        for address in [a for a in self.servers if a not in addresses]:
-            await self.servers.pop(address).client.close()
-        for address in [a for a in self.unreachable if a not in addresses]:
-            del self.unreachable[address]
-        for address in [a for a in self.refused_until if a not in addresses]:
-            del self.refused_until[address]
-        for address in addresses:
-            server = self.servers.get(address)
-            if server is not None:
-                try:
-                    ready = bool(await server.client.is_server_ready(client_timeout=2.0))
-                except Exception as exc:
-                    ready = False
-                    if _status(exc) == "UNAVAILABLE":  # nothing listens there: counts like a failed call
-                        self.router.failed(address)
-                self.router.set_ready(address, ready)
-                continue
-            if time.monotonic() < self.refused_until.get(address, 0.0):
-                continue  # refused a moment ago: not probed (nor logged) every round
-            was = self.unreachable.pop(address, None)
-            try:
-                admitted = await self.admit(address)
-            except EncoderRefused as exc:
-                self.stats.refused[address] = self.stats.refused.get(address, 0) + 1
-                self.refused_until[address] = time.monotonic() + self.refused_retry_s
-                log.error("encoder %s refused: %s (checked again in %g s)", address, exc, self.refused_retry_s)
-                continue
-            if admitted is None:
-                if self.unreachable.get(address) != was:  # logged when the reason changes, not every round
-                    log.warning("encoder %s %s; tried again every %g s", address, self.unreachable[address],
-                                self.refresh_s)  # fmt: skip
-                continue
-            self.servers[address] = admitted
-            where = "this node's store (by reference)" if admitted.shares_store else "another node (by value)"
-            log.info("encoder %s admitted: %s", address, where)
-        self.router.set_endpoints([a for a in addresses if a in self.servers])
+        await self.membership.refresh()
+
+    def describe(self) -> str:
+        return self.membership.describe()
+
+    async def close(self) -> None:
+        await self.membership.close()
+
+    def export(self, metrics: Any) -> None:
+        """The counters as Triton metrics (``metrics``: a ``ModelMetrics``)."""
+        self.metrics.export(metrics)
 
     async def run(self, metrics: Any = None) -> None:
         """Refresh forever (and export metrics when given a ``ModelMetrics``)."""
@@ -316,31 +167,16 @@ class RemoteEncoders:
                     self.export(metrics)
             except Exception:
                 log.exception("encoder refresh failed")
-            await asyncio.sleep(self.refresh_s)
-
-    def describe(self) -> str:
-        """Every encoder's state for an error message: admitted ones (ready, breaker), addresses
-        not admitted yet and why, and why the endpoint source found none."""
-        parts = [self.router.describe()] if self.router.encoders else []
-        parts += [f"{address}: {why}" for address, why in self.unreachable.items()]
-        parts += [f"{address}: refused (another key config or not an encoder)" for address in self.refused_until]
-        if self.source.problem:
-            parts.append(self.source.problem)
-        return "; ".join(parts) or self.router.describe()
-
-    async def close(self) -> None:
-        for server in self.servers.values():
-            await server.client.close()
-        self.servers.clear()
-
-    # -- encoding ------------------------------------------------------------------------------
+            await asyncio.sleep(self.membership.refresh_s)
 
     async def encode_reference(
         self, image: bytes, lease_owner: int, tenant: str | None = None, fallback: LocalEncode | None = None
     ) -> tuple[bytes, bool]:
         """The image's reference in this node's store (leased for ``lease_owner``) and whether
-        it was stored already; retried on other encoders until the deadline. ``fallback``: this
-        server's own encode (an ``all`` server), used when no remote encoder is left."""
+        it was stored already; retried on other encoders until the deadline. The routing key is
+        the tenant-free content key: an image's home does not depend on the tenant.
+        ``fallback``: this server's own encode (given that key), used when no remote encoder is
+        left."""
         key = self.keys.key(image)
         deadline = time.monotonic() + self.deadline_s
         tried: list[str] = []
@@ -353,9 +189,9 @@ class RemoteEncoders:
                 if fallback is not None:
                     self.stats.local_fallbacks += 1
                     log.warning("no remote encoder left (%s): encoding on this server", detail)
-                    return await fallback()
+                    return await fallback(key)
                 raise EpdError(f"no encoder server could encode the image ({detail})", ErrorCode.UNAVAILABLE) from None
-            server, stats = self.servers[route.address], self.stats.of(route.address)
+            server, stats = self.membership.servers[route.address], self.stats.of(route.address)
             stats.requests += 1
             stats.retries += bool(tried)
             started = time.monotonic()
@@ -369,7 +205,7 @@ class RemoteEncoders:
                 stats.failures += 1
                 self.router.failed(server.address)
                 tried.append(server.address)
-                errors.append(f"{server.address}: {_status(exc) or type(exc).__name__}")
+                errors.append(f"{server.address}: {wire.status(exc) or type(exc).__name__}")
                 log.warning("encoder %s failed (%s); trying another", server.address, exc)
                 continue
             self.router.succeeded(server.address)
@@ -380,134 +216,60 @@ class RemoteEncoders:
     async def _encode_on(
         self, server: EncoderServer, image: bytes, lease_owner: int, tenant: str | None, timeout_s: float
     ) -> tuple[bytes, bool]:
-        parameters = None if tenant is None else {contract.TENANT: tenant}
-        if server.shares_store:
-            inputs = [_image_input_bytes(image), _lease_input(lease_owner), _errors_as_outputs()]
-            try:
-                result = await _stream_one(server.client, ENCODER_MODEL, inputs, parameters, timeout_s)
-            except Exception as exc:
-                if _status(exc) in CLIENT_FAULTS:
-                    raise _ClientFault(str(exc)) from None
-                raise
-            wire = bytes(result.as_numpy(contract.REFERENCES).reshape(-1)[0])
-            return wire, bool(result.as_numpy(contract.CACHE_HIT).reshape(-1)[0])
-
-        fetched = False
-
-        async def by_value(image: bytes) -> EncodedImage:
-            nonlocal fetched
-            inputs = [_image_input_bytes(image), _errors_as_outputs()]
-            try:
-                result = await _stream_one(
-                    server.client, ENCODER_MODEL, inputs, {**(parameters or {}), contract.BY_VALUE: True}, timeout_s
-                )
-            except Exception as exc:
-                if _status(exc) in CLIENT_FAULTS:
-                    raise _ClientFault(str(exc)) from None
-                raise
-            embeds, grid = result.as_numpy(contract.IMAGE_EMBEDS), result.as_numpy(contract.IMAGE_GRID_THW)
-            if embeds is None or grid is None:
-                raise ValueError(f"{server.address} answered no embedding by value")
-            self.stats.cross_node_bytes += int(embeds.nbytes + grid.nbytes)
-            fetched = True
-            encoded = checked_embedding(embeds, grid, self.merge_size)
-            verify_answer(result, encoded, self.keys.key(image))
-            return encoded
-
-        local = CachedEncoder(self.store, self.keys, by_value, tenant_policy=self.tenant_policy)
-        answer = await local.reference(image, lease_owner, tenant)
-        self.stats.local_hits += int(not fetched)
+        parameters = {} if tenant is None else {contract.TENANT: tenant}
+        if server.shares_store:  # it writes this store and answers a reference leased for us
+            inputs = [wire.image_input(image), wire.lease_input(lease_owner), wire.errors_as_outputs()]
+            result = await _call(server, inputs, parameters, timeout_s)
+            reference = bytes(result.as_numpy(contract.REFERENCES).reshape(-1)[0])
+            return reference, bool(result.as_numpy(contract.CACHE_HIT).reshape(-1)[0])
+        token = _FETCH.set(_Fetch(server, parameters, timeout_s))
+        try:
+            answer = await self.cross_node.reference(image, lease_owner, tenant)
+        finally:
+            _FETCH.reset(token)
+        self.stats.local_hits += answer.cache_hit  # stored here meanwhile: nothing fetched
         return answer.reference.to_bytes(), answer.cache_hit
 
-    # -- metrics -------------------------------------------------------------------------------
-
-    def export(self, metrics: Any) -> None:
-        """Totals as Triton metrics (``ModelMetrics``: counters get the increase since last time)."""
-        totals: list[tuple[str, str, str, dict[str, str], float]] = []  # kind, name, help, labels, total
-        for address in self.router.encoders:  # every admitted encoder's counters, from 0 on
-            self.stats.of(address)
-        for address, s in self.stats.endpoints.items():
-            for name, calls in (("requests", s.requests), ("failures", s.failures), ("retries", s.retries)):
-                totals.append(("counter", f"epd_remote_encoder_{name}", f"Remote encode calls: {name}",
-                               {"endpoint": address}, calls))
-            totals.append(("counter", "epd_remote_encoder_latency_seconds", "Seconds in successful remote encodes",
-                           {"endpoint": address}, s.latency_s))
-        decisions = {
-            **self.router.decisions, "local_hit": self.stats.local_hits, "local_fallback": self.stats.local_fallbacks
-        }
-        for decision, count in decisions.items():
-            totals.append(("counter", "epd_routing_decisions", "Where remote-encoder routing sent an image",
-                           {"decision": decision}, count))
-        totals.append(("counter", "epd_cross_node_bytes", "Embedding bytes fetched from other nodes", {},
-                       self.stats.cross_node_bytes))
-        for address, state in self.router.encoders.items():
-            totals.append(("counter", "epd_remote_encoder_breaker_opens", "Times an encoder's circuit breaker opened",
-                           {"endpoint": address}, state.breaker.opens))
-        totals.append(("counter", "epd_remote_encoder_lookup_failures",
-                       "Encoder lookups (DNS name, file) that found no encoder", {}, self.stats.lookup_failures))
-        for address, refusals in self.stats.refused.items():
-            totals.append(("counter", "epd_remote_encoder_refused", "Encoder servers refused at admission",
-                           {"endpoint": address}, refusals))
-        for kind, name, description, labels, value in totals:  # each exported from 0 on
-            key = (name, tuple(sorted(labels.items())))
-            last = self._exported.get(key, 0.0)
-            handle = getattr(metrics, kind)(name, description, **labels)
-            if value > last:
-                handle.increment(value - last)
-                self._exported[key] = value
-        metrics.gauge("epd_remote_encoder_endpoints", "Encoder addresses the last lookup gave").set(
-            float(self.stats.addresses_found)
-        )
-        for address, state in self.router.encoders.items():
-            metrics.gauge("epd_remote_encoder_breaker_state", "0 closed, 1 open, 2 half-open",
-                          endpoint=address).set(float(state.breaker.state))
-
-
-def _image_input_bytes(image: bytes) -> Any:
-    from tritonclient.grpc import InferInput
-
-    data = np.array([image], dtype=np.object_)
-    tensor = InferInput(contract.IMAGE, [1], "BYTES")
-    tensor.set_data_from_numpy(data)
-    return tensor
-
-
-def _errors_as_outputs() -> Any:
-    from tritonclient.grpc import InferInput
-
-    tensor = InferInput(contract.ERRORS_AS_OUTPUTS, [1], "BOOL")
-    tensor.set_data_from_numpy(np.array([True]))
-    return tensor
-
-
-def _lease_input(owner: int) -> Any:
-    from tritonclient.grpc import InferInput
-
-    tensor = InferInput(contract.LEASE_OWNER, [1], "INT64")
-    tensor.set_data_from_numpy(np.array([owner], dtype=np.int64))
-    return tensor
-
-
-LocalEncode = Callable[[], Awaitable[tuple[bytes, bool]]]
+    async def _fetch_by_value(self, image: bytes) -> EncodedImage:
+        """The cross-node encode: the embedding by value from the server of this call, checked."""
+        fetch = _FETCH.get()
+        inputs = [wire.image_input(image), wire.errors_as_outputs()]
+        result = await _call(fetch.server, inputs, {**fetch.parameters, contract.BY_VALUE: True}, fetch.timeout_s)
+        embeds, grid = result.as_numpy(contract.IMAGE_EMBEDS), result.as_numpy(contract.IMAGE_GRID_THW)
+        if embeds is None or grid is None:
+            raise ValueError(f"{fetch.server.address} answered no embedding by value")
+        self.stats.cross_node_bytes += int(embeds.nbytes + grid.nbytes)
+        encoded = checked_embedding(embeds, grid, self.merge_size)
+        verify_answer(result, encoded, self.keys.key(image))
+        return encoded
 
 
 class RemoteEncoderStages:
-    """The epd stages with the encode step sent to remote encoders (routing picks the server);
-    prefill and decode stay the local BLS calls. With ``local_fallback`` (a server that serves
-    its own encoder models) an image that no remote encoder can take goes to the ``encoder``
-    the pipeline named, on this server."""
+    """The epd stages with images encoded by remote encoders; prefill, decode and videos stay
+    the local BLS calls.
 
-    def __init__(self, local: Any, remote: RemoteEncoders, local_fallback: bool = False) -> None:
-        self.local, self.remote, self.local_fallback = local, remote, local_fallback
+    One-directional: these stages route images themselves (``routes_images``), so the pipeline
+    picks no encoder for an image: ``encoder`` is the request's pin or None, and the router picks
+    the remote server. With ``local_fallback`` (this server's own encoder model names; empty: no
+    fallback) an image that no remote encoder can take is encoded here, on the pinned model, else
+    on the image's home among them by the same rule (``scaleout/routing.home``). Videos are not
+    routed here: the pipeline picks their encoder model, as on a server without remote encoders.
+    """
+
+    routes_images = True
+
+    def __init__(self, local: Any, remote: RemoteEncoders, local_fallback: Sequence[str] = ()) -> None:
+        self.local, self.remote, self.local_fallback = local, remote, list(local_fallback)
 
     async def encode_reference(
-        self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
+        self, encoder: str | None, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
     ) -> tuple[bytes, bool]:
         if modality != "image":  # remote encoders take images (by value): videos are encoded here
             return await self.local.encode_reference(encoder, image, lease_owner, tenant, modality)  # type: ignore[no-any-return]
 
-        async def here() -> tuple[bytes, bool]:
-            return await self.local.encode_reference(encoder, image, lease_owner, tenant)  # type: ignore[no-any-return]
+        async def here(key: str) -> tuple[bytes, bool]:
+            model = encoder or home(self.local_fallback, key)
+            return await self.local.encode_reference(model, image, lease_owner, tenant)  # type: ignore[no-any-return]
 
         return await self.remote.encode_reference(image, lease_owner, tenant, here if self.local_fallback else None)
 
@@ -529,7 +291,7 @@ def with_remote_encoders(
     params: Any, store: EmbeddingStore, keys: KeyConfig, local: Any
 ) -> tuple[Any, RemoteEncoders | None]:
     """epd's stages for its config: ``local`` as it is when ``remote_encoders`` is ``local``,
-    else wrapped so that encodes go to the remote encoders (``params``: ``ModelParameters``)."""
+    else wrapped so that images go to the remote encoders (``params``: ``ModelParameters``)."""
     from python_backends.scaleout.endpoints import endpoint_source
 
     spec = params.string(contract.REMOTE_ENCODERS_KEY)
@@ -541,4 +303,6 @@ def with_remote_encoders(
         node_id=policy.node_id, store_path=policy.path, merge_size=params.integer(contract.SPATIAL_MERGE_SIZE),
         deadline_s=params.number(contract.REMOTE_ENCODE_DEADLINE_S), tenant_policy=policy.tenants,
     )  # fmt: skip
-    return RemoteEncoderStages(local, remote, params.boolean(contract.REMOTE_LOCAL_FALLBACK)), remote
+    own_encoders = params.string(contract.ENCODER_MODELS_KEY).split(",")  # this server's encoder models
+    fallback = own_encoders if params.boolean(contract.REMOTE_LOCAL_FALLBACK) else []
+    return RemoteEncoderStages(local, remote, fallback), remote

@@ -1,21 +1,24 @@
-"""Which remote encoder an image goes to: rendezvous hashing with bounded load, and a circuit
-breaker per encoder.
+"""Which encoder an image goes to: THE rule (:func:`home`), and for remote encoder servers the
+router around it (bounded load, a circuit breaker per encoder). See docs/scale-out.md.
 
-Who calls what: the ``epd`` pipeline's remote-encoder client (``scaleout/remote.py``) asks
-:meth:`Router.choose` for each image that the local store does not hold, wraps the call in
-:meth:`Router.calling` and reports the outcome; the endpoint resolver calls
-:meth:`Router.set_endpoints` when the membership changes. Everything runs on the ``epd`` event
-loop (one thread), so the counters need no lock.
+- **Home** (:func:`home`, one rule for every encoder): among the candidates, the one with the
+  highest ``hash(candidate, key)`` (rendezvous / highest-random-weight hashing). Adding or
+  removing one of N candidates moves only the keys it wins or held: ~1/N of the homes. The local
+  path (``epd/references.py``: ``encoder_<i>`` models over BLS) applies it to this server's
+  encoder model names; the remote path (:class:`Router`) to the healthy encoder servers.
+- **Bounded load** (remote): when the home already has ``bound`` encodes in flight
+  (``ceil(load_factor * (in flight + 1) / healthy)``, at least ``min_bound``), the image goes to
+  the least-loaded healthy encoder instead (ties: rendezvous order), as in consistent hashing
+  with bounded loads.
+- **Breaker** (remote): ``fail_threshold`` failed calls in a row open an encoder's breaker for a
+  back-off (doubled at each failed probe, up to ``max_backoff_s``); then one probe call is let
+  through (half-open): success closes it, failure opens it again.
 
-- **Home**: each ``mm_hash`` has a home encoder, the one with the highest
-  ``hash(endpoint, mm_hash)`` among the healthy ones (rendezvous / highest-random-weight hashing).
-  Adding or removing one of N encoders moves only the keys it wins or held: ~1/N of the homes.
-- **Bounded load**: when the home already has ``bound`` encodes in flight (``ceil(load_factor *
-  (in flight + 1) / healthy)``, at least ``min_bound``), the image goes to the least-loaded healthy
-  encoder instead (ties: rendezvous order), as in consistent hashing with bounded loads.
-- **Breaker**: ``fail_threshold`` failed calls in a row open an encoder's breaker for a back-off
-  (doubled at each failed probe, up to ``max_backoff_s``); then one probe call is let through
-  (half-open): success closes it, failure opens it again.
+Who calls what: the remote encoders (``scaleout/remote.py``) ask :meth:`Router.choose` for each
+image that the local store does not hold, wrap the call in :meth:`Router.calling` and report
+the outcome; membership (``scaleout/membership.py``) calls :meth:`Router.set_endpoints` and
+:meth:`Router.set_ready`. Everything runs on the ``epd`` event loop (one thread), so the
+counters need no lock.
 
 Hand-written on purpose: the hashing is a dozen lines, and ``pybreaker`` counts calls made
 through its own wrapper (sync, or Tornado for async), which does not fit calls that are routed
@@ -119,6 +122,12 @@ def rendezvous_order(addresses: Iterable[str], key: str) -> list[str]:
     return sorted(addresses, key=lambda address: (weight(address, key), address), reverse=True)
 
 
+def home(candidates: Iterable[str], key: str) -> str:
+    """The encoder ``key`` goes to among ``candidates`` (encoder model names or server
+    addresses): the one rule, whatever the order they are listed in. ValueError if none."""
+    return max(candidates, key=lambda candidate: (weight(candidate, key), candidate))
+
+
 @dataclass
 class Router:
     load_factor: float = 1.25
@@ -147,7 +156,7 @@ class Router:
     def home(self, key: str) -> str | None:
         """The key's home among the healthy encoders (None if there is none)."""
         healthy = self.healthy()
-        return rendezvous_order(healthy, key)[0] if healthy else None
+        return home(healthy, key) if healthy else None
 
     def bound(self, healthy: int) -> int:
         in_flight = sum(state.in_flight for state in self.encoders.values())

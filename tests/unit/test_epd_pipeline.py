@@ -18,6 +18,7 @@ from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.request.generate import CachedImage, GenerateRequest
 from python_backends.request.parameters import RequestParameters
+from python_backends.scaleout.routing import home
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig, parse_reference
 
 KEYS = KeyConfig({"size": 336}, "encoder-v1")
@@ -269,6 +270,7 @@ def test_images_go_to_their_home_encoder_or_the_pinned_one(store):
     collect(pipeline, request(images[:4]))
     homes = [pipeline.encoder_for(KEYS.key(image)) for image in images[:4]]
     assert sorted(stages.routed) == sorted(homes)
+    assert homes == [home(ENCODERS, KEYS.key(image)) for image in images[:4]]  # the one rule, as remote servers
     assert set(pipeline.encoder_for(KEYS.key(image)) for image in images) == set(ENCODERS)  # both get work
     stages.routed.clear()
     collect(pipeline, request(images[4:6]), encoder="encoder_1")
@@ -276,6 +278,32 @@ def test_images_go_to_their_home_encoder_or_the_pinned_one(store):
     with pytest.raises(EpdError) as info:
         collect(pipeline, request(images[6:7]), encoder="encoder_9")
     assert info.value.code is ErrorCode.INVALID_ARG and "encoder_0, encoder_1" in info.value.message
+
+
+@dataclass
+class SelfRoutingStages(FakeStages):
+    """Stages that route images themselves, as the remote encoders do: told no encoder unless pinned."""
+
+    routes_images: bool = True
+
+    async def encode_reference(self, encoder, image, lease_owner, tenant=None, modality="image"):
+        self.routed.append(encoder)
+        answer = await self.encoders[encoder or "encoder_0"].reference(image, lease_owner, tenant, modality)
+        return answer.reference.to_bytes(), answer.cache_hit
+
+
+def test_stages_that_route_images_get_no_pick_only_a_pin(store):
+    stages = SelfRoutingStages(store)
+    pipeline = make_pipeline(stages)
+    collect(pipeline, request([b"img-a", b"img-b"]))
+    assert stages.routed == [None, None]  # one-directional: no pick made, none discarded
+    stages.routed.clear()
+    collect(pipeline, request([b"img-c"]), encoder="encoder_1")
+    assert stages.routed == ["encoder_1"]
+    stages.routed.clear()
+    collect(pipeline, video_request([], [b"vid-1"]))  # videos are not routed by the stage: picked here
+    assert stages.routed == [home(ENCODERS, KEYS.key(b"vid-1", modality="video"))]
+    assert store.metrics()["active_leases"] == 0
 
 
 @pytest.mark.parametrize(("scope", "encodes"), [("node", 1), ("instance", 2)])

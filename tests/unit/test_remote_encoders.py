@@ -1,4 +1,4 @@
-"""Remote encoders for a ``pd`` server (issue 13, items 2, 3, 5): endpoint sources, admission
+"""Remote encoders for a ``pd`` server (docs/scale-out.md): endpoint sources, admission
 (probe key check), the cross-node fetch into the local store (once per image), the shared-store
 path by reference, failover and the breaker, and bad topology input -- against scripted gRPC
 clients and a real embedding store; unreachable addresses and DNS names with the real ones.
@@ -26,8 +26,9 @@ from python_backends.scaleout.endpoints import (
     StaticEndpoints,
     endpoint_source,
 )
-from python_backends.scaleout.remote import PROBE_IMAGE, RemoteEncoders, checked_embedding
-from python_backends.scaleout.routing import BreakerState
+from python_backends.scaleout.membership import PROBE_IMAGE
+from python_backends.scaleout.remote import RemoteEncoders, checked_embedding
+from python_backends.scaleout.routing import BreakerState, home
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig
 
 KEYS = KeyConfig({"merge_size": 2, "min_pixels": 3136}, "encoder-v1")
@@ -138,7 +139,7 @@ FakeEncoderServer.encode = _shared_encode  # type: ignore[attr-defined]
 @pytest.fixture(autouse=True)
 def raw_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep the raw bytes on the tritonclient inputs the client builds (the fakes read them)."""
-    from python_backends.scaleout import remote
+    from python_backends.scaleout import wire
 
     def image_bytes(image: bytes) -> Any:
         return type("Input", (), {"_raw_image": image})()
@@ -146,8 +147,8 @@ def raw_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     def lease(owner: int) -> Any:
         return type("Input", (), {"_raw_owner": owner})()
 
-    monkeypatch.setattr(remote, "_image_input_bytes", image_bytes)
-    monkeypatch.setattr(remote, "_lease_input", lease)
+    monkeypatch.setattr(wire, "image_input", image_bytes)
+    monkeypatch.setattr(wire, "lease_input", lease)
 
 
 @pytest.fixture
@@ -218,13 +219,13 @@ def test_admission_refuses_another_key_config_and_a_server_without_encoders(stor
     run(remote.refresh())
     assert list(remote.router.encoders) == ["good:1"]
     assert remote.stats.refused == {"other:1": 1, "pd:1": 1}  # down:1 is tried again, not refused
-    assert remote.unreachable == {"down:1": "not ready"}
+    assert remote.membership.unreachable == {"down:1": "not ready"}
     run(remote.refresh())  # a refused encoder is not probed again at once
     assert remote.stats.refused == {"other:1": 1, "pd:1": 1}
     assert "down:1: not ready" in remote.describe() and "good:1: ready, breaker closed" in remote.describe()
     servers["down:1"].ready = True
     run(remote.refresh())
-    assert list(remote.router.encoders) == ["good:1", "down:1"] and remote.unreachable == {}
+    assert list(remote.router.encoders) == ["good:1", "down:1"] and remote.membership.unreachable == {}
 
 
 # --------------------------------------------------------------------------- encoding
@@ -260,7 +261,7 @@ def test_an_encoder_sharing_the_store_answers_a_reference(store: EmbeddingStore)
         return await remote.encode_reference(b"image two", 99)
 
     wire, hit = run(once())
-    assert remote.servers["a:1"].shares_store and not hit
+    assert remote.membership.servers["a:1"].shares_store and not hit
     assert remote.stats.cross_node_bytes == 0  # nothing crossed: the encoder wrote our store
     assert store.resolve(store.parse_reference(wire)).shape == (4, HIDDEN)
 
@@ -370,7 +371,8 @@ def test_unreachable_or_unresolvable_encoders_give_one_clear_unavailable_error(
         assert "dns:no-such-encoder.invalid:8001 resolves to nothing" in error.value.message
     else:
         assert f"{spec}: not reachable" in error.value.message and "UNAVAILABLE" in error.value.message
-    assert remote.unreachable if not spec.startswith("dns:") else remote.unreachable == {}
+    unreachable = remote.membership.unreachable
+    assert unreachable if not spec.startswith("dns:") else unreachable == {}
 
 
 class RecordingMetrics:
@@ -442,18 +444,39 @@ def test_with_no_encoder_left_a_server_with_its_own_encoders_encodes_locally(sto
             local_calls.append((encoder, image))
             return b"local reference", False
 
-    with_fallback, without = RemoteEncoderStages(LocalStages(), remote, True), RemoteEncoderStages(None, remote)
-    assert run(with_fallback.encode_reference("encoder_1", b"image a", 7))[1] is False
+    own = ["encoder_0", "encoder_1"]
+    with_fallback, without = RemoteEncoderStages(LocalStages(), remote, own), RemoteEncoderStages(None, remote)
+    assert with_fallback.routes_images and without.routes_images  # the pipeline picks no encoder for images
+    assert run(with_fallback.encode_reference(None, b"image a", 7))[1] is False
     assert local_calls == [] and remote.stats.local_fallbacks == 0  # encoders alive: remote
     for server in servers.values():
         server.fail_with = "UNAVAILABLE"  # both killed
     assert run(with_fallback.encode_reference("encoder_1", b"image b", 7)) == (b"local reference", False)
-    assert local_calls == [("encoder_1", b"image b")] and remote.stats.local_fallbacks == 1
+    assert local_calls == [("encoder_1", b"image b")] and remote.stats.local_fallbacks == 1  # the pin, here
     assert all(remote.stats.of(a).failures == 1 for a in servers)  # each tried once, then here
+    run(with_fallback.encode_reference(None, b"image d", 7))  # unpinned: its home among this server's, one rule
+    assert local_calls[-1] == (home(own, KEYS.key(b"image d")), b"image d") and remote.stats.local_fallbacks == 2
     with pytest.raises(EpdError) as error:  # no encoder models here: one clear error
-        run(without.encode_reference("encoder_1", b"image c", 7))
+        run(without.encode_reference(None, b"image c", 7))
     assert error.value.code == ErrorCode.UNAVAILABLE and "e0:1" in error.value.message
-    assert remote.stats.local_fallbacks == 1
+    assert remote.stats.local_fallbacks == 2
+
+
+def test_videos_stay_on_the_encoder_model_the_pipeline_picked(store: EmbeddingStore) -> None:
+    from python_backends.scaleout.remote import RemoteEncoderStages
+
+    calls: list[tuple[str | None, str]] = []
+
+    class LocalStages:
+        async def encode_reference(
+            self, encoder: str, image: bytes, owner: int, tenant: Any = None, modality: str = "image"
+        ) -> Any:
+            calls.append((encoder, modality))
+            return b"local reference", False
+
+    stages = RemoteEncoderStages(LocalStages(), remote_for(store, {}))
+    assert run(stages.encode_reference("encoder_0", b"video", 7, None, "video")) == (b"local reference", False)
+    assert calls == [("encoder_0", "video")]
 
 
 def test_an_encoder_that_stops_answering_readiness_opens_its_breaker_without_traffic(store: EmbeddingStore) -> None:

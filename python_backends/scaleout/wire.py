@@ -1,0 +1,111 @@
+"""The gRPC calls a ``pd`` server makes to an encoder server's ``encoder_0`` (see docs/scale-out.md).
+
+Who calls what: membership (``scaleout/membership.py``) connects with :func:`connect` and sends
+the probe image; the remote encode (``scaleout/remote.py``) sends images with :func:`stream_one`.
+Both read a failed call's gRPC status with :func:`status`. ``tritonclient`` is imported on the
+serving side only (inside the functions), so the unit tests can script the client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from python_backends import contract
+from python_backends.errors import EpdError, ErrorCode
+
+ENCODER_MODEL = contract.encoder_model_names(1)[0]
+# Status codes that say the image (not the encoder) is at fault: no retry elsewhere.
+CLIENT_FAULTS = ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED")
+# gRPC's reconnect back-off grows to 120 s by default: an encoder restarted after a minute down
+# would wait that long to be seen. Capped near the readiness poll, it rejoins within seconds.
+RECONNECT_BACKOFF_MS = (500, 2000)  # initial, max
+
+
+def connect(address: str) -> Any:
+    """A ``tritonclient.grpc.aio.InferenceServerClient`` for ``address`` (``HOST:PORT``)."""
+    from tritonclient.grpc import aio as grpc_aio
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+
+    keepalive = KeepAliveOptions()
+    options = [  # tritonclient's defaults, plus the reconnect back-off
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ]
+    return grpc_aio.InferenceServerClient(address, channel_args=options)
+
+
+def status(exc: BaseException) -> str:
+    """The gRPC status name of a failed call ("" when it carries none)."""
+    if isinstance(exc, EpdError):
+        names = {ErrorCode.INVALID_ARG: "INVALID_ARGUMENT", ErrorCode.NOT_FOUND: "NOT_FOUND"}
+        return names.get(exc.code, exc.code.value)
+    code = getattr(exc, "code", None)  # grpc.aio.AioRpcError from a stream
+    if callable(code):
+        return str(getattr(code(), "name", ""))
+    value = getattr(exc, "status", None)  # tritonclient's InferenceServerException
+    value = value() if callable(value) else None
+    return "" if value is None else str(value).removeprefix("StatusCode.")
+
+
+async def stream_one(
+    client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None, timeout_s: float
+) -> Any:
+    """One request to a decoupled model over a gRPC stream: its first response. The stream is
+    read to its end (the server closes it after the request's final response): cancelling a
+    finished request's stream left the encoder model unable to unload at stop."""
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": model, "inputs": inputs, "parameters": dict(parameters or {})}
+
+    responses = client.stream_infer(requests(), stream_timeout=timeout_s)
+    answer = None
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise error
+            if result is not None and (errors := result.as_numpy(contract.ERROR)) is not None:
+                fields = json.loads(bytes(errors.reshape(-1)[0]))  # errors_as_outputs: the code survives
+                raise EpdError(f"{model}: {fields['message']}", ErrorCode(fields["code"]))
+            if answer is None and result is not None and result.get_response().outputs:
+                answer = result
+    except BaseException:
+        responses.cancel()  # a failed or abandoned call: the server stops working on it
+        raise
+    if answer is None:
+        raise ConnectionError(f"{model}: the stream ended without an answer")
+    return answer
+
+
+def image_input(image: bytes) -> Any:
+    from tritonclient.grpc import InferInput
+
+    tensor = InferInput(contract.IMAGE, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([image], dtype=np.object_))
+    return tensor
+
+
+def errors_as_outputs() -> Any:
+    from tritonclient.grpc import InferInput
+
+    tensor = InferInput(contract.ERRORS_AS_OUTPUTS, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([True]))
+    return tensor
+
+
+def lease_input(owner: int) -> Any:
+    from tritonclient.grpc import InferInput
+
+    tensor = InferInput(contract.LEASE_OWNER, [1], "INT64")
+    tensor.set_data_from_numpy(np.array([owner], dtype=np.int64))
+    return tensor
