@@ -305,7 +305,7 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
 def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     """``prefill`` and ``decode`` (vLLM KV producer / consumer): configs and engine args."""
     # Light: the engine-args helper does not import vLLM.
-    from python_backends.pd.engines import pd_engine_args
+    from python_backends.pd.engine_args import pd_engine_args
 
     positions = checkpoint_positions(model_dir)
     files: dict[str, str] = {}

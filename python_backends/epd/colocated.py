@@ -2,10 +2,10 @@
 
 Why in epd's process: a path that relays another model's tokens over BLS pays a Triton
 response hop per token, and on 2 shared cores that hop alone made epd's decode longer than
-llm's whole decode (results/2026-11-29/encode-breakdown). Here the engine's chunks are epd's
+llm's whole decode (docs/benchmarks/encode.md). Here the engine's chunks are epd's
 responses, as they are ``llm``'s, so the path costs what ``llm`` costs plus the store lookup.
 
-Images, after the shared hash and lookup (``epd_references.py``):
+Images, after the shared hash and lookup (``epd/references.py``):
 
 - every image in the store: handed to the engine as embeddings (vLLM's ``enable_mm_embeds``:
   ``image_embeds`` + ``image_grid_thw``, with the content key as the item's identity), so a
@@ -14,7 +14,7 @@ Images, after the shared hash and lookup (``epd_references.py``):
   does; vLLM's own encoder and prefix caches serve repeats). Each item carries its content key
   as its vLLM identity (``multi_modal_uuids``), so vLLM does not hash the pixels again, and an
   image whose processed pixels the engine still holds (its processor cache, by that key) goes
-  as ``None``: no decode, no processing, no copy (results/2026-12-02/engine-held);
+  as ``None``: no decode, no processing, no copy (docs/benchmarks/serving-paths.md);
 - some of each: the missing ones are encoded by the encoder models first (into the store) and
   all go in as embeddings, because vLLM takes one form per modality in a prompt.
 
@@ -35,13 +35,11 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.prompt import stored_embeds, vllm_prompt
 from python_backends.epd.references import ImageReferences, LeasedReferences, ms_since, stage_error
 from python_backends.errors import EpdError
-from python_backends.pd.engines import ImageEmbeds, multi_modal_data, multi_modal_uuids
-from python_backends.pd.stage import owned_float32
 from python_backends.request.generate import GenerateRequest
 from python_backends.request.images import ImageLimits, decode_images
-from python_backends.store import EmbeddingStore, Reference
 
 
 class ColocatedEngine(Protocol):
@@ -55,16 +53,6 @@ class ColocatedEngine(Protocol):
     def holds_media(self, uuid: str) -> bool: ...
 
     async def abort(self, request_id: str) -> None: ...
-
-
-def stored_embeds(store: EmbeddingStore, references: list[Reference]) -> list[ImageEmbeds]:
-    """The engine's copy of each referenced embedding (one copy out of the store, see pd_stage)."""
-    images: list[ImageEmbeds] = []
-    for ref in references:
-        with store.open_view(ref) as view:
-            tensor = owned_float32(view, ref.dtype)
-        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw or ()), uuid=ref.key, modality=ref.modality))  # type: ignore[arg-type]
-    return images
 
 
 class ColocatedPath:
@@ -83,24 +71,18 @@ class ColocatedPath:
     ) -> tuple[dict[str, Any], bool]:
         """vLLM's input for the request, and whether an item went as None (``engine_held``: the
         media the engine holds go as None)."""
-        prompt: dict[str, Any] = {"prompt": request.prompt}
         if not request.images and not request.videos:
-            return prompt, False
+            return vllm_prompt(request.prompt), False
         if not leased.found and not request.videos:  # every image is new: the engine encodes the media itself
             keys = leased.keys[: leased.num_images]
             held = {key for key in keys if engine_held and self.engine.holds_media(key)}
             to_decode = [leased.missing[key] for key in keys if key not in held]
             decoded = iter(await asyncio.to_thread(decode_images, to_decode, self.limits) if to_decode else ())
-            prompt["multi_modal_data"] = {"image": [None if key in held else next(decoded) for key in keys]}
-            prompt["multi_modal_uuids"] = {"image": keys}
-            return prompt, bool(held)
+            media = [None if key in held else next(decoded) for key in keys]
+            return vllm_prompt(request.prompt, mm_data={"image": media}, mm_uuids={"image": keys}), bool(held)
         await self.references.encode_missing(leased, encoder, timings)
-        images = stored_embeds(self.references.store, leased.references)
-        prompt["multi_modal_data"] = multi_modal_data(images)
-        uuids = multi_modal_uuids(images)
-        if uuids:
-            prompt["multi_modal_uuids"] = uuids
-        return prompt, False
+        images = [stored_embeds(self.references.store, ref) for ref in leased.references]
+        return vllm_prompt(request.prompt, images), False
 
     async def run(
         self,

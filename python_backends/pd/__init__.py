@@ -1,8 +1,11 @@
 """Prefill -> decode with KV transfer between two vLLM engines (Triton-free).
 
-Modules: :mod:`.transfer` (transfer parameters, manifest, store layout; pure Python),
+Modules: :mod:`.transfer` (the transfer parameters prefill hands decode; pure Python),
+:mod:`.manifest` (a transfer's record in the node folder: layout, manifest, first token),
 :mod:`.connector` (``TransferIdConnector``, loaded by vLLM inside each engine),
-:mod:`.engines` (``PrefillEngine`` / ``DecodeEngine`` wrappers and per-role engine args).
+:mod:`.engine_args` (per-role engine args and their checks), :mod:`.kv_transfer` (what differs
+per connector, one object chosen when an engine starts), :mod:`.engines` (``PrefillEngine`` /
+``DecodeEngine`` wrappers), :mod:`.stage` (the ``prefill``/``decode`` models' inputs).
 
 Why a connector of our own (``TransferIdConnector``) on CPU, and what was tried
 --------------------------------------------------------------------------------
@@ -13,7 +16,7 @@ when it cannot.
 
 - ``ExampleConnector`` (vLLM's reference, safetensors files per layer): keys its folder by
   the prompt's token ids cut to whole KV blocks (128 tokens on CPU), so a prompt shorter
-  than a block stores and loads nothing and decode silently recomputes (DESIGN.md), two
+  than a block stores and loads nothing and decode silently recomputes (docs/facts.md), two
   prompts sharing their first blocks share a folder, it stores only the first chunk of a
   chunked prefill, never deletes anything, and returns 0 matched tokens -- i.e. recompute --
   on any miss. Measured here as well: its per-token indexing of the paged cache
@@ -31,7 +34,7 @@ when it cannot.
   ``os.sched_setaffinity`` to the last core of each NUMA node -- on a 2-core machine shared
   by two engines that fights ``VLLM_CPU_OMP_THREADS_BIND``. Its transfer parameters
   (``remote_block_ids`` + host/port) are read as-is: a stale or tampered block list reads
-  whatever now lives in those blocks, which DESIGN.md forbids ("never garbage"). And its
+  whatever now lives in those blocks, which a transfer must never do ("never garbage"). And its
   ``do_remote_prefill`` key makes vLLM report the *producer's* cached-token count as
   ``num_cached_tokens``, which removes the decode-side proof.
 - LMCache / Mooncake (not tried): each brings its own package and a storage/transfer

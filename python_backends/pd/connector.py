@@ -62,6 +62,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from python_backends.errors import EpdError
+from python_backends.pd import manifest as mf
 from python_backends.pd import transfer as tx
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class TransferIdConnector(KVConnectorBase_V1):
         load_end = max(len(prompt) - 1, 0)
         owns = False
         try:
-            manifest = tx.read_manifest(self._store, str(transfer_id))
+            manifest = mf.read_manifest(self._store, str(transfer_id))
         except EpdError as exc:
             error = exc.message
         else:
@@ -281,14 +282,14 @@ class TransferIdConnector(KVConnectorBase_V1):
         if plan is not None and plan.owns_transfer and request.status != RequestStatus.FINISHED_ERROR:
             # Single use. A failed load keeps it (the caller's error names the cause; the
             # expiry sweep removes it).
-            tx.remove_transfer(self._store, plan.transfer_id)
+            mf.remove_transfer(self._store, plan.transfer_id)
         state = self._stores.pop(req_id, None)
         if state is None:
             return False, None
         self._maybe_sweep()
         try:
-            tx.check_chunks_cover(state.chunks, len(state.token_ids))
-            manifest = tx.Manifest(
+            mf.check_chunks_cover(state.chunks, len(state.token_ids))
+            manifest = mf.Manifest(
                 transfer_id=state.transfer_id,
                 token_ids=state.token_ids,
                 mm_hashes=state.mm_hashes,
@@ -298,10 +299,10 @@ class TransferIdConnector(KVConnectorBase_V1):
                 created=time.time(),
                 mm_placeholders=state.mm_placeholders,
             )
-            tx.write_manifest(self._store, manifest)
+            mf.write_manifest(self._store, manifest)
         except (ValueError, OSError, IndexError) as exc:
             log.warning("transfer %s not committed (request %s): %s", state.transfer_id, req_id, exc)
-            tx.remove_transfer(self._store, state.transfer_id)
+            mf.remove_transfer(self._store, state.transfer_id)
             return False, {tx.KEY_TRANSFER_ID: state.transfer_id, "epd_committed": False}
         return False, {
             tx.KEY_TRANSFER_ID: state.transfer_id,
@@ -311,7 +312,7 @@ class TransferIdConnector(KVConnectorBase_V1):
         }
 
     def _layers_of(self, transfer_id: str, chunk: tuple[int, int]) -> list[str]:
-        path = tx.transfer_dir(self._store, transfer_id) / tx.chunk_name(*chunk)
+        path = mf.transfer_dir(self._store, transfer_id) / mf.chunk_name(*chunk)
         with safetensors.safe_open(str(path), framework="pt") as f:
             return sorted(f.keys())
 
@@ -320,7 +321,7 @@ class TransferIdConnector(KVConnectorBase_V1):
         if now - self._last_sweep < self._sweep_interval_s:
             return
         self._last_sweep = now
-        removed = tx.sweep_expired(self._store, self._max_age_s, now)
+        removed = mf.sweep_expired(self._store, self._max_age_s, now)
         if removed:
             log.warning("removed %d expired KV transfers (never decoded)", len(removed))
 
@@ -351,8 +352,8 @@ class TransferIdConnector(KVConnectorBase_V1):
 
     def _load(self, op: _Op, layers: dict[str, torch.Tensor]) -> None:
         """Copy whole blocks: chunk files hold the pages of the blocks their tokens touch."""
-        folder = tx.transfer_dir(self._store, op.transfer_id)
-        manifest = tx.read_manifest(self._store, op.transfer_id)
+        folder = mf.transfer_dir(self._store, op.transfer_id)
+        manifest = mf.read_manifest(self._store, op.transfer_id)
         if set(manifest.layers) != set(layers):
             raise ValueError(f"transfer has layers {manifest.layers}, engine has {sorted(layers)}")
         if manifest.block_size != self._block_size:
@@ -364,7 +365,7 @@ class TransferIdConnector(KVConnectorBase_V1):
             first, last = max(c_first, want_first), min(c_last, want_last)
             if first >= last:
                 continue
-            tensors = safetensors.torch.load_file(str(folder / tx.chunk_name(c_start, c_end)))
+            tensors = safetensors.torch.load_file(str(folder / mf.chunk_name(c_start, c_end)))
             dst_blocks = torch.tensor(op.block_ids[first:last], dtype=torch.long)
             for name, dst in layers.items():
                 src = tensors[name]
@@ -397,9 +398,9 @@ class TransferIdConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         pending, self._pending_saves = self._pending_saves, {}
         for (transfer_id, start, end), tensors in pending.items():
-            folder = tx.transfer_dir(self._store, transfer_id)
+            folder = mf.transfer_dir(self._store, transfer_id)
             folder.mkdir(parents=True, exist_ok=True)
-            path = folder / tx.chunk_name(start, end)
+            path = folder / mf.chunk_name(start, end)
             tmp = folder / f".{path.name}.{os.getpid()}.tmp"
             safetensors.torch.save_file(tensors, str(tmp))
             os.replace(tmp, path)

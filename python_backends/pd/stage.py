@@ -6,13 +6,13 @@ image input, so Triton itself refuses media. References are checked and read fro
 node's embedding store here (INVALID_ARG when malformed or tampered, NOT_FOUND when unknown
 or evicted) before any engine work.
 
-Reading: the view into the store (its memory map on cpu, its CUDA block on gpu) is copied
-once into the engine's input tensor, on the view's device. Not zero-copy on purpose: vLLM
-keeps multimodal inputs and encoder outputs (its encoder and processor caches) beyond one
-request, and a view is only valid while it is open (the store may evict and reuse the
-bytes afterwards), so handing vLLM the view itself could later feed it another entry's
-bytes. One memcpy of a few hundred KB per image; no Triton transfer, no serialization,
-no decode of media.
+Reading (``engines/prompt.py``, :func:`stored_embeds`): the view into the store (its memory
+map on cpu, its CUDA block on gpu) is copied once into the engine's input tensor, on the view's
+device. Not zero-copy on purpose: vLLM keeps multimodal inputs and encoder outputs (its encoder
+and processor caches) beyond one request, and a view is only valid while it is open (the store
+may evict and reuse the bytes afterwards), so handing vLLM the view itself could later feed it
+another entry's bytes. One memcpy of a few hundred KB per image; no Triton transfer, no
+serialization, no decode of media.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 
 from python_backends import contract
+from python_backends.engines.prompt import ImageEmbeds, stored_embeds
 from python_backends.errors import invalid_arg
-from python_backends.pd.engines import ImageEmbeds
 from python_backends.request.sampling import parse_sampling_parameters
 from python_backends.store import EmbeddingStore, Reference
-from python_backends.store.device_memory import DeviceView
 
 
 @dataclass(frozen=True)
@@ -86,28 +85,8 @@ def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list
         ref = store.parse_reference(raw)
         if ref.modality not in ("image", "video") or ref.grid_thw is None:
             raise invalid_arg(f"reference {index} is not an image or video embedding with a grid")
-        with store.open_view(ref) as view:
-            tensor = owned_float32(view, ref.dtype)
-        # The content key is the item's identity for vLLM (see ImageEmbeds.uuid).
-        images.append(ImageEmbeds(tensor, tuple(ref.grid_thw), uuid=ref.key, modality=ref.modality))  # type: ignore[arg-type]
+        # One copy out of the store; the content key is the item's identity for vLLM (see ImageEmbeds.uuid).
+        images.append(stored_embeds(store, ref))
         refs.append(ref)
     return images, refs
 
-
-def owned_float32(view: np.ndarray | DeviceView, dtype: str) -> Any:
-    """A float32 torch tensor the engine may keep after the view closes, on the view's device:
-    the one copy out of the store. ``bfloat16`` entries are stored as uint16 bit patterns (the
-    high half of a float32): widened in that same copy, not converted twice."""
-    import torch
-
-    if isinstance(view, DeviceView):
-        shared = torch.as_tensor(view, device="cuda")  # the store's memory, no copy
-        if dtype == "bfloat16":
-            shared = shared.view(torch.bfloat16)
-        return shared.to(torch.float32, copy=True)
-    host = np.asarray(view)
-    if dtype != "bfloat16":
-        return torch.from_numpy(host.astype(np.float32))  # astype copies, from_numpy shares it
-    bits = host.astype(np.uint32)
-    bits <<= 16
-    return torch.from_numpy(bits.view(np.float32))

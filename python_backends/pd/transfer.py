@@ -1,39 +1,22 @@
-"""KV transfer parameters and the on-disk layout of one transfer (pure Python, no vLLM).
+"""KV transfer parameters: what travels from prefill to decode (pure Python, no vLLM).
 
-A transfer is what the prefill engine leaves behind for the decode engine: the KV cache of
-every prompt token, written under ``<store>/<transfer_id>/`` by
-:class:`python_backends.pd.connector.TransferIdConnector` running inside the prefill
-engine, and read back by the same connector class inside the decode engine.
+A transfer is what the prefill engine leaves behind for the decode engine: the KV cache of every
+prompt token, and a record of it in the node's folder (:mod:`python_backends.pd.manifest`: the
+on-disk layout, the manifest that commits it, the first token). This module holds the
+parameters that name one transfer (:class:`TransferParams`), the ids and digests that bind it to
+its prompt, and the keys each connector reads from a request's ``kv_transfer_params``.
 
-Layout of one transfer folder (``store`` is ``kv_connector_extra_config["store_path"]``)::
+Transfer parameters (small, JSON-able, versioned; the same object for every connector, the
+connector's own ``kv_transfer_params`` inside)::
 
-    <store>/<transfer_id>/chunk-<start>-<end>.safetensors   # one per scheduled prefill chunk;
-                                                            # keys = attention layer names,
-                                                            # values = [end-start, ...] KV rows
-    <store>/<transfer_id>/manifest.json                     # written last: the commit marker
+    {"version": 2, "transfer_id": "<32 hex>", "num_prompt_tokens": 300,
+     "first_token_id": 17, "digest": "<64 hex>", "connector": "TransferIdConnector",
+     "kv_transfer_params": {...}}
 
-A transfer is complete only when ``manifest.json`` exists; the manifest lists the chunks,
-the prompt token ids (with image placeholders expanded), the multimodal hashes, and a
-digest over both. The decode side trusts nothing it is handed: the transfer parameters it
-receives are parsed and validated here (:meth:`TransferParams.parse`), the manifest is
-validated against them (:func:`check_manifest`), and the connector checks the decode
-request's own token ids and multimodal hashes against the manifest before it loads a byte.
-
-With NixlConnector (the gpu target's choice) the KV stays in the prefill engine's GPU blocks
-and Nixl's decode side reads them; the folder then holds only ``manifest.json`` (written by
-the prefill wrapper, no chunks, plus the digest of Nixl's ``kv_transfer_params``) and
-``first_token.json``. The transfer parameters are the same object for both connectors
-(:class:`TransferParams`: the connector's own ``kv_transfer_params`` inside).
-
-Transfer parameters (what travels from prefill to decode; small, JSON-able, versioned)::
-
-    {"version": 1, "transfer_id": "<32 hex>", "num_prompt_tokens": 300,
-     "first_token_id": 17, "digest": "<64 hex>"}
-
-Who calls what: the prefill wrapper builds :class:`TransferParams` from the manifest the
-connector wrote; the decode wrapper parses them, reads the manifest and submits; the
-connector (both roles) uses the path helpers, :func:`write_manifest`, :func:`read_manifest`
-and :func:`prompt_digest`. Nothing here imports vLLM, torch or Triton.
+Who calls what: the prefill side (``pd/kv_transfer.py``) builds :class:`TransferParams`; the
+decode wrapper (``pd/engines.py``) parses and validates them (:meth:`TransferParams.parse`, any
+defect is INVALID_ARG) before checking them against the manifest; ``TransferIdConnector``
+(``pd/connector.py``) reads the ``epd_*`` keys. Nothing here imports vLLM, torch or Triton.
 """
 
 from __future__ import annotations
@@ -41,25 +24,17 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import re
-import shutil
-import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from python_backends.errors import EpdError, ErrorCode, invalid_arg
+from python_backends.errors import invalid_arg
 
 PARAMS_VERSION = 2
-MANIFEST_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-FIRST_TOKEN_NAME = "first_token.json"
 _TRANSFER_ID = re.compile(r"^[0-9a-f]{32}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = re.compile(r"^chunk-(\d{8})-(\d{8})\.safetensors$")
 # Keys the connector reads from a request's ``kv_transfer_params``. They are our own names
 # on purpose: vLLM's output processor treats ``do_remote_prefill`` (Nixl's key) specially
 # and would overwrite ``num_cached_tokens``, which the decode side uses as its proof.
@@ -89,6 +64,10 @@ def new_transfer_id() -> str:
 def is_transfer_id(value: object) -> bool:
     return isinstance(value, str) and bool(_TRANSFER_ID.match(value))
 
+def is_digest(value: object) -> bool:
+    """Whether ``value`` is a SHA-256 hex digest as the digests here write them."""
+    return isinstance(value, str) and bool(_DIGEST.match(value))
+
 
 def prompt_digest(token_ids: Sequence[int], mm_hashes: Sequence[str]) -> str:
     """SHA-256 over the prompt token ids and multimodal hashes (binds KV to its input)."""
@@ -96,23 +75,6 @@ def prompt_digest(token_ids: Sequence[int], mm_hashes: Sequence[str]) -> str:
     h.update(b"epd-kv-v1\0")
     h.update(json.dumps([list(map(int, token_ids)), list(mm_hashes)], separators=(",", ":")).encode())
     return h.hexdigest()
-
-
-def transfer_dir(store: Path, transfer_id: str) -> Path:
-    """The folder of one transfer; refuses anything that is not a transfer id (no traversal)."""
-    if not is_transfer_id(transfer_id):
-        raise invalid_arg(f"transfer_id must be 32 lowercase hex characters, got {transfer_id!r}")
-    return store / transfer_id
-
-
-def chunk_name(start: int, end: int) -> str:
-    return f"chunk-{start:08d}-{end:08d}.safetensors"
-
-
-def parse_chunk_name(name: str) -> tuple[int, int] | None:
-    match = _CHUNK.match(name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
 
 def _int_field(data: Mapping[str, Any], key: str, minimum: int) -> int:
     value = data.get(key)
@@ -190,7 +152,7 @@ class TransferParams:
         if not isinstance(transfer_id, str) or not is_transfer_id(transfer_id):
             raise invalid_arg("KV transfer parameter 'transfer_id' must be 32 lowercase hex characters")
         digest = data.get("digest")
-        if not isinstance(digest, str) or not _DIGEST.match(digest):
+        if not isinstance(digest, str) or not is_digest(digest):
             raise invalid_arg("KV transfer parameter 'digest' must be 64 lowercase hex characters")
         connector = data.get("connector")
         if connector not in CONNECTORS:
@@ -227,277 +189,3 @@ class TransferParams:
         """The ``kv_transfer_params`` the decode engine's request carries (a copy: vLLM's
         connectors update the dict they are given)."""
         return copy.deepcopy(dict(self.kv_transfer_params or {}))
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The commit record of one transfer. TransferIdConnector: written by the connector's
-    producer side, with the chunks and layers of the KV files beside it. Any other connector
-    (the KV stays in the prefill engine): written by the prefill wrapper, no chunks or layers,
-    with the digest of the connector's ``kv_transfer_params`` that decode must be given."""
-
-    transfer_id: str
-    token_ids: list[int]
-    mm_hashes: list[str]
-    chunks: list[tuple[int, int]]
-    layers: list[str]
-    block_size: int
-    created: float
-    # (offset, length) of each multimodal item's placeholder run in token_ids
-    mm_placeholders: list[tuple[int, int]] = field(default_factory=list)
-    connector: str = TRANSFER_ID_CONNECTOR
-    kv_params_digest: str = ""  # connectors other than TransferIdConnector: kv_params_digest(...)
-    version: int = MANIFEST_VERSION
-
-    @property
-    def holds_kv(self) -> bool:
-        """Whether the KV itself is in the transfer's folder (TransferIdConnector)."""
-        return self.connector == TRANSFER_ID_CONNECTOR
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def digest(self) -> str:
-        return prompt_digest(self.token_ids, self.mm_hashes)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["chunks"] = [list(c) for c in self.chunks]
-        data["mm_placeholders"] = [list(p) for p in self.mm_placeholders]
-        data["digest"] = self.digest
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Manifest:
-        """Validate a manifest read from disk; a defect raises ValueError."""
-        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
-            raise ValueError("not a version-1 manifest")
-        token_ids = data.get("token_ids")
-        if not isinstance(token_ids, list) or not token_ids or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids
-        ):
-            raise ValueError("token_ids must be a non-empty list of token ids")
-        mm_hashes = data.get("mm_hashes")
-        if not isinstance(mm_hashes, list) or not all(isinstance(h, str) for h in mm_hashes):
-            raise ValueError("mm_hashes must be a list of strings")
-        connector = data.get("connector", TRANSFER_ID_CONNECTOR)
-        if connector not in CONNECTORS:
-            raise ValueError(f"unknown connector {connector!r}")
-        holds_kv = connector == TRANSFER_ID_CONNECTOR
-        layers = data.get("layers")
-        if not isinstance(layers, list) or (holds_kv and not layers) or not all(isinstance(x, str) for x in layers):
-            raise ValueError("layers must be a non-empty list of layer names")
-        chunks = [tuple(c) for c in data.get("chunks", [])]
-        kv_digest = data.get("kv_params_digest", "")
-        if holds_kv:
-            check_chunks_cover(chunks, len(token_ids))
-        elif chunks or not isinstance(kv_digest, str) or not _DIGEST.match(kv_digest):
-            raise ValueError(f"a {connector} transfer has no chunks and needs the digest of its kv_transfer_params")
-        placeholders = [tuple(p) for p in data.get("mm_placeholders", [])]
-        check_placeholders(placeholders, len(token_ids))
-        if len(placeholders) != len(mm_hashes):
-            raise ValueError("one placeholder range per multimodal item is required")
-        manifest = cls(
-            transfer_id=str(data.get("transfer_id")),
-            token_ids=token_ids,
-            mm_hashes=mm_hashes,
-            chunks=chunks,  # type: ignore[arg-type]
-            layers=layers,
-            block_size=int(data.get("block_size", 0)),
-            created=float(data.get("created", 0.0)),
-            mm_placeholders=placeholders,  # type: ignore[arg-type]
-            connector=connector,
-            kv_params_digest=kv_digest if not holds_kv else "",
-        )
-        if not is_transfer_id(manifest.transfer_id):
-            raise ValueError("bad transfer_id")
-        if data.get("digest") != manifest.digest:
-            raise ValueError("digest does not match token_ids and mm_hashes")
-        return manifest
-
-
-def check_chunks_cover(chunks: Sequence[Sequence[int]], num_tokens: int) -> None:
-    """Chunks must tile ``[0, num_tokens)`` in order without gaps or overlaps."""
-    position = 0
-    for chunk in chunks:
-        if len(chunk) != 2:
-            raise ValueError(f"chunk {chunk!r} is not a (start, end) pair")
-        start, end = chunk
-        if not (isinstance(start, int) and isinstance(end, int)) or start != position or end <= start:
-            raise ValueError(f"chunks do not tile the prompt: {list(chunks)!r}")
-        position = end
-    if position != num_tokens:
-        raise ValueError(f"chunks cover {position} of {num_tokens} prompt tokens")
-
-
-def check_placeholders(placeholders: Sequence[Sequence[int]], num_tokens: int) -> None:
-    """Placeholder runs must be in order, non-overlapping, non-empty and inside the prompt."""
-    position = 0
-    for item in placeholders:
-        if len(item) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in item):
-            raise ValueError(f"placeholder {item!r} is not an (offset, length) pair")
-        offset, length = item
-        if offset < position or length < 1 or offset + length > num_tokens:
-            raise ValueError(f"placeholder ranges are out of order or out of bounds: {list(placeholders)!r}")
-        position = offset + length
-
-
-def collapse_placeholders(token_ids: Sequence[int], placeholders: Sequence[Sequence[int]]) -> list[int]:
-    """The prompt as the model's processor wants it: each expanded run back to one token.
-
-    vLLM expands an image placeholder token into one token per embedding row when it
-    processes a prompt; given an already expanded prompt it would expand again. The decode
-    side therefore submits the collapsed form, which vLLM expands to exactly the prefilled
-    token ids (the connector checks that before loading).
-    """
-    check_placeholders(placeholders, len(token_ids))
-    out: list[int] = []
-    position = 0
-    for offset, length in placeholders:
-        out.extend(token_ids[position:offset])
-        out.append(token_ids[offset])
-        position = offset + length
-    out.extend(token_ids[position:])
-    return out
-
-
-def placeholder_runs(token_ids: Sequence[int], placeholder_id: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """(offset, length) of each image's expanded placeholder run in a prompt vLLM processed:
-    the maximal runs of ``placeholder_id``, which must be one per image with the image's number
-    of embedding rows (``sizes``). Used where no connector reports the placeholders (Nixl)."""
-    runs: list[tuple[int, int]] = []
-    index = 0
-    while index < len(token_ids):
-        if token_ids[index] != placeholder_id:
-            index += 1
-            continue
-        start = index
-        while index < len(token_ids) and token_ids[index] == placeholder_id:
-            index += 1
-        runs.append((start, index - start))
-    if [length for _, length in runs] != list(sizes):
-        raise ValueError(
-            f"image placeholder runs {[length for _, length in runs]} differ from the images' sizes {list(sizes)}"
-        )
-    return runs
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_manifest(store: Path, manifest: Manifest) -> Path:
-    """Commit a transfer: the manifest appears atomically, after every chunk."""
-    folder = transfer_dir(store, manifest.transfer_id)
-    if not manifest.holds_kv:
-        folder.mkdir(parents=True, exist_ok=True)
-    for start, end in manifest.chunks:
-        if not (folder / chunk_name(start, end)).is_file():
-            raise FileNotFoundError(f"chunk {start}-{end} of transfer {manifest.transfer_id} is missing")
-    path = folder / MANIFEST_NAME
-    _atomic_write(path, json.dumps(manifest.to_dict(), separators=(",", ":")))
-    return path
-
-
-def read_manifest(store: Path, transfer_id: str) -> Manifest:
-    """The committed manifest of a transfer, or NOT_FOUND / INTERNAL :class:`EpdError`."""
-    path = transfer_dir(store, transfer_id) / MANIFEST_NAME
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise EpdError(
-            f"KV transfer {transfer_id} not found: unknown, already consumed, or expired",
-            ErrorCode.NOT_FOUND,
-        ) from None
-    try:
-        manifest = Manifest.from_dict(json.loads(text))
-    except ValueError as exc:
-        raise EpdError(f"KV transfer {transfer_id} is damaged: {exc}", ErrorCode.INTERNAL) from None
-    if manifest.transfer_id != transfer_id:
-        raise EpdError(f"KV transfer {transfer_id} is damaged: manifest names another transfer", ErrorCode.INTERNAL)
-    return manifest
-
-
-def write_first_token(store: Path, transfer_id: str, token_id: int) -> None:
-    """Record the token prefill sampled, so decode can refuse an altered ``first_token_id``."""
-    _atomic_write(transfer_dir(store, transfer_id) / FIRST_TOKEN_NAME, json.dumps({"first_token_id": int(token_id)}))
-
-
-def read_first_token(store: Path, transfer_id: str) -> int | None:
-    try:
-        data = json.loads((transfer_dir(store, transfer_id) / FIRST_TOKEN_NAME).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    value = data.get("first_token_id") if isinstance(data, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def check_manifest(params: TransferParams, manifest: Manifest, first_token_id: int | None = None) -> None:
-    """The parameters a client sent must describe exactly the committed transfer.
-
-    ``first_token_id`` is the one prefill recorded (:func:`read_first_token`); ``None``
-    means none was recorded, which is itself a mismatch.
-    """
-    if manifest.digest != params.digest or manifest.num_tokens != params.num_prompt_tokens:
-        raise invalid_arg(
-            f"KV transfer parameters do not match transfer {params.transfer_id} "
-            "(digest or token count differ): they were altered or belong to another prompt"
-        )
-    if first_token_id != params.first_token_id:
-        raise invalid_arg(
-            f"KV transfer parameters do not match transfer {params.transfer_id}: "
-            "first_token_id differs from the token prefill produced"
-        )
-    if manifest.connector != params.connector or (
-        not manifest.holds_kv and manifest.kv_params_digest != kv_params_digest(params.connector_params())
-    ):
-        raise invalid_arg(
-            f"KV transfer parameters do not match transfer {params.transfer_id}: "
-            f"the {params.connector} kv_transfer_params differ from the ones prefill recorded"
-        )
-
-
-def remove_transfer(store: Path, transfer_id: str) -> bool:
-    """Delete one transfer's folder; True when something was removed."""
-    folder = transfer_dir(store, transfer_id)
-    if not folder.exists():
-        return False
-    shutil.rmtree(folder, ignore_errors=True)
-    return True
-
-
-def sweep_expired(store: Path, max_age_s: float, now: float | None = None) -> list[str]:
-    """Remove transfers (committed or not) whose folder is older than ``max_age_s``.
-
-    Called by the producer now and then, so that a prefill whose decode never came (client
-    gone, BLS crashed) does not leak memory in ``/dev/shm``. Returns the removed ids.
-    """
-    now = time.time() if now is None else now
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(store))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        if not is_transfer_id(entry.name):
-            continue
-        try:
-            age = now - entry.stat().st_mtime
-        except FileNotFoundError:
-            continue
-        if age > max_age_s:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.name)
-    return removed
-
-
-def list_transfers(store: Path) -> list[str]:
-    """Ids of the transfer folders present (committed or not); for leak checks and metrics."""
-    try:
-        return sorted(e.name for e in os.scandir(store) if is_transfer_id(e.name))
-    except FileNotFoundError:
-        return []

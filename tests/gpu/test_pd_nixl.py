@@ -48,7 +48,9 @@ def engines() -> Iterator[Any]:
     from builders.launcher import prepare
     from builders.tritonserver import REPO_ROOT
     from python_backends.engines.llm import load_engine_args
-    from python_backends.pd.engines import NIXL_CONNECTOR, DecodeEngine, PrefillEngine, pd_engine_args
+    from python_backends.pd.engine_args import pd_engine_args
+    from python_backends.pd.engines import DecodeEngine, PrefillEngine
+    from python_backends.pd.transfer import NIXL_CONNECTOR
     from tests.integration.test_pd_transfer import CHUNK_TOKENS, ENGINE_ARGS, Engines
 
     prepare("cpu", None, REPO_ROOT / "model_repository")  # the tiny default model + its engine args

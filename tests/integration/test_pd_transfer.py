@@ -71,7 +71,7 @@ class Engines:
 def _images(*grids: tuple[int, int, int]) -> list:
     import torch
 
-    from python_backends.pd.engines import ImageEmbeds
+    from python_backends.engines.prompt import ImageEmbeds
 
     gen = torch.Generator().manual_seed(sum(h * w for _, h, w in grids))
     return [ImageEmbeds(torch.randn(t * h * w // 4, 128, generator=gen), (t, h, w)) for t, h, w in grids]
@@ -93,7 +93,8 @@ def engines():
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from python_backends.engines.llm import load_engine_args
-    from python_backends.pd.engines import DecodeEngine, PrefillEngine, pd_engine_args
+    from python_backends.pd.engine_args import pd_engine_args
+    from python_backends.pd.engines import DecodeEngine, PrefillEngine
 
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -157,7 +158,7 @@ async def _colocated_timed(engine: Any, prompt: str, images: list, salt: str | N
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from python_backends.pd.engines import multi_modal_data
+    from python_backends.engines.prompt import multi_modal_data
 
     request: dict[str, Any] = {"prompt": prompt}
     mm = multi_modal_data(images)
@@ -184,10 +185,10 @@ async def _colocated(engine: Any, prompt: str, images: list, salt: str | None = 
 
 async def _pd(e: Engines, prompt: str, images: list, decode_images: list | None = None, params=None, salt=None):
     """Prefill then decode; returns (tokens, prefill result, decode chunks, manifest)."""
-    from python_backends.pd import transfer as tx
+    from python_backends.pd import manifest as mf
 
     result = await e.prefill.prefill(prompt, images, GREEDY, cache_salt=salt)
-    manifest = tx.read_manifest(e.store, result.transfer.transfer_id)
+    manifest = mf.read_manifest(e.store, result.transfer.transfer_id)
     chunks = []
     async for chunk in e.decode.decode(
         params if params is not None else result.transfer.to_json(),

@@ -53,7 +53,7 @@ from client.epd_client import (
     chat_prompt,
 )
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
-from python_backends.pd.transfer import list_transfers
+from python_backends.pd.manifest import list_transfers
 from tests.images import flat_png, rotated_jpeg, synthetic_image, with_note
 from tests.server.conftest import SERVER_REPOSITORY, open_node_store
 

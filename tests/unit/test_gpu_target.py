@@ -15,7 +15,8 @@ from builders.preflight import DALI_BACKEND_PYTHONPATH, DALI_BACKEND_VERSION, DA
 from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS, GpuBudget, Target, resolved_target
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes
 from python_backends.contract import DECODE_MODEL
-from python_backends.pd.engines import NIXL_CONNECTOR, check_engine_args, pd_engine_args
+from python_backends.pd.engine_args import check_engine_args, pd_engine_args
+from python_backends.pd.transfer import NIXL_CONNECTOR
 from tests.unit.repository_helpers import FACTS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""What vLLM refuses becomes INVALID_ARG (python_backends.engines.llm.input_rejections), with
+"""What vLLM refuses becomes INVALID_ARG (python_backends.engines.async_llm.input_rejections), with
 vLLM's own exception classes; the real engine's refusal is in tests/integration/test_pd_transfer.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.exceptions import EngineGenerateError
 
-from python_backends.engines.llm import input_rejections
+from python_backends.engines.async_llm import input_rejections
 from python_backends.errors import EpdError, ErrorCode
 
 

@@ -1,5 +1,5 @@
 """``llm``'s video input without a server: parsing, limits from config parameters, header
-checks before vLLM's loader, and the frames vLLM's own loader returns (issue 16)."""
+checks before vLLM's loader, and the frames vLLM's own loader returns (docs/video.md)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,12 @@ from typing import Any
 
 import pytest
 
+from python_backends.engines.prompt import ImageEmbeds
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.pd import manifest as mf
 from python_backends.pd import transfer as tx
-from python_backends.pd.engines import RECORD_MAX_AGE_S, DecodeEngine, ImageEmbeds, PrefillEngine
+from python_backends.pd.engines import DecodeEngine, PrefillEngine
+from python_backends.pd.kv_transfer import RECORD_MAX_AGE_S
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -167,7 +170,7 @@ def test_nixl_parameters_flow_from_prefill_to_decode(tmp_path: Path, schedulers:
     assert vllm_params.max_tokens == 3
     assert chunks[-1].token_ids == REST and chunks[-1].num_output_tokens == 4
     assert chunks[-1].num_cached_tokens == len(PROMPT)
-    assert tx.list_transfers(tmp_path) == []  # single use: the record is gone
+    assert mf.list_transfers(tmp_path) == []  # single use: the record is gone
     with pytest.raises(EpdError) as err:
         _run(_collect(decode, wire, [_image()]))
     assert err.value.code == ErrorCode.NOT_FOUND
@@ -220,4 +223,4 @@ def test_prefill_sweeps_records_no_decode_took(tmp_path: Path, schedulers: tuple
     old = time.time() - 2 * RECORD_MAX_AGE_S
     os.utime(stale, (old, old))
     wire = _prefill(prefill).chunk().transfer_params
-    assert tx.list_transfers(tmp_path) == [tx.TransferParams.parse(wire).transfer_id]
+    assert mf.list_transfers(tmp_path) == [tx.TransferParams.parse(wire).transfer_id]

@@ -10,9 +10,9 @@ import tempfile
 import numpy as np
 import pytest
 
+from python_backends.engines.prompt import ImageEmbeds, multi_modal_uuids, owned_float32
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.pd.engines import ImageEmbeds, multi_modal_uuids
-from python_backends.pd.stage import owned_float32, parse_stage_inputs, resolve_images
+from python_backends.pd.stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 
 

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.pd import manifest as mf
 from python_backends.pd import transfer as tx
-from python_backends.pd.engines import check_engine_args, pd_engine_args
+from python_backends.pd.engine_args import check_engine_args, pd_engine_args
 
 TID = "0123456789abcdef0123456789abcdef"
 BASE = {"model": "/models/x", "dtype": "float32", "max_model_len": 4096}
 
 
-def _manifest(tokens=(5, 6, 7, 8, 9), chunks=((0, 3), (3, 5)), mm=(), placeholders=()) -> tx.Manifest:
-    return tx.Manifest(
+def _manifest(tokens=(5, 6, 7, 8, 9), chunks=((0, 3), (3, 5)), mm=(), placeholders=()) -> mf.Manifest:
+    return mf.Manifest(
         transfer_id=TID,
         token_ids=list(tokens),
         mm_hashes=list(mm),
@@ -31,15 +32,15 @@ def _manifest(tokens=(5, 6, 7, 8, 9), chunks=((0, 3), (3, 5)), mm=(), placeholde
     )
 
 
-def _commit(store: Path, manifest: tx.Manifest) -> None:
-    folder = tx.transfer_dir(store, manifest.transfer_id)
+def _commit(store: Path, manifest: mf.Manifest) -> None:
+    folder = mf.transfer_dir(store, manifest.transfer_id)
     folder.mkdir(parents=True)
     for start, end in manifest.chunks:
-        (folder / tx.chunk_name(start, end)).write_bytes(b"x")
-    tx.write_manifest(store, manifest)
+        (folder / mf.chunk_name(start, end)).write_bytes(b"x")
+    mf.write_manifest(store, manifest)
 
 
-def _params(manifest: tx.Manifest, **change) -> dict:
+def _params(manifest: mf.Manifest, **change) -> dict:
     fields = {"transfer_id": TID, "num_prompt_tokens": manifest.num_tokens, "first_token_id": 42,
               "digest": manifest.digest, **change}  # fmt: skip
     return tx.TransferParams(**fields).to_dict()
@@ -129,8 +130,8 @@ def test_connector_params_use_our_own_keys() -> None:
 
 def test_transfer_dir_refuses_traversal(tmp_path: Path) -> None:
     with pytest.raises(EpdError):
-        tx.transfer_dir(tmp_path, "../../etc")
-    assert tx.transfer_dir(tmp_path, TID) == tmp_path / TID
+        mf.transfer_dir(tmp_path, "../../etc")
+    assert mf.transfer_dir(tmp_path, TID) == tmp_path / TID
 
 
 # --------------------------------------------------------------------------- manifest
@@ -147,22 +148,22 @@ def test_digest_binds_tokens_and_media() -> None:
 def test_manifest_commit_and_read(tmp_path: Path) -> None:
     manifest = _manifest(mm=["h"], placeholders=[(1, 2)])
     _commit(tmp_path, manifest)
-    assert tx.read_manifest(tmp_path, TID) == manifest
-    assert tx.list_transfers(tmp_path) == [TID]
+    assert mf.read_manifest(tmp_path, TID) == manifest
+    assert mf.list_transfers(tmp_path) == [TID]
 
 
 def test_manifest_needs_every_chunk(tmp_path: Path) -> None:
     manifest = _manifest()
     (tmp_path / TID).mkdir()
-    (tmp_path / TID / tx.chunk_name(0, 3)).write_bytes(b"x")
+    (tmp_path / TID / mf.chunk_name(0, 3)).write_bytes(b"x")
     with pytest.raises(FileNotFoundError):
-        tx.write_manifest(tmp_path, manifest)
-    assert not (tmp_path / TID / tx.MANIFEST_NAME).exists()
+        mf.write_manifest(tmp_path, manifest)
+    assert not (tmp_path / TID / mf.MANIFEST_NAME).exists()
 
 
 def test_unknown_transfer_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(EpdError) as err:
-        tx.read_manifest(tmp_path, TID)
+        mf.read_manifest(tmp_path, TID)
     assert err.value.code == ErrorCode.NOT_FOUND
 
 
@@ -180,29 +181,29 @@ def test_unknown_transfer_is_not_found(tmp_path: Path) -> None:
 def test_damaged_manifest_is_internal(tmp_path: Path, change: dict) -> None:
     manifest = _manifest(mm=["h"], placeholders=[(1, 2)])
     _commit(tmp_path, manifest)
-    path = tmp_path / TID / tx.MANIFEST_NAME
+    path = tmp_path / TID / mf.MANIFEST_NAME
     data = json.loads(path.read_text())
     data.update(change)
     path.write_text(json.dumps(data))
     with pytest.raises(EpdError) as err:
-        tx.read_manifest(tmp_path, TID)
+        mf.read_manifest(tmp_path, TID)
     assert err.value.code == ErrorCode.INTERNAL
 
 
 def test_check_manifest_catches_altered_params(tmp_path: Path) -> None:
     manifest = _manifest()
-    tx.check_manifest(tx.TransferParams.parse(_params(manifest)), manifest, 42)
+    mf.check_manifest(tx.TransferParams.parse(_params(manifest)), manifest, 42)
     for change in ({"digest": "b" * 64}, {"num_prompt_tokens": 4}):
         with pytest.raises(EpdError) as err:
-            tx.check_manifest(tx.TransferParams.parse(_params(manifest, **change)), manifest, 42)
+            mf.check_manifest(tx.TransferParams.parse(_params(manifest, **change)), manifest, 42)
         assert err.value.code == ErrorCode.INVALID_ARG
     for recorded in (41, None):
         with pytest.raises(EpdError, match="first_token_id"):
-            tx.check_manifest(tx.TransferParams.parse(_params(manifest)), manifest, recorded)
+            mf.check_manifest(tx.TransferParams.parse(_params(manifest)), manifest, recorded)
 
 
-def _nixl_manifest(kv=NIXL_KV) -> tx.Manifest:
-    return tx.Manifest(
+def _nixl_manifest(kv=NIXL_KV) -> mf.Manifest:
+    return mf.Manifest(
         transfer_id=TID, token_ids=[5, 9, 9, 6], mm_hashes=["img"], chunks=[], layers=[], block_size=0,
         created=1.0, mm_placeholders=[(1, 2)], connector=tx.NIXL_CONNECTOR, kv_params_digest=tx.kv_params_digest(kv),
     )  # fmt: skip
@@ -210,23 +211,23 @@ def _nixl_manifest(kv=NIXL_KV) -> tx.Manifest:
 
 def test_nixl_manifest_holds_no_kv_and_binds_the_connector_params(tmp_path: Path) -> None:
     manifest = _nixl_manifest()
-    tx.write_manifest(tmp_path, manifest)  # no chunk files: the KV stays in the prefill engine
-    read = tx.read_manifest(tmp_path, TID)
+    mf.write_manifest(tmp_path, manifest)  # no chunk files: the KV stays in the prefill engine
+    read = mf.read_manifest(tmp_path, TID)
     assert read == manifest and not read.holds_kv
     params = tx.TransferParams.parse(_nixl_params(num_prompt_tokens=4, digest=manifest.digest))
-    tx.check_manifest(params, read, 7)
+    mf.check_manifest(params, read, 7)
     altered = {**NIXL_KV, "remote_block_ids": [[0, 1, 2]]}  # would read other requests' KV
     for bad in (_nixl_params(num_prompt_tokens=4, digest=manifest.digest, kv_transfer_params=altered),
                 tx.TransferParams(TID, 4, 7, manifest.digest).to_dict()):  # fmt: skip
         with pytest.raises(EpdError, match="kv_transfer_params differ") as err:
-            tx.check_manifest(tx.TransferParams.parse(bad), read, 7)
+            mf.check_manifest(tx.TransferParams.parse(bad), read, 7)
         assert err.value.code == ErrorCode.INVALID_ARG
 
 
 def test_nixl_manifest_without_its_params_digest_is_damaged(tmp_path: Path) -> None:
-    tx.write_manifest(tmp_path, dataclasses.replace(_nixl_manifest(), kv_params_digest=""))
+    mf.write_manifest(tmp_path, dataclasses.replace(_nixl_manifest(), kv_params_digest=""))
     with pytest.raises(EpdError) as err:
-        tx.read_manifest(tmp_path, TID)
+        mf.read_manifest(tmp_path, TID)
     assert err.value.code == ErrorCode.INTERNAL
 
 
@@ -239,21 +240,21 @@ def test_nixl_manifest_without_its_params_digest_is_damaged(tmp_path: Path) -> N
     ],
 )
 def test_placeholder_runs(tokens, sizes, expected) -> None:
-    assert tx.placeholder_runs(tokens, 9, sizes) == expected
-    assert tx.collapse_placeholders(tokens, expected) == [t for i, t in enumerate(tokens) if t != 9 or
+    assert mf.placeholder_runs(tokens, 9, sizes) == expected
+    assert mf.collapse_placeholders(tokens, expected) == [t for i, t in enumerate(tokens) if t != 9 or
                                                          i == 0 or tokens[i - 1] != 9]  # fmt: skip
 
 
 def test_placeholder_runs_must_match_the_images() -> None:
     with pytest.raises(ValueError, match="differ"):
-        tx.placeholder_runs([1, 9, 9, 2, 9], 9, [2])
+        mf.placeholder_runs([1, 9, 9, 2, 9], 9, [2])
 
 
 def test_first_token_record(tmp_path: Path) -> None:
     (tmp_path / TID).mkdir()
-    assert tx.read_first_token(tmp_path, TID) is None
-    tx.write_first_token(tmp_path, TID, 7)
-    assert tx.read_first_token(tmp_path, TID) == 7
+    assert mf.read_first_token(tmp_path, TID) is None
+    mf.write_first_token(tmp_path, TID, 7)
+    assert mf.read_first_token(tmp_path, TID) == 7
 
 
 @pytest.mark.parametrize(
@@ -265,25 +266,25 @@ def test_first_token_record(tmp_path: Path) -> None:
     ],
 )
 def test_collapse_placeholders(tokens, placeholders, expected) -> None:
-    assert tx.collapse_placeholders(tokens, placeholders) == expected
+    assert mf.collapse_placeholders(tokens, placeholders) == expected
 
 
 @pytest.mark.parametrize("placeholders", [[(3, 4)], [(0, 0)], [(2, 1), (1, 1)]])
 def test_collapse_rejects_bad_ranges(placeholders) -> None:
     with pytest.raises(ValueError):
-        tx.collapse_placeholders([1, 2, 3, 4], placeholders)
+        mf.collapse_placeholders([1, 2, 3, 4], placeholders)
 
 
 def test_chunks_must_tile_the_prompt() -> None:
-    tx.check_chunks_cover([(0, 128), (128, 200)], 200)
+    mf.check_chunks_cover([(0, 128), (128, 200)], 200)
     for chunks in ([], [(0, 100)], [(1, 200)], [(0, 100), (101, 200)], [(0, 0), (0, 200)]):
         with pytest.raises(ValueError):
-            tx.check_chunks_cover(chunks, 200)
+            mf.check_chunks_cover(chunks, 200)
 
 
 def test_chunk_names_round_trip() -> None:
-    assert tx.parse_chunk_name(tx.chunk_name(128, 300)) == (128, 300)
-    assert tx.parse_chunk_name("manifest.json") is None
+    assert mf.parse_chunk_name(mf.chunk_name(128, 300)) == (128, 300)
+    assert mf.parse_chunk_name("manifest.json") is None
 
 
 # --------------------------------------------------------------------------- lifetime
@@ -296,12 +297,12 @@ def test_remove_and_sweep(tmp_path: Path) -> None:
     (tmp_path / "not-a-transfer").mkdir()
     past = time.time() - 1000
     os.utime(tmp_path / old, (past, past))
-    assert tx.sweep_expired(tmp_path, max_age_s=300) == [old]
-    assert tx.list_transfers(tmp_path) == [new]
+    assert mf.sweep_expired(tmp_path, max_age_s=300) == [old]
+    assert mf.list_transfers(tmp_path) == [new]
     assert (tmp_path / "not-a-transfer").exists()
-    assert tx.remove_transfer(tmp_path, new) is True
-    assert tx.remove_transfer(tmp_path, new) is False
-    assert tx.sweep_expired(tmp_path / "missing", 1) == []
+    assert mf.remove_transfer(tmp_path, new) is True
+    assert mf.remove_transfer(tmp_path, new) is False
+    assert mf.sweep_expired(tmp_path / "missing", 1) == []
 
 
 # --------------------------------------------------------------------------- engine args per role

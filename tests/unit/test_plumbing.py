@@ -289,7 +289,7 @@ def test_launcher_gives_a_server_its_own_store_and_kv_folder(tmp_path: Path):
 
 
 def test_engine_exit_grace_is_read_from_the_models_vllm_environment():
-    from python_backends.engines.llm import ENGINE_EXIT_GRACE_ENV, engine_exit_grace_s
+    from python_backends.engines.async_llm import ENGINE_EXIT_GRACE_ENV, engine_exit_grace_s
 
     assert engine_exit_grace_s({}) is None  # vLLM's own default (GPU targets)
     assert engine_exit_grace_s({ENGINE_EXIT_GRACE_ENV: "2"}) == 2.0
@@ -313,7 +313,7 @@ def test_an_engine_shut_down_once_is_not_shut_down_again_when_it_goes(monkeypatc
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from python_backends.engines.llm import ENGINE_EXIT_GRACE_ENV, shut_down_engine
+    from python_backends.engines.async_llm import ENGINE_EXIT_GRACE_ENV, shut_down_engine
 
     calls = []
 

@@ -13,8 +13,8 @@ python_backends.triton_edge.decoupled's.
 
 from python_backends import contract
 from python_backends.pd.engines import DecodeEngine
+from python_backends.pd.manifest import list_transfers
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
-from python_backends.pd.transfer import list_transfers
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import KvTransferMetrics

@@ -1,0 +1,111 @@
+"""Starting, driving and stopping one vLLM ``AsyncLLM``: what every engine wrapper shares.
+
+Who calls it: ``engines/llm.py`` (``LlmEngine``, the colocated engine of ``llm`` and ``epd``)
+and ``pd/engines.py`` (``PrefillEngine`` / ``DecodeEngine``). It holds the engine's start
+(:func:`start_async_llm`), its one shutdown (:func:`shut_down_engine`), the unfinished-request
+count, the sampling parameters a request runs with (:func:`sampling_params`, :func:`output_kind`)
+and how vLLM's refusals of an input become INVALID_ARG (:func:`input_rejections`). vLLM is
+imported inside the functions, so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from python_backends.errors import invalid_arg
+
+# Seconds an engine-core process gets to exit at shutdown before vLLM's process manager kills it
+# (vLLM's default: 5). Its last step is ``gc.unfreeze(); gc.collect()`` over its whole heap
+# (vllm/distributed/parallel_state.py, cleanup_dist_env_and_memory): ~3 s idle and 5 s (killed)
+# under load on 2 cores, after its requests, executor and scheduler are already shut down. A CPU
+# engine holds nothing a kill would leak (no device memory), so the cpu target does not wait that
+# collection out; GPU targets keep vLLM's default (a kill during teardown can leave VRAM resident).
+ENGINE_EXIT_GRACE_ENV = "VLLM_EPD_ENGINE_EXIT_GRACE_S"
+
+
+async def start_async_llm(engine_args: Mapping[str, Any]) -> Any:
+    """A vLLM AsyncLLM built from ``engine_args`` (AsyncEngineArgs fields)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+
+def engine_exit_grace_s(environ: Mapping[str, str] = os.environ) -> float | None:
+    """The engine core's exit grace (``VLLM_EPD_ENGINE_EXIT_GRACE_S``), or None: vLLM's default."""
+    value = environ.get(ENGINE_EXIT_GRACE_ENV)
+    if value is None or value == "":
+        return None
+    try:
+        grace = float(value)
+    except ValueError:
+        raise ValueError(f"{ENGINE_EXIT_GRACE_ENV}={value!r}: expected seconds, e.g. 2") from None
+    if not grace > 0:
+        raise ValueError(f"{ENGINE_EXIT_GRACE_ENV}={value!r}: must be > 0 (0 would kill the engine at once)")
+    return grace
+
+
+def shut_down_engine(async_llm: Any) -> None:
+    """Shut a vLLM AsyncLLM down now (its engine core exits within ``engine_exit_grace_s``), once.
+
+    ``AsyncLLM.__del__`` (0.32) shuts it down again when the object goes. An engine held until its
+    stub exits goes during interpreter shutdown, after vLLM's module globals are gone, and every
+    server stop logged ``TypeError: 'NoneType' object is not callable`` from there, once per engine.
+    So the instance becomes one of a subclass whose ``__del__`` does nothing: it was shut down here."""
+    async_llm.shutdown(timeout=engine_exit_grace_s())
+    cls: type = type(async_llm)
+    async_llm.__class__ = _already_shut_down(cls)
+
+
+@functools.cache
+def _already_shut_down(cls: type) -> type:
+    return type(cls)(cls.__name__, (cls,), {"__del__": lambda self: None, "__module__": cls.__module__})
+
+
+def unfinished_requests(async_llm: Any) -> int:
+    """Requests a vLLM AsyncLLM still tracks; zero when idle, so a leak after cancel shows here.
+    The one place that reaches into vLLM for it: AsyncLLM 0.32 has no public count."""
+    return int(async_llm.output_processor.get_num_unfinished_requests())
+
+
+def output_kind(stream: bool) -> Any:
+    """vLLM's output kind: new tokens per output when streaming, else the final output only."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
+def sampling_params(sampling: Mapping[str, Any], **overrides: Any) -> Any:
+    """``vllm.SamplingParams`` of a request's parsed ``sampling_parameters`` with ``overrides``
+    (e.g. ``output_kind``, a split's ``max_tokens``); vLLM's own cross-field checks -> INVALID_ARG."""
+    from vllm import SamplingParams
+
+    try:
+        return SamplingParams(**{**sampling, **overrides})
+    except (ValueError, TypeError) as exc:
+        raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
+
+
+@contextmanager
+def input_rejections(engine: str) -> Iterator[None]:
+    """vLLM refuses input it cannot serve (prompt above the context, bad image) with ValueError
+    or, for validation, VLLMClientError (not a ValueError in 0.32): INVALID_ARG with vLLM's
+    message. ``AsyncLLM.generate`` (0.32) wraps a ValueError raised while it processes the input
+    (e.g. "Cache miss" for an item sent as None that its cache no longer holds) in
+    EngineGenerateError: that one is the input's fault too. Anything else goes on as it is."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    refusals = (ValueError, VLLMClientError)
+    try:
+        yield
+    except refusals as exc:
+        raise invalid_arg(f"request rejected by the {engine}: {exc}") from None
+    except EngineGenerateError as exc:
+        if not isinstance(exc.__cause__, refusals):
+            raise
+        raise invalid_arg(f"request rejected by the {engine}: {exc.__cause__}") from None
