@@ -78,6 +78,8 @@ DEFAULT_STORE_PATH = "/dev/shm/triton-epd-embeddings"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
 __all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "DEFAULT_STORE_PATH",
     "PARAMETERS",
     "CachePolicy",
     "CacheScope",

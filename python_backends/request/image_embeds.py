@@ -45,7 +45,7 @@ class ImageEmbedsInput:
         return int(self.grid_thw.shape[0])
 
     def multi_modal_data(self) -> dict[str, Any]:
-        """vLLM's ``enable_mm_embeds`` form (as python_backends.pd.engines builds it)."""
+        """vLLM's ``enable_mm_embeds`` form (as python_backends.engines.prompt builds it)."""
         import torch
 
         return {

@@ -221,7 +221,7 @@ class KvTransferMetrics:
     has consumed or discarded yet (0 once every request, cancelled ones too, has ended)."""
 
     def __init__(self, metrics: ModelMetrics, pending: Callable[[], int]) -> None:
-        self._count = pending  # ``pd.transfer.list_transfers`` of the KV folder, counted
+        self._count = pending  # ``pd.manifest.list_transfers`` of the KV folder, counted
         self._pending = metrics.gauge("epd_kv_pending_transfers", "Prefilled KV transfers not yet consumed or dropped")
 
     def refresh(self) -> None:

@@ -49,13 +49,16 @@ def test_repository_per_role_and_switching_roles(tmp_path: Path, model_dir: Path
     out, stamps = tmp_path / "repo", tmp_path / "stamps"
     (out / "epd" / "1").mkdir(parents=True)
     (out / "epd" / "1" / "model.py").write_text("# kept model code")  # as model_repository/ keeps it
+    (out / "encoder_0" / "1").mkdir(parents=True)
+    (out / "encoder_0" / "1" / "model.py").write_text("# kept encoder code")  # every encoder_<i> copies it
     write_repository("cpu", model_dir, out, stamps, role="encoder")
     assert _configs(out) == set(role_models(TARGETS["cpu"], "encoder"))
-    assert (out / "encoder_0" / "1" / "model.py").is_file()  # generated encoder model code
+    assert (out / "encoder_1" / "1" / "model.py").is_file()  # generated encoder model code
 
     write_repository("cpu", model_dir, out, stamps, role="pd")
     assert _configs(out) == {"epd", "prefill", "decode", "llm"}
-    assert not (out / "encoder_0" / "1" / "model.py").exists()  # the other role's generated files go
+    assert not (out / "encoder_1" / "1" / "model.py").exists()  # the other role's generated files go
+    assert (out / "encoder_0" / "1" / "model.py").read_text() == "# kept encoder code"
     # epd keys images by the encoder's digest, so the artefact stays; kept model code is never removed.
     assert (out / "vit_encoder" / "1" / contract.ONNX_FILE).is_file()
     assert (out / "epd" / "1" / "model.py").read_text() == "# kept model code"
