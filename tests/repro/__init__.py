@@ -1,0 +1,1 @@
+"""Minimal reproductions of upstream bugs, with no code of this project in the models."""
