@@ -38,3 +38,10 @@ def item_renamed(exc: EpdError, what: str, index: int) -> EpdError:
     if not index or f"{what}[0]" not in exc.message:
         return exc
     return EpdError(exc.message.replace(f"{what}[0]", f"{what}[{index}]", 1), exc.code)
+
+
+def stage_error(stage: str, exc: BaseException) -> EpdError:
+    """One coded error that names the stage; errors that already carry a code keep it."""
+    if isinstance(exc, EpdError):
+        return EpdError(f"{stage}: {exc.message}", exc.code)
+    return EpdError(f"{stage} failed: {type(exc).__name__}", ErrorCode.INTERNAL)

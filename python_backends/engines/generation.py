@@ -8,6 +8,7 @@ from a BLS response's outputs (:func:`chunk_from_outputs`). ``prefill`` adds the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,3 +59,8 @@ def chunk_from_outputs(outputs: Mapping[str, Any]) -> GenerationChunk:
         finished=reason is not None,
         transfer_params=text_of(outputs.get(contract.TRANSFER_PARAMS)),
     )
+
+
+def ms_since(start: float) -> float:
+    """Milliseconds since ``start`` (``time.perf_counter()``), as the stage timings count them."""
+    return (time.perf_counter() - start) * 1000.0

@@ -34,10 +34,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
 
-from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.generation import GenerationChunk, ms_since
 from python_backends.engines.prompt import stored_embeds, vllm_prompt
-from python_backends.epd.references import ImageReferences, LeasedReferences, ms_since, stage_error
-from python_backends.errors import EpdError
+from python_backends.epd.references import ImageReferences, LeasedReferences
+from python_backends.errors import EpdError, stage_error
 from python_backends.request.generate import GenerateRequest
 from python_backends.request.images import ImageLimits, decode_images
 

@@ -19,8 +19,9 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from python_backends.engines.generation import GenerationChunk
-from python_backends.epd.references import ImageReferences, LeasedReferences, ms_since, stage_error
+from python_backends.engines.generation import GenerationChunk, ms_since
+from python_backends.epd.references import ImageReferences, LeasedReferences
+from python_backends.errors import stage_error
 from python_backends.request.generate import GenerateRequest
 
 log = logging.getLogger(__name__)

@@ -32,11 +32,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from python_backends import contract
-from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.generation import GenerationChunk, ms_since
 from python_backends.epd.colocated import ColocatedEngine, ColocatedPath
 from python_backends.epd.disaggregated import DisaggregatedPath, StageClient
 from python_backends.epd.path_cost import Decision, PathCostModel, RequestShape
-from python_backends.epd.references import ImageReferences, LeasedReferences, ms_since
+from python_backends.epd.references import ImageReferences, LeasedReferences
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.request.generate import CachedImage, GenerateRequest
 from python_backends.request.images import ImageLimits, header_pixels

@@ -36,8 +36,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from python_backends.engines.generation import GenerationChunk
-from python_backends.errors import EpdError, ErrorCode, item_renamed
+from python_backends.engines.generation import GenerationChunk, ms_since
+from python_backends.errors import EpdError, ErrorCode, item_renamed, stage_error
 from python_backends.request.generate import CachedImage
 from python_backends.request.tenants import key_space
 from python_backends.scaleout.routing import home
@@ -76,17 +76,6 @@ class LeasedReferences:
         """``chunk`` as the request's last: with the timings and the cache counts."""
         chunk.timings_ms, chunk.cache_hits, chunk.fast_hits = dict(timings), self.cache_hits, self.fast_hits
         return chunk
-
-
-def stage_error(stage: str, exc: BaseException) -> EpdError:
-    """One coded error that names the stage; errors that already carry a code keep it."""
-    if isinstance(exc, EpdError):
-        return EpdError(f"{stage}: {exc.message}", exc.code)
-    return EpdError(f"{stage} failed: {type(exc).__name__}", ErrorCode.INTERNAL)
-
-
-def ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1000.0
 
 
 class ImageReferences:
