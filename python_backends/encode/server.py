@@ -55,7 +55,8 @@ class EncoderServer:
 
     @classmethod
     def build(cls, params: ModelParameters, repository: Path, model_name: str, stages: Any) -> EncoderServer:
-        """``stages``: the BLS client of the ``encode`` ensemble (``encode``, ``encode_pixels``)."""
+        """``stages``: the BLS client of the ``encode`` ensemble (``triton_edge.bls.BlsEncode``): a
+        call encodes one image; ``encode_pixels`` runs a video's pixels through ``vit_encoder``."""
         store = EmbeddingStore(params.store_config())
         videos = VideoInputLimits.from_params(params)
         keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
@@ -72,7 +73,7 @@ class EncoderServer:
             encode_video = VideoEncode(pipeline, stages.encode_pixels)
         policy = params.cache_policy()
         encoder = CachedEncoder(
-            store, keys, stages.encode, namespace=cache_namespace(policy.scope, model_name),
+            store, keys, stages, namespace=cache_namespace(policy.scope, model_name),
             tenant_policy=policy.tenants, encode_video=encode_video,
         )  # fmt: skip
         limits = params.integer(contract.MAX_IMAGES_PER_REQUEST), params.integer(contract.MAX_IMAGE_BYTES)
