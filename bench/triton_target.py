@@ -21,7 +21,7 @@ from typing import Any
 from bench.metrics import RequestRecord
 from bench.workload import BenchRequest
 from client.epd_client import ONE_IMAGE_MODELS, build_inputs
-from client.grpc_streams import end_stream
+from client.grpc_streams import GRACE_S, InBandAbort, StreamEnds
 
 TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"
 CACHE_HITS_OUTPUT = "cache_hits"
@@ -45,8 +45,14 @@ class TritonGrpcTarget:
         self.url = url
         self._grpc = grpcclient
         self.client = grpcaio.InferenceServerClient(url)
+        # Each stream ends by client/grpc_streams.py's rule: read to the server's close; a request
+        # past its timeout is aborted in-band where the model takes it, drained in the background
+        # and cancelled only if still open after the grace (never at once: Triton 2.51's leak).
+        self.stream_ends = StreamEnds()
+        self.aborts = InBandAbort(self.client, grpcclient)
 
     async def close(self) -> None:
+        await self.stream_ends.wait(GRACE_S + 1.0)
         await self.client.close()
 
     async def not_ready_reason(self, model: str) -> str | None:
@@ -55,6 +61,7 @@ class TritonGrpcTarget:
             if not await self.client.is_server_live():
                 return f"server at {self.url} is not live"
             if await self.client.is_model_ready(model):
+                await self.aborts.supported(model)  # learnt here, off the timed path
                 return None
         except Exception as exc:  # any transport failure is a reason to skip
             return f"cannot reach {self.url}: {exc}"
@@ -80,8 +87,13 @@ class TritonGrpcTarget:
         )
 
     async def _stream(self, model: str, prepared: PreparedRequest, record: RequestRecord, started: float) -> None:
+        inputs, abort, key = prepared.inputs, None, prepared.request.key
+        if await self.aborts.supported(model):
+            inputs = [*inputs, self.aborts.request_id_input(key)]
+            abort = self.aborts.for_request(model, key, self.stream_ends)
+
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            request = {"model_name": model, "inputs": prepared.inputs, "request_id": prepared.request.key}
+            request: dict[str, Any] = {"model_name": model, "inputs": inputs, "request_id": key}
             if prepared.parameters:
                 request["parameters"] = prepared.parameters
             yield request
@@ -103,7 +115,7 @@ class TritonGrpcTarget:
                     finished = True
                     return
         finally:
-            await end_stream(responses, finished)
+            await self.stream_ends.close_stream(responses, finished, abort)
 
 
 def read_response(result: Any, response: Any, record: RequestRecord) -> bool:

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import requests
 
+from client.grpc_streams import GRACE_S, end_sync_stream
+
 DEFAULT_MODEL = "llm"
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -149,14 +151,17 @@ def _server_down(url: str, protocol: str, exc: Exception) -> ClientError:
 
 
 class GrpcClient:
-    """Streaming gRPC client: ``generate`` calls ``on_text`` with each new piece of text."""
+    """Streaming gRPC client: ``generate`` calls ``on_text`` with each new piece of text. Each
+    request has its own stream, ended by the rule of ``client/grpc_streams.py`` (read to the
+    server's close; a request given up on is cancelled only after a grace)."""
 
-    def __init__(self, url: str = "localhost:8001", model: str = DEFAULT_MODEL) -> None:
+    def __init__(self, url: str = "localhost:8001", model: str = DEFAULT_MODEL, grace_s: float = GRACE_S) -> None:
         import tritonclient.grpc as grpcclient
 
         self._module = grpcclient
         self.url = url
         self.model = model
+        self.grace_s = grace_s  # a request given up on: its stream is read on this long, then cancelled
         self._client = grpcclient.InferenceServerClient(url)
 
     def _start_stream(self) -> queue.Queue[tuple[Any, Any]]:
@@ -189,14 +194,16 @@ class GrpcClient:
     ) -> GenerateResult:
         """One streaming request; raises ClientError with Triton's status on failure.
 
-        ``cancel_after_chunks`` cancels the request after that many responses (used to
-        test that cancellation frees everything on the server). ``parameters``: Triton
+        ``cancel_after_chunks`` gives the request up after that many responses (used to test
+        that cancellation frees everything on the server): the stream is read on for
+        ``grace_s`` and cancelled if still open then (client/grpc_streams.py). ``parameters``: Triton
         request parameters (``epd``: ``{"encoder": "encoder_1"}`` pins its encodes). An
         image item ``b"mm_hash:<hex>"`` names an image pre-encoded with :meth:`warm_up`.
         """
         check_images_for(self.model, images)
         result = GenerateResult(started_at=time.perf_counter())
         responses = self._start_stream()
+        finished = False  # its final (or an error) response came: the server closes the stream
         try:
             self._client.async_stream_infer(
                 self.model,
@@ -212,6 +219,7 @@ class GrpcClient:
                 except queue.Empty:
                     raise ClientError(f"no response from '{self.model}' in {timeout_s:.0f} s") from None
                 if error is not None:
+                    finished = True
                     raise ClientError(error.message(), error.status())
                 outputs = {o.name: response.as_numpy(o.name) for o in response.get_response().outputs}
                 if outputs:
@@ -221,12 +229,12 @@ class GrpcClient:
                         on_text(result.text[before:])
                 final = response.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
+                    finished = True
                     return result
                 if cancel_after_chunks is not None and len(result.chunk_times) >= cancel_after_chunks:
-                    self._client.stop_stream(cancel_requests=True)
-                    return result
+                    return result  # given up: drained for the grace, then cancelled (client/grpc_streams.py)
         finally:
-            self._client.stop_stream()
+            end_sync_stream(self._client, finished, self.grace_s)
 
     def warm_up(
         self, images: Sequence[bytes], encoder: str = "encoder_0", timeout_s: float = 600.0, tenant: str | None = None
@@ -238,6 +246,7 @@ class GrpcClient:
         image = self._module.InferInput("image", [len(images)], "BYTES")
         image.set_data_from_numpy(np.array(list(images), dtype=np.object_))
         responses = self._start_stream()
+        finished = False
         try:
             parameters = None if tenant is None else {"tenant": tenant}
             self._client.async_stream_infer(encoder, [image], parameters=parameters)
@@ -245,11 +254,12 @@ class GrpcClient:
                 response, error = responses.get(timeout=timeout_s)
             except queue.Empty:
                 raise ClientError(f"no response from '{encoder}' in {timeout_s:.0f} s") from None
+            finished = True  # the encoder answers with one response
             if error is not None:
                 raise ClientError(error.message(), error.status())
             return [_as_text(h) for h in response.as_numpy("mm_hash").reshape(-1)]
         finally:
-            self._client.stop_stream()
+            end_sync_stream(self._client, finished, self.grace_s)
 
     def close(self) -> None:
         self._client.close()
@@ -310,11 +320,13 @@ class HttpClient:
         payload = response.json()
         if response.status_code != 200:
             raise ClientError(payload.get("error", response.text), str(response.status_code))
-        result.add({
-            name: np.array(value if isinstance(value, list) else [value], dtype=_HTTP_DTYPES[name])
-            for name, value in payload.items()
-            if name in _HTTP_DTYPES
-        })
+        result.add(
+            {
+                name: np.array(value if isinstance(value, list) else [value], dtype=_HTTP_DTYPES[name])
+                for name, value in payload.items()
+                if name in _HTTP_DTYPES
+            }
+        )
         return result
 
     def close(self) -> None:

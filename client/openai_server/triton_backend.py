@@ -1,8 +1,12 @@
 """The Triton side of the API: one chat = one request on its own gRPC stream to ``epd`` or ``llm``.
 
-Uses tritonclient's asyncio gRPC client. Closing the response generator (the HTTP client went
-away, the app is stopping) cancels the gRPC call, which Triton turns into a cancellation of the
-request, so the model aborts it in the engine and releases what it holds.
+Uses tritonclient's asyncio gRPC client. Every stream ends by the rule of
+``client/grpc_streams.py``: read to Triton's close after the final response; closing the response
+generator early (the HTTP client went away, the app is stopping) gives the request up: the model's
+in-band abort where it takes one, the stream drained in the background, and a gRPC cancel (which
+Triton turns into a cancellation of the request: the model aborts it in the engine and releases
+what it holds) only if the stream is still open after the grace. Never a cancel at once: Triton
+2.51 can leak a model reference on a cancel near a stream's start or end.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from client.epd_client import build_inputs
-from client.grpc_streams import end_stream
+from client.grpc_streams import GRACE_S, InBandAbort, StreamEnds
 from client.openai_server.errors import OpenAIError, from_triton_message, not_ready
 
 # The user-facing models that take a chat prompt, images and videos (``ensemble`` takes exactly one image).
@@ -97,6 +101,8 @@ class TritonChatBackend:
         self._grpc = grpcclient
         self._grpcaio = grpcaio
         self._client: Any = None
+        self._aborts: InBandAbort | None = None
+        self.stream_ends = StreamEnds()
 
     @property
     def client(self) -> Any:
@@ -106,10 +112,18 @@ class TritonChatBackend:
             self._client = self._grpcaio.InferenceServerClient(self.grpc_url)
         return self._client
 
+    @property
+    def aborts(self) -> InBandAbort:
+        if self._aborts is None:
+            self._aborts = InBandAbort(self.client, self._grpc)
+        return self._aborts
+
     async def close(self) -> None:
         if self._client is not None:
+            await self.stream_ends.wait(GRACE_S + 1.0)  # the streams still draining, then the channel
             await self._client.close()
             self._client = None
+            self._aborts = None
 
     async def model_state(self, model: str) -> bool | None:
         if model not in self.models:
@@ -127,6 +141,10 @@ class TritonChatBackend:
         inputs = build_inputs(
             self._grpc, request.prompt, request.images, True, request.sampling, None, videos=request.videos
         )
+        abort = None
+        if await self.aborts.supported(request.model):
+            inputs.append(self.aborts.request_id_input(request.request_id))
+            abort = self.aborts.for_request(request.model, request.request_id, self.stream_ends)
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {
@@ -161,6 +179,6 @@ class TritonChatBackend:
                     finished = True
                     return
         finally:
-            # The caller stopped early: cancel (Triton cancels the request). Done: let Triton
-            # close the stream; a dropped call is cancelled by grpc, which 2.51 can leak.
-            await end_stream(responses, finished)
+            # Done: wait for Triton's close. Stopped early: abort in-band, drain, cancel after the
+            # grace, in a task of its own (a cancelled caller must not cut that short).
+            await self.stream_ends.close_stream(responses, finished, abort)

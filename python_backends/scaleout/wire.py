@@ -8,6 +8,7 @@ serving side only (inside the functions), so the unit tests can script the clien
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 
 from python_backends import contract
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.runtime.grpc_streams import StreamEnds
 
 ENCODER_MODEL = contract.encoder_model_names(1)[0]
 # Status codes that say the image (not the encoder) is at fault: no retry elsewhere.
@@ -23,6 +25,13 @@ CLIENT_FAULTS = ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED")
 # gRPC's reconnect back-off grows to 120 s by default: an encoder restarted after a minute down
 # would wait that long to be seen. Capped near the readiness poll, it rejoins within seconds.
 RECONNECT_BACKOFF_MS = (500, 2000)  # initial, max
+# Ends this process's encoder streams (abandoned ones drain in the background); ``wait_for_ends``
+# at shutdown, before the clients close (a closed channel cancels what is still open).
+STREAM_ENDS = StreamEnds()
+
+
+async def wait_for_ends(timeout_s: float | None = None) -> None:
+    await STREAM_ENDS.wait(timeout_s)
 
 
 def connect(address: str) -> Any:
@@ -61,27 +70,39 @@ def status(exc: BaseException) -> str:
 async def stream_one(
     client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None, timeout_s: float
 ) -> Any:
-    """One request to a decoupled model over a gRPC stream: its first response. The stream is
-    read to its end (the server closes it after the request's final response): cancelling a
-    finished request's stream left the encoder model unable to unload at stop."""
+    """One request to a decoupled model over a gRPC stream: its first response. The stream ends by
+    the rule of ``runtime/grpc_streams.py``: read to the server's close (after the answer and after
+    an error response alike: a cancel there left the encoder model unable to unload at stop);
+    a call that outlives ``timeout_s`` (no gRPC deadline: that is a cancel too) or whose caller
+    is cancelled is drained for a grace and cancelled only if it is still open then."""
 
     async def requests() -> AsyncIterator[dict[str, Any]]:
         yield {"model_name": model, "inputs": inputs, "parameters": dict(parameters or {})}
 
-    responses = client.stream_infer(requests(), stream_timeout=timeout_s)
+    responses = client.stream_infer(requests())
     answer = None
-    try:
+    finished = False  # the server is done with the request: its close is only waited for
+
+    async def read() -> None:
+        nonlocal answer, finished
         async for result, error in responses:
             if error is not None:
+                finished = True
                 raise error
             if result is not None and (errors := result.as_numpy(contract.ERROR)) is not None:
-                fields = json.loads(bytes(errors.reshape(-1)[0]))  # errors_as_outputs: the code survives
+                finished = True  # errors_as_outputs: the error is the request's last response
+                fields = json.loads(bytes(errors.reshape(-1)[0]))  # the code survives
                 raise EpdError(f"{model}: {fields['message']}", ErrorCode(fields["code"]))
             if answer is None and result is not None and result.get_response().outputs:
                 answer = result
-    except BaseException:
-        responses.cancel()  # a failed or abandoned call: the server stops working on it
-        raise
+        finished = True
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"{model}: no answer in {timeout_s:g} s") from None
+    finally:
+        await STREAM_ENDS.close_stream(responses, finished)
     if answer is None:
         raise ConnectionError(f"{model}: the stream ended without an answer")
     return answer

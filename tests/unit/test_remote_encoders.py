@@ -7,6 +7,7 @@ The same paths against real servers: tests/server/test_scaleout.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from pathlib import Path
@@ -92,7 +93,7 @@ class FakeClient:
             raise RpcError("NOT_FOUND")
         return {"config": {"parameters": {k: {"string_value": v} for k, v in self.server.params.items()}}}
 
-    def stream_infer(self, requests: Any, stream_timeout: float) -> Any:
+    def stream_infer(self, requests: Any, stream_timeout: float | None = None) -> Any:
         server = self.server
 
         class Responses:
@@ -513,3 +514,88 @@ def test_an_embedding_altered_on_the_way_fails_its_digest_and_goes_elsewhere(sto
     assert remote.stats.of(home).failures == 1  # refused, not stored; the other encoder's answer was
     np.testing.assert_array_equal(store.resolve(store.parse_reference(wire)), embedding_of(image)[0][0])
     store.release(store.parse_reference(wire))
+
+
+class ScriptedCall:
+    """A stream_infer call for ``wire.stream_one``: ``responses`` (result, error) pairs, then the
+    server's close after ``close_after_s`` (None: never, only a cancel ends it)."""
+
+    def __init__(self, responses: list[tuple[Any, Any]], close_after_s: float | None = 0.0) -> None:
+        self.responses, self.close_after_s = list(responses), close_after_s
+        self.read = 0
+        self.cancelled = False
+        self.gone = asyncio.Event()
+
+    def __aiter__(self) -> ScriptedCall:
+        return self
+
+    async def __anext__(self) -> tuple[Any, Any]:
+        if self.responses:
+            self.read += 1
+            return self.responses.pop(0)
+        if self.close_after_s is None:
+            await self.gone.wait()
+        else:
+            await asyncio.sleep(self.close_after_s)
+        raise StopAsyncIteration
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        self.gone.set()
+        return True
+
+
+class ScriptedClient:
+    def __init__(self, call: ScriptedCall) -> None:
+        self.call = call
+        self.stream_timeouts: list[Any] = []
+
+    def stream_infer(self, requests: Any, stream_timeout: float | None = None) -> ScriptedCall:
+        self.stream_timeouts.append(stream_timeout)
+        return self.call
+
+
+def _error_output(message: str) -> Result:
+    fields = {"code": ErrorCode.INVALID_ARG.value, "message": message}
+    return Result({contract.ERROR: np.array([json.dumps(fields).encode()], np.object_)})
+
+
+def test_wire_reads_an_answered_stream_to_its_close_and_sets_no_grpc_deadline() -> None:
+    from python_backends.scaleout import wire
+
+    call = ScriptedCall([(Result({contract.MM_HASH: np.array([b"k"], np.object_)}), None)], close_after_s=0.05)
+    client = ScriptedClient(call)
+    answer = asyncio.run(wire.stream_one(client, "encoder_0", [], None, 5.0))
+    assert answer.as_numpy(contract.MM_HASH) is not None
+    assert (call.read, call.cancelled, client.stream_timeouts) == (1, False, [None])
+
+
+def test_wire_does_not_cancel_the_stream_of_an_error_response() -> None:
+    """The encoder's error (errors_as_outputs) is its request's last response: a cancel right after
+    it is the cancel-after-final that leaked the encoder model (docs/benchmarks/cancel-storm.md)."""
+    from python_backends.scaleout import wire
+
+    call = ScriptedCall([(_error_output("image[0] is empty"), None)], close_after_s=0.05)
+    with pytest.raises(EpdError, match="is empty"):
+        asyncio.run(wire.stream_one(ScriptedClient(call), "encoder_0", [], None, 5.0))
+    assert call.cancelled is False
+
+
+def test_wire_cancels_a_stream_past_its_timeout_only_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from python_backends.runtime.grpc_streams import StreamEnds
+    from python_backends.scaleout import wire
+
+    monkeypatch.setattr(wire, "STREAM_ENDS", StreamEnds(grace_s=0.3))
+    call = ScriptedCall([], close_after_s=None)
+
+    async def run() -> tuple[bool, bool]:
+        with pytest.raises(ConnectionError, match="no answer in 0.1 s"):
+            await wire.stream_one(ScriptedClient(call), "encoder_0", [], None, 0.1)
+        at_timeout = call.cancelled
+        await asyncio.sleep(0.1)
+        before_grace = call.cancelled
+        await wire.wait_for_ends()
+        return at_timeout, before_grace
+
+    at_timeout, before_grace = asyncio.run(run())
+    assert (at_timeout, before_grace, call.cancelled) == (False, False, True)
