@@ -123,7 +123,9 @@ def corrupt_clip(spec: ClipSpec | None = None, seed: int = 1) -> bytes:
 
 
 def truncated_clip(spec: ClipSpec | None = None, keep: float = 0.3) -> bytes:
-    """The first ``keep`` share of a clip's bytes."""
+    """The first ``keep`` share of a clip's bytes. The default (30 % of a 3 s 160x120 VP9 WebM)
+    is refused by both ``llm`` and ``epd``: its 2 sampled frames are not in the stream. Other cuts
+    keep whole frames and are served by both (docs/video.md, truncated files)."""
     data = make_clip(spec or ClipSpec(seconds=3))
     return data[: max(16, int(len(data) * keep))]
 

@@ -2,9 +2,10 @@
 
 Steps: the ``cpu`` target's video preprocessing (:class:`python_backends.preprocess.videos.DaliVideoPreprocessor`,
 run from the repository's serialized ``preprocess/1/video.dali``: the container checks, vLLM's
-frame sampler, OpenCV decode as vLLM's loader, DALI resize + normalize, the temporal patch
-layout), then the same vision tower as images (``vit_encoder``, reached by BLS; a video's grid
-has ``t`` = frames / temporal patch size). The result is stored by the encoder like an image's
+frame sampler, OpenCV decode as vLLM's loader, the check of the decoded frames (``llm``'s own:
+``checked_decode``), DALI resize + normalize, the temporal patch layout), then the same vision
+tower as images (``vit_encoder``, reached by BLS; a video's grid has ``t`` = frames / temporal
+patch size). The result is stored by the encoder like an image's
 (:class:`python_backends.encode.cached.CachedEncoder`, modality ``video``).
 
 Why the encoder runs the video pipeline itself instead of calling ``preprocess``: ``preprocess``

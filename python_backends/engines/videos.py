@@ -7,7 +7,9 @@ video passes the same header checks as ``preprocess`` (:func:`python_backends.re
 corrupt, truncated header, zero frames, unsupported codec on this target, too long, a frame
 too large), so a bad video is a clear INVALID_ARG and costs no decode. The loader gets the
 same sampling values (``max_frames`` from the config) as the checks, so it picks the frames
-the checks counted.
+the checks counted; what it returns passes the same check as ``epd``'s decode
+(:func:`python_backends.request.videos.checked_decode`: every sampled frame read, else
+INVALID_ARG), so both decide alike on a truncated file.
 
 Plain Python, no Triton import; vLLM is imported when a video is loaded.
 """
@@ -21,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from python_backends import contract
-from python_backends.errors import EpdError, invalid_arg
-from python_backends.request.videos import VideoLimits, VideoSamplingConfig, checked_video
+from python_backends.errors import invalid_arg
+from python_backends.request.videos import VideoLimits, VideoSamplingConfig, checked_decode, checked_video
 from python_backends.runtime.model_params import ModelParameters
 
 # Decoded RGB bytes one video may need before the processor resizes it (frames x W x H x 3):
@@ -66,27 +68,21 @@ LoadedVideo = tuple[np.ndarray, dict[str, Any]]
 
 
 def load_video(item: bytes, index: int, limits: VideoInputLimits) -> LoadedVideo:
-    """Check one video from its container, then decode and sample it with vLLM's loader."""
+    """Check one video from its container, decode and sample it with vLLM's loader, check what
+    the loader returned: the same two checks as ``epd``'s encoders make around their decode
+    (:func:`python_backends.request.videos.checked_video`, :func:`~python_backends.request.videos.checked_decode`)."""
     data, _probe, indices = checked_video(
         item, index, limits.sampling, limits.limits, limits.codecs, limits.max_decoded_bytes
     )
     from vllm.multimodal.video import Qwen2VLVideoBackend
 
     loader_kwargs: dict[str, Any] = dict(limits.sampling.loader_kwargs())
-    try:
-        frames, metadata = Qwen2VLVideoBackend.load_bytes(data, **loader_kwargs)
-    except EpdError:
-        raise
-    except Exception as exc:  # OpenCV/vLLM refuse a stream the header check let through
-        raise invalid_arg(f"video[{index}] cannot be decoded: {type(exc).__name__}: {exc}") from None
-    if len(frames) != len(indices):
-        # The header promised frames the stream does not hold (a cut file): vLLM would serve
-        # fewer frames than the sampler picked; refuse it like preprocess does.
-        raise invalid_arg(
-            f"video[{index}] cannot be decoded: corrupt or truncated data "
-            f"({len(frames)} of {len(indices)} sampled frames read)"
-        )
-    return frames, metadata
+    # The check after decoding is epd's too (its encoders pass read_sampled_frames): a stream
+    # the loader cannot read, or one that holds fewer of the sampled frames than the header
+    # promised (a cut file), is refused with the same words on both.
+    return checked_decode(
+        lambda: Qwen2VLVideoBackend.load_bytes(data, **loader_kwargs), lambda video: len(video[0]), len(indices), index
+    )
 
 
 def load_videos(items: Sequence[bytes], limits: VideoInputLimits | None) -> list[LoadedVideo]:

@@ -5,7 +5,9 @@ base64), checks each from its container before any frame is decoded (size, codec
 duration, decoded bytes), picks the frame indices vLLM's Qwen2-VL loader picks
 (:func:`python_backends.request.videos.sample_frame_indices`), decodes exactly those frames with OpenCV
 the way vLLM's loader does (:func:`python_backends.request.videos.read_sampled_frames`; why not DALI's
-CPU decoder: :mod:`python_backends.preprocess.video_pipeline`), runs the pipeline (resize, normalize), and
+CPU decoder: :mod:`python_backends.preprocess.video_pipeline`), refuses a video that did not yield
+every sampled frame as ``llm`` does (:func:`python_backends.request.videos.checked_decode`, the one
+check both use), runs the pipeline (resize, normalize), and
 returns what vLLM's loader + transformers' ``Qwen2VLVideoProcessor`` return:
 ``pixel_values_videos`` ``[sum(t*h*w), C*T*P*P]`` float32 and ``video_grid_thw``
 ``[num_videos, 3]`` int64.
@@ -38,6 +40,7 @@ from python_backends.request.videos import (
     VideoLimits,
     VideoProbe,
     VideoSamplingConfig,
+    checked_decode,
     checked_video,
     read_sampled_frames,
 )
@@ -103,6 +106,14 @@ class PreprocessedVideos:
 
     def patch_counts(self) -> list[int]:
         return [int(t * h * w) for t, h, w in self.video_grid_thw]
+
+
+def _decode(video: PreparedVideo, index: int) -> np.ndarray:
+    """The sampled frames of ``video``, decoded as vLLM's loader decodes them and checked as
+    ``llm`` checks what that loader returns (one function: ``checked_decode``)."""
+    return checked_decode(
+        lambda: read_sampled_frames(video.data, video.frame_indices, index), len, len(video.frame_indices), index
+    )
 
 
 class DaliVideoPreprocessor(DaliCpuRunner):
@@ -172,7 +183,7 @@ class DaliVideoPreprocessor(DaliCpuRunner):
         chunks: list[np.ndarray] = []
         for start, chunk in self._chunks(prepared):
             # Decoded one chunk at a time: at most max_batch_size videos' frames held at once.
-            frames = [read_sampled_frames(v.data, v.frame_indices, start + i) for i, v in enumerate(chunk)]
+            frames = [_decode(v, start + i) for i, v in enumerate(chunk)]
             chunks.extend(self._run_chunk(list(chunk), frames))
         return PreprocessedVideos(
             pixel_values_videos=chunks[0] if len(chunks) == 1 else np.concatenate(chunks),

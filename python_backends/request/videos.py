@@ -27,10 +27,10 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from io import BytesIO
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -207,7 +207,9 @@ def probe_video(data: bytes, index: int) -> VideoProbe:
 
 def read_sampled_frames(data: bytes, frame_indices: Sequence[int], index: int) -> np.ndarray:
     """The frames at ``frame_indices`` as RGB uint8 ``[F, H, W, 3]``, decoded exactly as vLLM's
-    Qwen2-VL loader decodes them (``OpenCVVideoBackendMixin._read_frames_no_recovery``).
+    Qwen2-VL loader decodes them (``OpenCVVideoBackendMixin._read_frames_no_recovery``), fewer
+    when the stream does not hold them all (vLLM's loader returns fewer too): pass the result
+    through :func:`checked_decode`, as ``llm`` passes vLLM's.
 
     Why OpenCV and not DALI's CPU decoder: ``llm`` reads raw video with this loader,
     and DALI's decoder converts YUV to RGB differently (bilinear chroma in floating point
@@ -215,16 +217,13 @@ def read_sampled_frames(data: bytes, frame_indices: Sequence[int], index: int) -
     flipped greedy tokens in 2 of 9 prompts (docs/benchmarks/video.md). Same
     library, same calls, same order: the capture opened on an in-memory stream with the same
     backend, the frame-count seek to the end and back to frame 0, then every frame up to the
-    last sampled one grabbed in order, the sampled ones retrieved (BGR) and converted with
-    ``cv2.cvtColor(COLOR_BGR2RGB)``. The pixels are vLLM's bit for bit
-    (tests/unit/test_video_parity.py). A frame the stream does not hold is INVALID_ARG (vLLM
-    would serve fewer frames than it sampled; ``llm`` refuses that too).
+    last sampled one grabbed in order (one that cannot be grabbed or retrieved is skipped), the
+    sampled ones retrieved (BGR) and converted with ``cv2.cvtColor(COLOR_BGR2RGB)``. The pixels
+    are vLLM's bit for bit (tests/unit/test_video_parity.py).
     """
     import cv2
 
-    wanted = sorted(set(frame_indices))  # vLLM reads a set: a repeated index is one frame
-    if len(wanted) != len(frame_indices) or not wanted:
-        raise invalid_arg(f"video[{index}]: the sampler picked a frame twice; this clip cannot be served")
+    wanted = set(frame_indices)  # vLLM reads a set: a repeated index is one frame
     stream = BytesIO(data)
     cap = _open_capture(stream, index)
     try:
@@ -232,28 +231,50 @@ def read_sampled_frames(data: bytes, frame_indices: Sequence[int], index: int) -
         height = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
         _frame_count(cap, int(cap.get(cv2.CAP_PROP_FRAME_COUNT)))  # the same seeks as vLLM
         frames = np.empty((len(wanted), height, width, 3), dtype=np.uint8)
-        position = {frame: i for i, frame in enumerate(wanted)}
         read = 0
-        for frame in range(wanted[-1] + 1):
+        for frame in range(max(frame_indices) + 1):
             if not cap.grab():
-                continue  # vLLM skips a frame it cannot grab; the count below refuses the video
-            slot = position.get(frame)
-            if slot is None:
+                continue  # vLLM skips a frame it cannot grab
+            if frame not in wanted:
                 continue
             ok, bgr = cap.retrieve()
-            if ok and bgr is not None and bgr.shape == (height, width, 3):
-                cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=frames[slot])
-                read += 1
-            else:
-                break
+            if not ok:
+                continue  # and one it cannot retrieve
+            if bgr is not None and bgr.shape == frames.shape[1:]:
+                cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=frames[read])
+            else:  # vLLM's own statement, so a frame of another size fails as it fails there
+                frames[read] = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+            read += 1
     finally:
         cap.release()
         stream.close()
-    if read != len(wanted):
+    return frames[:read]
+
+
+Decoded = TypeVar("Decoded")
+
+
+def checked_decode(decode: Callable[[], Decoded], count: Callable[[Decoded], int], sampled: int, index: int) -> Decoded:
+    """Run one video's decoder and check what it returned: the check after decoding, the one
+    both paths make. ``llm`` passes vLLM's loader (``Qwen2VLVideoBackend.load_bytes``), ``epd``'s
+    encoders :func:`read_sampled_frames`; both read the frames :func:`checked_video` sampled,
+    from the same bytes, with the same OpenCV calls, so a file (a truncated one too) gets the
+    same decision and the same message on both. A file cut after some whole frames is served
+    when every sampled frame is in it (its frame count is then what the stream holds: vLLM's
+    seek to the end); one whose stream ends, or breaks, before a sampled frame is refused.
+    ``count``: the frames in ``decode``'s result; ``sampled``: how many the sampler picked."""
+    try:
+        decoded = decode()
+    except EpdError:
+        raise
+    except Exception as exc:  # OpenCV, numpy or vLLM refuse a stream the container checks let through
+        raise invalid_arg(f"video[{index}] cannot be decoded: {type(exc).__name__}: {exc}") from None
+    read = count(decoded)
+    if read != sampled:
         raise invalid_arg(
-            f"video[{index}] cannot be decoded: corrupt or truncated data ({read} of {len(wanted)} sampled frames read)"
+            f"video[{index}] cannot be decoded: corrupt or truncated data ({read} of {sampled} sampled frames read)"
         )
-    return frames
+    return decoded
 
 
 def _cv2_stream_api() -> int:

@@ -8,7 +8,8 @@ store: 0 encodes), and on the colocated path from the store.
 
 Bad videos: each is INVALID_ARG (the code read from the ``error`` output, as
 tests/server/test_bad_inputs.py reads it) naming the problem and the video's index, and ``epd``
-serves the next request.
+serves the next request. Truncated files: ``epd`` gives ``llm``'s answer on the same bytes
+(the same tokens, or the same code and words; docs/video.md).
 
 The store lives in the slot's tmpfs folder, emptied at the start of the session, and the images
 carry a per-session note (new bytes, same pixels) in case another module sent the same picture:
@@ -26,7 +27,7 @@ import pytest
 
 from builders.stage_watch import peak_rss, server_processes
 from builders.tritonserver import TritonServer
-from client.epd_client import SYSTEM_PROMPT, ClientError, GrpcClient
+from client.epd_client import SYSTEM_PROMPT, ClientError, GrpcClient, HttpClient
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
 from python_backends.request.generate import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from tests.images import synthetic_image, with_note
@@ -162,3 +163,54 @@ def test_bad_videos_cost_every_server_process_bounded_memory(
           + ", ".join(f"{process.split('#')[0]} {mib:.1f}" for process, mib in sorted(grown_mib.items())))  # fmt: skip
     assert max(grown_mib.values()) < 128, grown_mib
     assert epd.generate(prompt_of("Still there?", 0, 1), [], EXACT, videos=[clips["vp9-160"]]).num_output_tokens == 12
+
+
+# Truncated files (issue 32): a cut file is not refused as such; ``epd`` decides as ``llm`` does on
+# the same bytes (one container check and one check of the decoded frames, shared: docs/video.md).
+# The first third of the 320x240 VP9 WebM holds 15 whole frames and 99 % of it all but its tail,
+# the first half of the MJPEG AVI 20 frames: served by both, the same tokens. The first tenth of
+# the 320x240 one and the first 30 % of a 3 s 160x120 one promise 2 frames the stream does not hold,
+# the first third of the 160x120 one holds 1: refused by both, the same code and words.
+TRUNCATED = {
+    "vp9 320x240, first third of its bytes": (CLIPS["vp9-320"], 1 / 3),
+    "vp9 320x240, first tenth": (CLIPS["vp9-320"], 1 / 10),
+    "vp9 320x240, 99 %": (CLIPS["vp9-320"], 0.99),
+    "vp9 160x120 3 s, first 30 %": (ClipSpec("vp9", 160, 120, 10, 3.0), 0.3),
+    "vp9 160x120 3 s, first third": (ClipSpec("vp9", 160, 120, 10, 3.0), 1 / 3),
+    "mjpeg 176x144, first half": (CLIPS["mjpeg-176"], 1 / 2),
+}
+# The stages an epd error passed through, in front of the words llm answers ("generate: encode: ").
+_STAGES = re.compile(r"^(?:[a-z_]+: )+(?=video\[)")
+
+
+def _answer(generate) -> tuple[str, str]:
+    """("tokens", the token ids) or (the HTTP status / gRPC code, the message without epd's stage names)."""
+    try:
+        return "tokens", str(generate().token_ids)
+    except ClientError as error:
+        return str(error.status), _STAGES.sub("", str(error))
+
+
+@pytest.mark.parametrize("name", list(TRUNCATED))
+def test_truncated_video_gets_the_same_answer_from_epd_and_llm(
+    server: TritonServer, epd: GrpcClient, name: str
+) -> None:
+    """Over HTTP (the code as its status: 400 = INVALID_ARG) on epd's default path, and over
+    gRPC on the disaggregated one (the words)."""
+    spec, keep = TRUNCATED[name]
+    clip = make_clip(spec)
+    cut = clip[: int(len(clip) * keep)]
+    prompt = prompt_of("What happens?", 0, 1)
+    llm_http, epd_http = HttpClient(server.http_url, "llm"), HttpClient(server.http_url, "epd")
+    try:
+        expected = _answer(lambda: llm_http.generate(prompt, [], EXACT, videos=[cut]))
+        got = _answer(lambda: epd_http.generate(prompt, [], EXACT, videos=[cut]))
+    finally:
+        llm_http.close()
+        epd_http.close()
+    disaggregated = _answer(
+        lambda: epd.generate(prompt, [], EXACT, videos=[cut], parameters={"path": DISAGGREGATED_PATH})
+    )
+    print(f"\n{name}: llm {expected} | epd {got} | epd disaggregated {disaggregated}")
+    assert got == expected, name
+    assert disaggregated[1] == expected[1], name
