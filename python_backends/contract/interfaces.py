@@ -140,6 +140,12 @@ _ENCODED_IMAGES = _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True)  # one or m
 _ENCODED_VIDEOS = _tensor(n.VIDEO, "TYPE_STRING", -1, optional=True)  # llm, epd, encoders: video files
 _IMAGE_REFERENCES = _tensor(n.REFERENCES, "TYPE_STRING", -1, optional=True)  # <= 1 KB JSON each
 _ERRORS_AS_OUTPUTS = _tensor(n.ERRORS_AS_OUTPUTS, "TYPE_BOOL", 1, optional=True)
+# ``llm``, ``epd``: a client names its request (``request_id``) and stops it in-band with a control
+# request (the same id, ``abort`` = true) instead of cancelling the stream (docs/operations.md).
+_CLIENT_ABORT = (
+    _tensor(n.REQUEST_ID, "TYPE_STRING", 1, optional=True),
+    _tensor(n.ABORT, "TYPE_BOOL", 1, optional=True),
+)
 _ERROR = _tensor(n.ERROR, "TYPE_STRING", 1)
 _STORE_USER = (*n.STORE_KEYS, n.SPATIAL_MERGE_SIZE)
 _CONTENT_KEYS = (n.PREPROCESSOR_CONFIG, n.ENCODER_FILE)
@@ -155,6 +161,7 @@ LLM = ModelInterface(
         _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, -1, n.HIDDEN_SIZE, optional=True),
         _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3, optional=True),
         *GENERATE_OPTIONS,
+        *_CLIENT_ABORT,
     ),
     GENERATE_OUTPUTS,
     (*n.LIMITS, *n.VIDEO_LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
@@ -170,7 +177,7 @@ ENSEMBLE = ModelInterface(
 # client that wants the code asks for the error in the ``error`` output (JSON code + message).
 EPD = ModelInterface(
     n.EPD_MODEL,
-    (_PROMPT, _ENCODED_IMAGES, _ENCODED_VIDEOS, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS),
+    (_PROMPT, _ENCODED_IMAGES, _ENCODED_VIDEOS, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS, *_CLIENT_ABORT),
     (
         *GENERATE_OUTPUTS,
         *(_tensor(n.timing_output(stage), "TYPE_FP32", 1) for stage in n.TIMING_STAGES),
@@ -301,9 +308,10 @@ DECODE = ModelInterface(
         _tensor(n.STREAM, "TYPE_BOOL", 1, optional=True),
         _tensor(n.REQUEST_ID, "TYPE_STRING", 1, optional=True),
         _tensor(n.ABORT, "TYPE_BOOL", 1, optional=True),
+        _tensor(n.POLL_OFFSET, "TYPE_INT64", 1, optional=True),
         _ERRORS_AS_OUTPUTS,
     ),
-    (*GENERATE_OUTPUTS, _ERROR),
+    (*GENERATE_OUTPUTS, _tensor(n.POLL_OFFSET, "TYPE_INT64", 1), _ERROR),
     (n.MAX_TOKENS_LIMIT, *_STORE_USER),
     vllm_env=True,
 )

@@ -67,6 +67,8 @@ LEASE_OWNER = "lease_owner"
 TRANSFER_PARAMS = "transfer_params"
 REQUEST_ID = "request_id"
 ABORT = "abort"
+# decode, polled (pd/polling.py): the offset a poll reads from (input) and the next one (output).
+POLL_OFFSET = "poll_offset"
 # Errors as an output on request: why in python_backends/triton_edge/responses.py.
 ERRORS_AS_OUTPUTS = "errors_as_outputs"
 ERROR = "error"

@@ -39,6 +39,7 @@ class StageInputs:
     request_id: str = ""
     stream: bool = True
     abort: bool = False
+    poll_offset: int | None = None  # decode, polled (pd/polling.py); None: stream the tokens
 
 
 def _strings(array: np.ndarray | None) -> list[bytes]:
@@ -73,7 +74,16 @@ def parse_stage_inputs(inputs: Mapping[str, np.ndarray], max_tokens_limit: int) 
         request_id=_one_text(inputs, contract.REQUEST_ID),
         stream=_flag(inputs, contract.STREAM, True),
         abort=_flag(inputs, contract.ABORT, False),
+        poll_offset=_offset(inputs.get(contract.POLL_OFFSET)),
     )
+
+
+def _offset(array: np.ndarray | None) -> int | None:
+    if array is None:
+        return None
+    if array.size != 1 or array.dtype != np.int64 or int(array.reshape(-1)[0]) < 0:
+        raise invalid_arg(f"input '{contract.POLL_OFFSET}' must be one INT64 >= 0")
+    return int(array.reshape(-1)[0])
 
 
 def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list[ImageEmbeds], list[Reference]]:

@@ -272,16 +272,28 @@ class BlsStages(BlsCaller):
         sampling: Mapping[str, Any],
         stream: bool,
     ) -> AsyncIterator[GenerationChunk]:
+        """Tokens 2..N, by polls: each call to ``decode`` gets exactly one response (FINAL in the
+        same send), so no thread of this stub ever reads a stream (``pd/polling.py`` says why).
+        The chunks are deltas whatever ``stream`` says: the path joins them for a non-streaming
+        client."""
+        request = bytes_tensor(contract.REQUEST_ID, [request_id])
         inputs = [
-            bytes_tensor(contract.REQUEST_ID, [request_id]),
+            request,
             bytes_tensor(contract.TRANSFER_PARAMS, [transfer_params]),
             bytes_tensor(contract.SAMPLING_PARAMETERS, [json.dumps(dict(sampling))]),
-            tensor(contract.STREAM, [stream], bool),
+            tensor(contract.POLL_OFFSET, [0], np.int64),
         ]
         if references:
             inputs.append(bytes_tensor(contract.REFERENCES, list(references)))
-        async for out in self._stream(self.decode_model, inputs):
-            yield chunk_from_outputs(out)
+        while True:
+            out = await self._last(self.decode_model, inputs)
+            chunk = chunk_from_outputs(out)
+            if chunk.finished or chunk.token_ids or chunk.text:
+                yield chunk
+            if chunk.finished:
+                return
+            offset = int(np.asarray(out[contract.POLL_OFFSET]).reshape(-1)[0])
+            inputs = [request, tensor(contract.POLL_OFFSET, [offset], np.int64)]
 
     async def abort_decode(self, request_id: str) -> None:
         await self._control([bytes_tensor(contract.REQUEST_ID, [request_id])])

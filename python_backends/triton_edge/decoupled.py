@@ -40,7 +40,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
-from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.generation import GenerationChunk, text_of
 from python_backends.engines.process import start_hosted_engine
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.runtime.event_loop import EventLoopThread
@@ -83,6 +83,7 @@ class CancelWatch:
 
 class DecoupledModel:
     INPUTS: tuple[str, ...] = ()
+    CLIENT_ABORT = False  # the client's request_id names its request; abort = true stops it
 
     engine: Any = None  # what serves requests: shut down (``shutdown()``) in finalize
     store: Any = None  # the node's embedding store, if the model opens it: closed in finalize
@@ -182,19 +183,37 @@ class DecoupledModel:
             try:
                 if not self._accepting:
                     raise EpdError(f"{self.model_name} is shutting down", ErrorCode.UNAVAILABLE)
-                parsed = self.parse(read_inputs(request, self.INPUTS), request)
+                inputs = read_inputs(request, self.INPUTS)
+                client_id = self._client_request(inputs)
+                parsed = None if client_id is None else self.parse(inputs, request)
             except Exception as exc:  # the request's fault (or ours): one coded error, nothing started
                 sender.send(stage_error_response(exc, as_output), flags=FINAL)
                 continue
-            if parsed is None:  # a control request, done in parse
+            if parsed is None:  # a control request, done in parse (or an in-band abort)
                 sender.send(flags=FINAL)
                 continue
             request_id = self.request_id(parsed)
             future = self.loop.submit(self._serve(parsed, request_id, sender, as_output))
             with self._lock:
-                self._running[request_id] = future
+                self._running[client_id or request_id] = future
                 self._running_gauge.set(len(self._running))
-            future.add_done_callback(functools.partial(self._forget, request_id))
+            future.add_done_callback(functools.partial(self._forget, client_id or request_id))
+
+    def _client_request(self, inputs: dict[str, Any]) -> str | None:
+        """The client's name for its request ("": none), or None for an in-band abort, which
+        stops the running request of that name (``CLIENT_ABORT`` models: ``llm``, ``epd``)."""
+        if not self.CLIENT_ABORT:
+            return ""
+        client_id = text_of(inputs.get(contract.REQUEST_ID))
+        if contract.ABORT in inputs and bool(inputs[contract.ABORT].reshape(-1)[0]):
+            if not client_id:
+                raise EpdError(f"'{contract.ABORT}' needs the '{contract.REQUEST_ID}' to stop", ErrorCode.INVALID_ARG)
+            self.cancel_running(client_id)  # handled like the client's cancel of that stream
+            return None
+        with self._lock:
+            if client_id in self._running:
+                raise EpdError(f"request_id '{client_id}' is already running", ErrorCode.INVALID_ARG)
+        return client_id
 
     def _forget(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:

@@ -15,11 +15,17 @@ colocated path was 1.1-1.2x ``llm`` with them and level without (2026-12-02). So
 only when its value changes, and the gauges that follow epd's state (store, serving paths) go out
 from one task every second on that loop, never per request; counters still go at once, as a
 client that counts requests reads them right after its answers (tests/unit/test_path_metrics.py).
+
+Lock rule: a gauge moves by ``increment`` of its difference, never by ``Metric.set`` (which keeps
+the GIL while it waits for the stub's message mutex: a link of the BLS lock cycle), and every
+``increment`` runs under one lock per model (two at once on one metric crash the server);
+docs/upstream/python-backend-bls-deadlock.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,9 +45,7 @@ class MetricHandle:
         self._owner.set(self.key, value)
 
     def increment(self, value: float = 1) -> None:
-        metric = self._owner.live(self.key)
-        if metric is not None and value:  # adding 0 is a round trip for nothing
-            metric.increment(value)
+        self._owner.increment(self.key, value)
 
 
 class ModelMetrics:
@@ -49,7 +53,8 @@ class ModelMetrics:
         self._labels = {"model": model_name}
         self._families: dict[str, pb_utils.MetricFamily] = {}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], pb_utils.Metric] = {}
-        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last value each gauge was sent
+        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # what each gauge holds
+        self._lock = threading.Lock()  # metrics move from several threads (execute, the event loop)
 
     def _handle(self, kind: Any, name: str, description: str, labels: dict[str, str]) -> MetricHandle:
         family = self._families.get(name)
@@ -72,12 +77,27 @@ class ModelMetrics:
         return self._metrics.get(key)
 
     def set(self, key: tuple[str, tuple[tuple[str, str], ...]], value: float) -> None:
-        """Set the gauge ``key`` to ``value``: a round trip to the server only when it changes."""
+        """Move the gauge ``key`` to ``value``, by ``increment`` of the difference: a round trip to
+        the server only when it changes, and never ``Metric.set``, which keeps the GIL while it
+        waits for the stub's message mutex (one link of the BLS lock cycle,
+        docs/upstream/python-backend-bls-deadlock.md); ``increment`` lets it go."""
+        with self._lock:
+            delta = value - self._values.get(key, 0.0)  # a new gauge starts at 0
+            self._values[key] = value
+            self._increment(key, delta)
+
+    def increment(self, key: tuple[str, tuple[tuple[str, str], ...]], value: float) -> None:
+        with self._lock:
+            self._increment(key, value)
+
+    def _increment(self, key: tuple[str, tuple[tuple[str, str], ...]], value: float) -> None:
+        """Under ``_lock``: the python backend's ``Metric.increment`` lets the GIL go and then
+        rewrites the metric's shared-memory members unlocked, so two threads incrementing one
+        metric at once crash the server (docs/upstream/python-backend-bls-deadlock.md). A Python
+        lock waits without the GIL, so holding it here closes no cycle."""
         metric = self._metrics.get(key)
-        if metric is None or self._values.get(key) == value:
-            return
-        metric.set(value)
-        self._values[key] = value
+        if metric is not None and value:  # adding 0 is a round trip for nothing
+            metric.increment(value)
 
     def release(self) -> None:
         """Drop every metric, then every family, while the stub is still alive. Only this object

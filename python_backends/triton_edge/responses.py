@@ -107,6 +107,11 @@ def chunk_response(chunk: GenerationChunk, declared: Collection[str] | None = No
     return response(chunk_tensors(chunk, declared))
 
 
+def polled_response(chunk: GenerationChunk, offset: int, declared: Collection[str]) -> pb_utils.InferenceResponse:
+    """One poll's answer from ``decode`` (``pd/polling.py``): the merged chunk and the next offset."""
+    return response([*chunk_tensors(chunk, declared), tensor(contract.POLL_OFFSET, [offset], np.int64)])
+
+
 def encoder_response(answers: Sequence[Any], by_value: tuple[np.ndarray, np.ndarray, str] | None) -> Any:
     """An ``encoder_<i>`` model's one response: references, mm_hashes, hits (and, ``by_value``,
     the embedding, its grid and digest). ``answers``: ``encode.cached.EncoderAnswer``."""

@@ -178,6 +178,33 @@ def test_cancel_running_and_finalize_end_a_running_request_like_a_cancel():
     assert late.sent[0][0].error.code() == late.sent[0][0].error.UNAVAILABLE
 
 
+class AbortableToy(Toy):
+    INPUTS = ("text_input", "stream", "request_id", "abort")
+    CLIENT_ABORT = True
+
+
+def test_an_in_band_abort_stops_the_named_request_like_a_cancel_of_its_stream():
+    toy = AbortableToy()
+    toy.initialize({"model_name": "toy", "model_config": json.dumps({"name": "toy", "output": []})})
+    stream = Sender()
+    toy.execute([Request(stream, text_input=text("hang"), request_id=text("chat-1"))])
+    deadline = time.monotonic() + 5
+    while not stream.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(toy._running) == ["chat-1"]  # keyed by the client's name for it
+    twice = run(toy, Sender(), text_input=text("hi"), request_id=text("chat-1"))
+    error = twice[0][0].error
+    assert error.code() == error.INVALID_ARG and "already running" in error.message()
+    nameless = run(toy, Sender(), abort=np.array([True]))
+    assert nameless[0][0].error.code() == nameless[0][0].error.INVALID_ARG
+    control = run(toy, Sender(), abort=np.array([True]), request_id=text("chat-1"))
+    assert control == [(None, FINAL)]  # the control request: one empty final
+    # The stream it named ends as a cancelled one does: its engine request aborted, one empty final.
+    assert [flags for _, flags in stream.wait_final()] == [0, FINAL] and len(toy.engine.aborted) == 1
+    assert run(toy, Sender(), abort=np.array([True]), request_id=text("gone")) == [(None, FINAL)]  # nothing to stop
+    toy.finalize()
+
+
 class VllmToy(Toy):
     """A model whose engine ``start_engine`` started (a vLLM AsyncLLM in llm/prefill/decode/epd)."""
 

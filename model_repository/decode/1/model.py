@@ -1,23 +1,20 @@
-"""`decode`: a vLLM KV consumer, decoupled. Image references + KV transfer parameters in
-(from `prefill`, through `epd`); streams tokens 2..N.
+"""`decode`: a vLLM KV consumer, decoupled: references + KV transfer parameters in, tokens 2..N out.
 
-A request with `abort` = true is a control request, answered with one empty final response:
-with a `request_id` it stops the running request of that id (the `epd` BLS sends it when its
-client cancels, because a BLS request cannot be cancelled in Triton 2.51); with
-`transfer_params` it deletes that prefilled KV transfer (client gone before decode).
-
-Thin by design: inputs parsed by python_backends.pd.stage, served by
-python_backends.pd.engines.DecodeEngine; the request/error/cancel policy is
-python_backends.triton_edge.decoupled's.
+With `poll_offset` (as `epd` calls it) every call gets one response: the first starts the
+generation, later ones (`request_id` + `poll_offset`) answer the tokens made since that offset
+(python_backends/pd/polling.py says why); without, it streams. `abort` = true is a control
+request (one empty final): it stops `request_id`'s decode or deletes a prefilled transfer.
 """
 
 from python_backends import contract
 from python_backends.pd.engines import DecodeEngine
 from python_backends.pd.manifest import list_transfers
+from python_backends.pd.polling import PolledGenerations, decode_answers
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import KvTransferMetrics
+from python_backends.triton_edge.responses import polled_response
 
 
 class TritonPythonModel(DecoupledModel):
@@ -27,6 +24,8 @@ class TritonPythonModel(DecoupledModel):
         self.max_tokens_limit = self.params.integer(contract.MAX_TOKENS_LIMIT)
         self.store = EmbeddingStore(self.params.store_config())
         self.engine = self.start_engine(args, DecodeEngine)
+        self.polls = PolledGenerations(self.engine.abort, stopped=self.request_done)
+        self.loop.submit(self.polls.reap_every(1.0))
         self.transfers = KvTransferMetrics(self.metrics, lambda: len(list_transfers(self.engine.store)))
         self.loop.submit(self.transfers.refresh_every(1.0))
 
@@ -36,6 +35,7 @@ class TritonPythonModel(DecoupledModel):
             return parsed, resolve_images(self.store, parsed.references)[0]
         if parsed.request_id:
             self.cancel_running(parsed.request_id)
+            self.loop.submit(self.polls.cancel(parsed.request_id))
         if parsed.transfer_params:  # prefilled KV no decode will take
             self.engine.discard(parsed.transfer_params)
         return None
@@ -48,7 +48,9 @@ class TritonPythonModel(DecoupledModel):
         return parsed[0].request_id or super().request_id(parsed)
 
     def serve(self, parsed, request_id):
-        inputs, images = parsed
-        return self.engine.decode(
-            inputs.transfer_params, images, inputs.sampling, request_id=request_id, stream=inputs.stream
-        )
+        return decode_answers(self.engine, self.polls, *parsed, request_id)
+
+    def respond(self, item):
+        if isinstance(item, tuple):  # (chunk, next offset): one poll's one response
+            return polled_response(*item, self.declared_outputs), True
+        return super().respond(item)

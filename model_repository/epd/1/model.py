@@ -19,6 +19,7 @@ from python_backends.triton_edge.metrics import CacheMetrics, PathMetrics
 
 class TritonPythonModel(DecoupledModel):
     INPUTS = contract.EPD.input_names
+    CLIENT_ABORT = True  # request_id + abort: stop a request in-band (docs/operations.md)
 
     def setup(self, args):
         params = self.params

@@ -16,6 +16,7 @@ from python_backends.triton_edge.decoupled import DecoupledModel
 
 class TritonPythonModel(DecoupledModel):
     INPUTS = contract.LLM.input_names
+    CLIENT_ABORT = True  # request_id + abort: stop a request in-band (docs/operations.md)
 
     def setup(self, args):
         hidden = self.params.integer(contract.IMAGE_EMBEDS_HIDDEN_SIZE)
