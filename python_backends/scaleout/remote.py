@@ -152,6 +152,9 @@ class RemoteEncoders:
         return self.membership.describe()
 
     async def close(self) -> None:
+        """Let streams still ending reach their close (``wire``'s rule), then close the clients:
+        closing a channel cancels what is open on it."""
+        await wire.wait_for_ends(timeout_s=10.0)
         await self.membership.close()
 
     def export(self, metrics: Any) -> None:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from client.grpc_streams import end_sync_stream
+
 
 @dataclass
 class RequestTrace:
@@ -146,6 +148,7 @@ class _Slot(threading.Thread):
 
         events: queue.Queue[tuple[Any, Any]] = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
+        finished = False
         try:
             client.start_stream(callback=lambda result, error: events.put((result, error)))
             requested = [grpcclient.InferRequestedOutput(name) for name in self.outputs]
@@ -159,8 +162,9 @@ class _Slot(threading.Thread):
                 )  # fmt: skip
                 if not self._await_final(events, trace):
                     return  # perf_analyzer's slot would wait for ever (or stop): nothing more to send
+            finished = True
         finally:
-            client.stop_stream(cancel_requests=True)
+            end_sync_stream(client, finished)  # never a cancel after the final (Triton 2.51's leak)
             client.close()
 
     def _await_final(self, events: queue.Queue[tuple[Any, Any]], trace: RequestTrace) -> bool:
