@@ -146,7 +146,7 @@ STORE_KEYS = (
 # Triton request parameters (not tensors): the tenant that scopes cache keys and mm_hash references.
 TENANT = "tenant"
 # Request parameter of an encoder model (a ``pd`` server on another node asks it): answer the
-# stored embedding by value too, with its digest (``python_backends/scaleout/digest.py``).
+# stored embedding by value too, with its digest (``python_backends/encode/digest.py``).
 BY_VALUE = "by_value"
 ENCODER_REQUEST_PARAMETER = "encoder"  # epd: the encoder model a request pins
 EMBEDDING_DIGEST = "embedding_digest"

@@ -4,7 +4,7 @@
 over the BLS client of the ``encode`` ensemble and gets back an :class:`EncoderServer`: it
 parses each request (media, ``lease_owner``, request parameters, once) and answers references,
 plus the stored embedding and its digest when the request asks ``by_value`` (a PD server on
-another node: it verifies what crossed the network, ``scaleout/digest.py``).
+another node: it verifies what crossed the network, ``encode/digest.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from python_backends.encode.cached import (
     parse_encoder_videos,
     parse_lease_owner,
 )
+from python_backends.encode.digest import by_value_answer
 from python_backends.encode.videos import VideoEncode
 from python_backends.engines.videos import VideoInputLimits
 from python_backends.errors import invalid_arg
@@ -33,7 +34,6 @@ from python_backends.preprocess.video_pipeline import VideoTransformConfig
 from python_backends.preprocess.videos import DaliVideoPreprocessor
 from python_backends.request.parameters import RequestParameters
 from python_backends.runtime.model_params import ModelParameters
-from python_backends.scaleout.digest import by_value_answer
 from python_backends.store import EmbeddingStore
 
 

@@ -42,10 +42,10 @@ import numpy as np
 
 from python_backends import contract
 from python_backends.encode.cached import CachedEncoder, EncodedImage
+from python_backends.encode.digest import embedding_digest
 from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.scaleout import wire
-from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import EndpointSource
 from python_backends.scaleout.membership import EncoderServer, Membership
 from python_backends.scaleout.routing import NoEncoderAvailable, Router, home

@@ -18,8 +18,8 @@ import pytest
 
 from python_backends import contract
 from python_backends.encode.cached import CachedEncoder, EncodedImage
+from python_backends.encode.digest import embedding_digest
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.scaleout.digest import embedding_digest
 from python_backends.scaleout.endpoints import (
     DnsEndpoints,
     EndpointSpecError,
