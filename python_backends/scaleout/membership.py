@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from python_backends import contract
+from python_backends.runtime.grpc_streams import StreamEnds
 from python_backends.scaleout import wire
 from python_backends.scaleout.endpoints import EndpointSource
 from python_backends.scaleout.routing import Router
@@ -69,8 +70,10 @@ class Membership:
         refresh_s: float = 2.0,
         refused_retry_s: float = 30.0,
         connect: Callable[[str], Any] = wire.connect,
+        ends: StreamEnds,
     ) -> None:
         self.source, self.keys, self.router, self.stats = source, keys, router, stats
+        self.ends = ends  # the owner's streams still ending (wire.stream_one)
         self.node_id, self.store_path = node_id, store_path
         self.refresh_s, self.refused_retry_s = refresh_s, refused_retry_s
         self.connect = connect
@@ -96,7 +99,8 @@ class Membership:
             return None
         parameters = {k: v.get("string_value", "") for k, v in config["config"].get("parameters", {}).items()}
         try:
-            answer = await wire.stream_one(client, wire.ENCODER_MODEL, [wire.image_input(PROBE_IMAGE)], None, 60.0)
+            probe = [wire.image_input(PROBE_IMAGE)]
+            answer = await wire.stream_one(client, wire.ENCODER_MODEL, probe, None, 60.0, self.ends)
         except Exception as exc:
             await client.close()
             raise EncoderRefused(f"could not encode the probe image: {exc}") from None

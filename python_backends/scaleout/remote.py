@@ -45,6 +45,7 @@ from python_backends.encode.cached import CachedEncoder, EncodedImage
 from python_backends.encode.digest import embedding_digest
 from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.runtime.grpc_streams import StreamEnds
 from python_backends.scaleout import wire
 from python_backends.scaleout.endpoints import EndpointSource
 from python_backends.scaleout.membership import EncoderServer, Membership
@@ -103,10 +104,12 @@ def verify_answer(result: Any, encoded: EncodedImage, key: str) -> None:
         raise ValueError("the embedding's digest does not match what arrived")
 
 
-async def _call(server: EncoderServer, inputs: list[Any], parameters: Mapping[str, Any], timeout_s: float) -> Any:
+async def _call(
+    server: EncoderServer, inputs: list[Any], parameters: Mapping[str, Any], timeout_s: float, ends: StreamEnds
+) -> Any:
     """One request to ``server``'s encoder model; a refusal of the image is a :class:`_ClientFault`."""
     try:
-        return await wire.stream_one(server.client, wire.ENCODER_MODEL, inputs, parameters, timeout_s)
+        return await wire.stream_one(server.client, wire.ENCODER_MODEL, inputs, parameters, timeout_s, ends)
     except Exception as exc:
         if wire.status(exc) in wire.CLIENT_FAULTS:
             raise _ClientFault(str(exc)) from None
@@ -136,9 +139,10 @@ class RemoteEncoders:
         self.store, self.keys, self.merge_size, self.deadline_s = store, keys, merge_size, deadline_s
         self.router = router or Router()
         self.stats = ScaleoutStats()
+        self.stream_ends = StreamEnds()  # encoder streams still ending (abandoned ones drain)
         self.membership = Membership(
             source, keys, self.router, self.stats, node_id=node_id, store_path=store_path,
-            refresh_s=refresh_s, refused_retry_s=refused_retry_s, connect=connect,
+            refresh_s=refresh_s, refused_retry_s=refused_retry_s, connect=connect, ends=self.stream_ends,
         )  # fmt: skip
         self.metrics = MetricExport(self.stats, self.router)
         # Built once: the cross-node path's single-flight claim in this node's store. Its encode
@@ -154,7 +158,7 @@ class RemoteEncoders:
     async def close(self) -> None:
         """Let streams still ending reach their close (``wire``'s rule), then close the clients:
         closing a channel cancels what is open on it."""
-        await wire.wait_for_ends(timeout_s=10.0)
+        await self.stream_ends.wait(10.0)
         await self.membership.close()
 
     def export(self, metrics: Any) -> None:
@@ -222,7 +226,7 @@ class RemoteEncoders:
         parameters = {} if tenant is None else {contract.TENANT: tenant}
         if server.shares_store:  # it writes this store and answers a reference leased for us
             inputs = [wire.image_input(image), wire.lease_input(lease_owner), wire.errors_as_outputs()]
-            result = await _call(server, inputs, parameters, timeout_s)
+            result = await _call(server, inputs, parameters, timeout_s, self.stream_ends)
             reference = bytes(result.as_numpy(contract.REFERENCES).reshape(-1)[0])
             return reference, bool(result.as_numpy(contract.CACHE_HIT).reshape(-1)[0])
         token = _FETCH.set(_Fetch(server, parameters, timeout_s))
@@ -237,7 +241,8 @@ class RemoteEncoders:
         """The cross-node encode: the embedding by value from the server of this call, checked."""
         fetch = _FETCH.get()
         inputs = [wire.image_input(image), wire.errors_as_outputs()]
-        result = await _call(fetch.server, inputs, {**fetch.parameters, contract.BY_VALUE: True}, fetch.timeout_s)
+        parameters = {**fetch.parameters, contract.BY_VALUE: True}
+        result = await _call(fetch.server, inputs, parameters, fetch.timeout_s, self.stream_ends)
         embeds, grid = result.as_numpy(contract.IMAGE_EMBEDS), result.as_numpy(contract.IMAGE_GRID_THW)
         if embeds is None or grid is None:
             raise ValueError(f"{fetch.server.address} answered no embedding by value")

@@ -25,15 +25,6 @@ CLIENT_FAULTS = ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED")
 # gRPC's reconnect back-off grows to 120 s by default: an encoder restarted after a minute down
 # would wait that long to be seen. Capped near the readiness poll, it rejoins within seconds.
 RECONNECT_BACKOFF_MS = (500, 2000)  # initial, max
-# Ends this process's encoder streams (abandoned ones drain in the background); ``wait_for_ends``
-# at shutdown, before the clients close (a closed channel cancels what is still open).
-STREAM_ENDS = StreamEnds()
-
-
-async def wait_for_ends(timeout_s: float | None = None) -> None:
-    await STREAM_ENDS.wait(timeout_s)
-
-
 def connect(address: str) -> Any:
     """A ``tritonclient.grpc.aio.InferenceServerClient`` for ``address`` (``HOST:PORT``)."""
     from tritonclient.grpc import aio as grpc_aio
@@ -68,13 +59,14 @@ def status(exc: BaseException) -> str:
 
 
 async def stream_one(
-    client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None, timeout_s: float
+    client: Any, model: str, inputs: list[Any], parameters: Mapping[str, Any] | None, timeout_s: float, ends: StreamEnds
 ) -> Any:
     """One request to a decoupled model over a gRPC stream: its first response. The stream ends by
     the rule of ``runtime/grpc_streams.py``: read to the server's close (after the answer and after
     an error response alike: a cancel there left the encoder model unable to unload at stop);
     a call that outlives ``timeout_s`` (no gRPC deadline: that is a cancel too) or whose caller
-    is cancelled is drained for a grace and cancelled only if it is still open then."""
+    is cancelled is drained for a grace and cancelled only if it is still open then (``ends``: the
+owner's streams still ending, waited for before its clients close: a closed channel cancels them)."""
 
     async def requests() -> AsyncIterator[dict[str, Any]]:
         yield {"model_name": model, "inputs": inputs, "parameters": dict(parameters or {})}
@@ -102,7 +94,7 @@ async def stream_one(
     except asyncio.TimeoutError:
         raise ConnectionError(f"{model}: no answer in {timeout_s:g} s") from None
     finally:
-        await STREAM_ENDS.close_stream(responses, finished)
+        await ends.close_stream(responses, finished)
     if answer is None:
         raise ConnectionError(f"{model}: the stream ended without an answer")
     return answer

@@ -20,6 +20,7 @@ from python_backends import contract
 from python_backends.encode.cached import CachedEncoder, EncodedImage
 from python_backends.encode.digest import embedding_digest
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.runtime.grpc_streams import StreamEnds
 from python_backends.scaleout.endpoints import (
     DnsEndpoints,
     EndpointSpecError,
@@ -565,7 +566,7 @@ def test_wire_reads_an_answered_stream_to_its_close_and_sets_no_grpc_deadline() 
 
     call = ScriptedCall([(Result({contract.MM_HASH: np.array([b"k"], np.object_)}), None)], close_after_s=0.05)
     client = ScriptedClient(call)
-    answer = asyncio.run(wire.stream_one(client, "encoder_0", [], None, 5.0))
+    answer = asyncio.run(wire.stream_one(client, "encoder_0", [], None, 5.0, StreamEnds()))
     assert answer.as_numpy(contract.MM_HASH) is not None
     assert (call.read, call.cancelled, client.stream_timeouts) == (1, False, [None])
 
@@ -577,24 +578,23 @@ def test_wire_does_not_cancel_the_stream_of_an_error_response() -> None:
 
     call = ScriptedCall([(_error_output("image[0] is empty"), None)], close_after_s=0.05)
     with pytest.raises(EpdError, match="is empty"):
-        asyncio.run(wire.stream_one(ScriptedClient(call), "encoder_0", [], None, 5.0))
+        asyncio.run(wire.stream_one(ScriptedClient(call), "encoder_0", [], None, 5.0, StreamEnds()))
     assert call.cancelled is False
 
 
-def test_wire_cancels_a_stream_past_its_timeout_only_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    from python_backends.runtime.grpc_streams import StreamEnds
+def test_wire_cancels_a_stream_past_its_timeout_only_after_the_grace() -> None:
     from python_backends.scaleout import wire
 
-    monkeypatch.setattr(wire, "STREAM_ENDS", StreamEnds(grace_s=0.3))
+    ends = StreamEnds(grace_s=0.3)
     call = ScriptedCall([], close_after_s=None)
 
     async def run() -> tuple[bool, bool]:
         with pytest.raises(ConnectionError, match="no answer in 0.1 s"):
-            await wire.stream_one(ScriptedClient(call), "encoder_0", [], None, 0.1)
+            await wire.stream_one(ScriptedClient(call), "encoder_0", [], None, 0.1, ends)
         at_timeout = call.cancelled
         await asyncio.sleep(0.1)
         before_grace = call.cancelled
-        await wire.wait_for_ends()
+        await ends.wait()
         return at_timeout, before_grace
 
     at_timeout, before_grace = asyncio.run(run())
