@@ -31,7 +31,7 @@ import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
 from python_backends.encode.cached import EncodedImage
-from python_backends.engines.generation import GenerationChunk, chunk_from_outputs, text_of
+from python_backends.engines.generation import GenerationChunk, chunk_from_outputs, int_of, text_of
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.triton_edge.responses import bytes_tensor, error_from_output, tensor
 
@@ -292,7 +292,7 @@ class BlsStages(BlsCaller):
                 yield chunk
             if chunk.finished:
                 return
-            offset = int(np.asarray(out[contract.POLL_OFFSET]).reshape(-1)[0])
+            offset = int_of(out.get(contract.POLL_OFFSET))
             inputs = [request, tensor(contract.POLL_OFFSET, [offset], np.int64)]
 
     async def abort_decode(self, request_id: str) -> None:
