@@ -167,8 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         nargs="+",
         default=list(DEFAULT_MODES),
-        help="MODEL[:PATH][:unique|:repeated|:identical][:again] ...; PATH (epd): adaptive, disaggregated, "
-        "colocated; again: the same mode once more on requests of its own (a control); missing models are skipped",
+        help="MODEL[:PATH][:unique|:repeated|:identical][:again][:stream-decode] ...; PATH (epd): adaptive, "
+        "disaggregated, colocated; again: the same mode once more on requests of its own (a control); "
+        "stream-decode: epd reads decode as a stream, the pattern polls replaced (the server must be started "
+        "with TRITON_EPD_ALLOW_STREAMED_DECODE=1); missing models are skipped",
     )
     sweep_arguments(run, REPO_ROOT / "results" / "latest" / "bench", "triton-epd benchmark")
 

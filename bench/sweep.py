@@ -43,6 +43,9 @@ PATH_POLICIES = ("adaptive", "disaggregated", "colocated")  # epd's (python_back
 # that the control never sends a request (prompt, image) its original sent: a cache hit is not a control.
 AGAIN_KEY_OFFSET = 500
 AGAIN = "again"
+# epd reads decode as one BLS stream (the pattern polls replaced; the server must allow it:
+# python_backends/contract DECODE_READS), to measure what the polls cost side by side.
+STREAM_DECODE = "stream-decode"
 RATIO_METRICS = (
     ("ttft_ms", "p50"),
     ("ttft_ms", "p90"),
@@ -62,11 +65,12 @@ class ModeSpec:
     media: str = "default"
     path: str | None = None  # epd's serving path (request parameter ``path``)
     again: bool = False  # a control: the same mode again, on requests of its own
+    stream_decode: bool = False  # epd reads decode as a stream (request parameter ``decode_reads``)
 
     @classmethod
     def parse(cls, text: str) -> ModeSpec:
         model, *options = text.split(":")
-        media, path, again = "default", None, False
+        media, path, again, stream_decode = "default", None, False, False
         for option in options:
             if option in MEDIA_POLICIES and media == "default":
                 media = option
@@ -74,14 +78,16 @@ class ModeSpec:
                 path = option
             elif option == AGAIN and not again:
                 again = True
+            elif option == STREAM_DECODE and not stream_decode:
+                stream_decode = True
             else:
                 raise ValueError(
-                    f"mode {text!r}: use MODEL[:PATH][:MEDIA][:{AGAIN}], PATH one of {PATH_POLICIES} (epd), "
-                    f"MEDIA one of {MEDIA_POLICIES[1:]}"
+                    f"mode {text!r}: use MODEL[:PATH][:MEDIA][:{AGAIN}][:{STREAM_DECODE}], PATH one of "
+                    f"{PATH_POLICIES} (epd), MEDIA one of {MEDIA_POLICIES[1:]}"
                 )
         if not model:
             raise ValueError(f"mode {text!r} names no model")
-        return cls(text, model, media, path, again)
+        return cls(text, model, media, path, again, stream_decode)
 
     def key_rep(self, rep: int) -> int:
         """The repetition number its requests are drawn with (``again``: a range of its own)."""
@@ -105,7 +111,10 @@ class ModeSpec:
 
     def prepare_options(self) -> dict[str, Any]:
         """Keyword arguments of the target's ``prepare`` for this mode (a path: Triton targets only)."""
-        return {"parameters": {"path": self.path}} if self.path else {}
+        parameters: dict[str, str] = {"path": self.path} if self.path else {}
+        if self.stream_decode:
+            parameters["decode_reads"] = "stream"
+        return {"parameters": parameters} if parameters else {}
 
 
 @dataclass

@@ -149,6 +149,13 @@ TENANT = "tenant"
 # stored embedding by value too, with its digest (``python_backends/encode/digest.py``).
 BY_VALUE = "by_value"
 ENCODER_REQUEST_PARAMETER = "encoder"  # epd: the encoder model a request pins
+# epd, measurement only: "stream" reads decode as one BLS stream, the pattern that deadlocks Triton
+# 2.51's python backend under load (docs/upstream/python-backend-bls-deadlock.md), to measure what
+# the polls cost (bench mode option ``stream-decode``). Refused unless the server's environment
+# has ALLOW_STREAMED_DECODE_ENV=1.
+DECODE_READS_REQUEST_PARAMETER = "decode_reads"
+DECODE_READS = ("poll", "stream")
+ALLOW_STREAMED_DECODE_ENV = "TRITON_EPD_ALLOW_STREAMED_DECODE"
 EMBEDDING_DIGEST = "embedding_digest"
 # preprocess (cpu): the serialized DALI pipeline.
 PIPELINE_FILE = "pipeline_file"

@@ -7,6 +7,7 @@ request (inputs and request parameters, once) and runs it through :class:`EpdPip
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from python_backends.engines.videos import VideoInputLimits
 from python_backends.epd.colocated import ColocatedEngine
 from python_backends.epd.disaggregated import StageClient
 from python_backends.epd.pipeline import EpdPipeline
+from python_backends.errors import invalid_arg
 from python_backends.request.generate import (
     GenerateRequest,
     RequestLimits,
@@ -39,6 +41,8 @@ class EpdServer:
     videos: VideoInputLimits | None  # None: no video (max_videos 0)
     remote: RemoteEncoders | None  # a ``pd`` server's remote encoder servers
     colocated: ColocatedEngine | None  # the colocated path's engine, unless the policy is disaggregated
+    # Requests may ask for the old streamed decode read (measurement only: contract.DECODE_READS).
+    allow_streamed_decode: bool = False
 
     @classmethod
     def build(
@@ -61,7 +65,8 @@ class EpdServer:
             node_cache=cache.scope == "node", tenant_policy=cache.tenants, colocated=colocated,
             image_limits=limits.images, policy=policy,
         )  # fmt: skip
-        return cls(pipeline, store, limits, videos, remote, colocated)
+        allow_streamed_decode = os.environ.get(contract.ALLOW_STREAMED_DECODE_ENV) == "1"
+        return cls(pipeline, store, limits, videos, remote, colocated, allow_streamed_decode)
 
     def parse(self, inputs: Mapping[str, Any], raw_parameters: str | None) -> tuple[GenerateRequest, RequestParameters]:
         """A request's inputs and Triton parameters, checked (an ``EpdError`` is the client's)."""
@@ -69,4 +74,11 @@ class EpdServer:
         check_image_headers(request, self.limits)
         if self.videos is not None:  # raw bytes, as the encoders key them; their containers are checked there
             request = raw_videos(request, self.videos.limits)
-        return request, RequestParameters.parse(raw_parameters)
+        parameters = RequestParameters.parse(raw_parameters)
+        if parameters.streamed_decode and not self.allow_streamed_decode:
+            raise invalid_arg(
+                f"request parameter '{contract.DECODE_READS_REQUEST_PARAMETER}' = 'stream' reads decode as a "
+                "stream, which deadlocks Triton 2.51's python backend under load; a server allows it only "
+                f"to measure what the polls cost, started with {contract.ALLOW_STREAMED_DECODE_ENV}=1"
+            )
+        return request, parameters

@@ -7,7 +7,9 @@ them here, once per request, into one :class:`RequestParameters`:
 - ``path``: the serving path of ``epd`` the request forces (``adaptive`` means the deployment's
   rule, as no parameter does);
 - ``encoder``: the encoder model ``epd`` sends the request's misses to;
-- ``by_value``: an encoder also answers the stored embedding (a PD server on another node asks).
+- ``by_value``: an encoder also answers the stored embedding (a PD server on another node asks);
+- ``decode_reads``: ``stream`` makes ``epd`` read ``decode`` as one BLS stream (measurement only:
+  ``EpdServer`` refuses it unless its server allows it).
 
 Unknown parameters are ignored, as Triton's own backends ignore them; a known one with a wrong
 type or value is INVALID_ARG naming it.
@@ -56,12 +58,22 @@ def _encoder(value: Any) -> str | None:
     return value
 
 
+def _streamed_decode(value: Any) -> bool:
+    if value is not None and value not in contract.DECODE_READS:
+        raise invalid_arg(
+            f"request parameter '{contract.DECODE_READS_REQUEST_PARAMETER}' must be one of "
+            f"{', '.join(contract.DECODE_READS)}, got {value!r}"
+        )
+    return value == "stream"
+
+
 @dataclass(frozen=True)
 class RequestParameters:
     tenant: str | None = None
     path: str | None = None
     encoder: str | None = None
     by_value: bool = False
+    streamed_decode: bool = False
 
     @classmethod
     def parse(cls, raw: str | None) -> RequestParameters:
@@ -73,4 +85,5 @@ class RequestParameters:
             path=_path(values.get(contract.PATH_REQUEST_PARAMETER)),
             encoder=_encoder(values.get(contract.ENCODER_REQUEST_PARAMETER)),
             by_value=values.get(contract.BY_VALUE) is True,
+            streamed_decode=_streamed_decode(values.get(contract.DECODE_READS_REQUEST_PARAMETER)),
         )

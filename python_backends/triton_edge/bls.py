@@ -18,6 +18,7 @@ both are read with their code.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import threading
 import time
@@ -239,8 +240,19 @@ class BlsEncode(BlsCaller):
         return np.asarray(out[contract.IMAGE_EMBEDS])
 
 
+# The request being served (its asyncio task) reads decode as one stream: the old pattern, kept
+# only to measure what the polls cost (request parameter ``decode_reads``, contract.DECODE_READS).
+# A context variable, so that the measurement switch does not run through every path's signature.
+_STREAMED_DECODE: contextvars.ContextVar[bool] = contextvars.ContextVar("streamed_decode", default=False)
+
+
 class BlsStages(BlsCaller):
     """:class:`python_backends.epd.pipeline.StageClient` over BLS (inside ``epd`` only)."""
+
+    @staticmethod
+    def stream_decode_in_this_request() -> None:
+        """Read ``decode`` as a stream for the rest of the calling task (measurement only)."""
+        _STREAMED_DECODE.set(True)
 
     def __init__(self, prefill_model: str, decode_model: str, max_threads: int = 256) -> None:
         super().__init__(max_threads)
@@ -281,10 +293,14 @@ class BlsStages(BlsCaller):
             request,
             bytes_tensor(contract.TRANSFER_PARAMS, [transfer_params]),
             bytes_tensor(contract.SAMPLING_PARAMETERS, [json.dumps(dict(sampling))]),
-            tensor(contract.POLL_OFFSET, [0], np.int64),
         ]
         if references:
             inputs.append(bytes_tensor(contract.REFERENCES, list(references)))
+        if _STREAMED_DECODE.get():  # the old read: one stream of deltas (it can deadlock the stub)
+            async for out in self._stream(self.decode_model, [*inputs, tensor(contract.STREAM, [True], bool)]):
+                yield chunk_from_outputs(out)
+            return
+        inputs.append(tensor(contract.POLL_OFFSET, [0], np.int64))
         while True:
             out = await self._last(self.decode_model, inputs)
             chunk = chunk_from_outputs(out)

@@ -176,6 +176,17 @@ def test_cancelled_stream_leaves_no_lease_and_no_vllm_request(server, epd):
     assert epd.generate(chat_prompt("Next one.", 0), [], EXACT).num_output_tokens == 12
 
 
+def test_the_streamed_decode_read_is_refused_unless_the_server_allows_it(server, epd):
+    """The old streamed decode read (measurement only) deadlocks the stub under load: a server
+    started without TRITON_EPD_ALLOW_STREAMED_DECODE=1 refuses it and keeps serving."""
+    parameters = {**DISAGGREGATED, "decode_reads": "stream"}
+    with pytest.raises(ClientError) as info:
+        epd.generate(chat_prompt("Stream it.", 0), [], GREEDY, parameters=parameters)
+    assert "TRITON_EPD_ALLOW_STREAMED_DECODE=1" in str(info.value) and "deadlocks" in str(info.value)
+    polled = epd.generate(chat_prompt("Poll it.", 0), [], EXACT, parameters={**DISAGGREGATED, "decode_reads": "poll"})
+    assert polled.num_output_tokens == 12
+
+
 def test_bad_image_is_one_coded_error(server, epd):
     broken = b"\xff\xd8\xff\xe0 not really a jpeg"
     prompt = chat_prompt("Broken.", 1)

@@ -275,3 +275,14 @@ def test_drawn_round_orders_put_modes_after_different_modes():
     assert rounds == [round_order(15, 0, 0, rep) for rep in range(8)]  # seeded: a run can be repeated
     predecessors = {mode: {order[order.index(mode) - 1] for order in rounds if order.index(mode)} for mode in range(15)}
     assert sum(len(before) > 1 for before in predecessors.values()) >= 12
+
+
+def test_a_stream_decode_mode_asks_epd_for_the_streamed_decode_read():
+    polled = ModeSpec.parse("epd:disaggregated:repeated")
+    streamed = ModeSpec.parse("epd:disaggregated:repeated:stream-decode")
+    assert polled.prepare_options() == {"parameters": {"path": "disaggregated"}}
+    assert streamed.prepare_options() == {"parameters": {"path": "disaggregated", "decode_reads": "stream"}}
+    assert streamed.media_namespace == polled.media_namespace  # the same images, so the same store hits
+    assert ModeSpec.parse("epd:stream-decode").prepare_options() == {"parameters": {"decode_reads": "stream"}}
+    with pytest.raises(ValueError, match="stream-decode"):
+        ModeSpec.parse("epd:stream-decode:stream-decode")

@@ -204,6 +204,16 @@ def test_the_path_request_parameter():
     assert info.value.code == ErrorCode.INVALID_ARG and "disaggregated, colocated" in info.value.message
 
 
+def test_the_decode_reads_request_parameter():
+    assert RequestParameters.parse(json.dumps({"decode_reads": "stream"})).streamed_decode
+    assert not RequestParameters.parse(json.dumps({"decode_reads": "poll"})).streamed_decode
+    assert not RequestParameters.parse(None).streamed_decode
+    with pytest.raises(EpdError) as info:
+        RequestParameters.parse(json.dumps({"decode_reads": True}))
+    assert info.value.code == ErrorCode.INVALID_ARG
+    assert "'decode_reads' must be one of poll, stream" in info.value.message
+
+
 def test_fixed_policies(store):
     stages, engine = FakeStages(store), FakeEngine()
     assert run(pipeline(stages, engine, "disaggregated"), request([PHOTO]))[-1].serving_path == DISAGGREGATED_PATH

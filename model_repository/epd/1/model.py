@@ -42,6 +42,8 @@ class TritonPythonModel(DecoupledModel):
 
     async def serve(self, parsed, request_id):
         request, parameters = parsed
+        if parameters.streamed_decode:  # measurement only (EpdServer.parse allowed it)
+            self.engine.stream_decode_in_this_request()
         run = self.pipeline.run(
             request, request_id, parameters.encoder, parameters.tenant, parameters.path, self.path_metrics.record
         )
