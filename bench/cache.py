@@ -70,11 +70,9 @@ def images(count: int) -> list[bytes]:
 
 
 def private_repository(repo: Path) -> Path:
-    """A fresh copy of model_repository/'s model code at ``repo``, for a benchmark's own server;
-    the caller generates its configs (``encoder_<i>`` folders too: their number is a setting)."""
+    """An empty folder at ``repo`` for a benchmark's own server; the caller generates it (the
+    builders copy model_repository/'s model code)."""
     shutil.rmtree(repo, ignore_errors=True)
-    ignore = shutil.ignore_patterns("__pycache__", "encoder_*")
-    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=ignore)
     return repo
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from builders.artifacts import (
@@ -181,6 +182,7 @@ def write_repository(
     served = role_models(target, role)
     for model in served:  # an ensemble needs its (empty) version folder too
         (out / model / "1").mkdir(parents=True, exist_ok=True)
+    written += _copy_kept_model_code(out, served)
     files = repository_files(target, model_dir, facts)
     for relative in files:  # generated files only: kept model code and artefacts stay
         if _model_of(relative) not in served and (out / relative).is_file():
@@ -194,6 +196,22 @@ def write_repository(
             path.write_text(content)
         written.append(path)
     return written
+
+
+def _copy_kept_model_code(out: Path, served: Iterable[str]) -> list[Path]:
+    """A repository other than model_repository/ (a role server's, a test's) gets the kept
+    ``model.py`` of each model it serves, so that ``--model-repository DIR`` works anywhere."""
+    if out.resolve() == DEFAULT_REPOSITORY.resolve():
+        return []
+    copied = []
+    for model in served:
+        source = DEFAULT_REPOSITORY / model / "1" / "model.py"
+        if source.is_file():
+            target = out / model / "1" / "model.py"
+            if not target.is_file() or target.read_bytes() != source.read_bytes():
+                shutil.copy2(source, target)
+            copied.append(target)
+    return copied
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,16 +82,6 @@ def open_node_store(capacity_bytes: int = CACHE_POLICY.capacity_bytes) -> Embedd
     return EmbeddingStore(StoreConfig(path=CACHE_POLICY.path, capacity_bytes=capacity_bytes, merge_size=2))
 
 
-def copy_model_code(repository: Path) -> Path:
-    """The hand-written ``model.py`` files of model_repository/ (the builders generate the rest)."""
-    source = REPO_ROOT / "model_repository"
-    for tracked in source.glob("*/1/model.py"):
-        target = repository / tracked.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(tracked, target)
-    return repository
-
-
 def unclean_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = None) -> str | None:
     """Why a stop was not clean (the report with its problem log lines, and where the stubs of
     a stuck stop hung), or None."""
@@ -217,9 +207,8 @@ def node_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def server_repository(model_dir: Path, node_dir: Path) -> Path:
-    """The slot's repository: model code copied from model_repository/, configs generated with
-    the slot's store and KV paths."""
-    copy_model_code(SERVER_REPOSITORY)
+    """The slot's repository: configs generated with the slot's store and KV paths (the builders
+    copy the kept model code of model_repository/)."""
     prepare("cpu", model_dir, SERVER_REPOSITORY, cache=CACHE_POLICY, kv_store_path=str(KV_STORE_PATH))
     return SERVER_REPOSITORY
 

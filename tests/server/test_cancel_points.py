@@ -51,7 +51,6 @@ from tests.server.conftest import (
     LOG_DIR,
     SLOT,
     TEST_EXIT_TIMEOUT_S,
-    copy_model_code,
     open_node_store,
     serving,
 )
@@ -90,7 +89,6 @@ PARKED_AT = {
 
 @pytest.fixture(scope="module")
 def paused_server(model_dir: Path, node_dir: Path) -> Iterator[TritonServer]:
-    copy_model_code(REPOSITORY)
     write_repository(
         "cpu", model_dir, REPOSITORY, cache=CACHE_POLICY, kv_store_path=str(KV_STORE_PATH),
         path_policy=contract.DISAGGREGATED_PATH,  # epd's encode -> prefill -> decode, no engine of its own

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from builders.launcher import STAGE_CRASHED
-from tests.server.conftest import LOG_DIR, SERVER_REPOSITORY, copy_model_code
+from tests.server.conftest import LOG_DIR, SERVER_REPOSITORY
 from tests.stress.crash import Paths, run_case
 
 pytestmark = [
@@ -29,7 +29,7 @@ def test_killing_an_encoder_stub_under_load_ends_requests_and_the_server_recover
     node = node_dir / "crash"
     paths = Paths(LOG_DIR / "crash", node / "embeddings", node / "kv")
     paths.work.mkdir(parents=True, exist_ok=True)
-    repo = copy_model_code(SERVER_REPOSITORY.with_name(SERVER_REPOSITORY.name + "-crash"))
+    repo = SERVER_REPOSITORY.with_name(SERVER_REPOSITORY.name + "-crash")
     args = argparse.Namespace(concurrency=2, deadline_s=180.0, before_s=10.0, after_s=20.0, recovery_timeout_s=900.0)
     case = run_case("stub:encoder_0", args, paths, repo)
     summary = {k: case.get(k) for k in ("counts_all", "counts_after_kill", "errors", "launcher_exits",

@@ -14,7 +14,7 @@ import pytest
 
 from builders.tritonserver import PROBLEM_MARKERS, REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
-from tests.server.conftest import LAUNCHER_REPOSITORY, LOG_DIR, TEST_EXIT_TIMEOUT_S, copy_model_code
+from tests.server.conftest import LAUNCHER_REPOSITORY, LOG_DIR, TEST_EXIT_TIMEOUT_S
 
 pytestmark = pytest.mark.server
 
@@ -32,7 +32,7 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, node_dir: P
     process = subprocess.Popen(
         [sys.executable, "-m", "builders.launcher", "--http-port", str(ports.http),
          "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics), "--log-file", str(log),
-         "--model-repository", str(copy_model_code(LAUNCHER_REPOSITORY)),
+         "--model-repository", str(LAUNCHER_REPOSITORY),
          "--cache-path", str(node_dir / "launcher-embeddings"), "--kv-store-path", str(node_dir / "launcher-kv"),
          "--exit-timeout-s", str(TEST_EXIT_TIMEOUT_S)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -31,7 +31,7 @@ from bench.server_stats import scrape
 from builders.repository import write_repository
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from python_backends import contract
-from tests.server.conftest import CACHE_POLICY, LOG_DIR, SLOT, TEST_EXIT_TIMEOUT_S, copy_model_code, serving
+from tests.server.conftest import CACHE_POLICY, LOG_DIR, SLOT, TEST_EXIT_TIMEOUT_S, serving
 from tests.server.perf_analyzer_replay import replay
 
 pytestmark = pytest.mark.server
@@ -84,7 +84,6 @@ def images_only_server(model_dir: Path, node_dir: Path) -> Iterator[TritonServer
     """A second server: image-only ``epd`` (disaggregated) with its own store and KV folder. For
     its one test only (stopped right after), and that test runs first in this module: run alone,
     this file has the two servers up one after the other, not together (24 GiB here)."""
-    copy_model_code(IMAGES_ONLY_REPOSITORY)
     write_repository(
         "cpu", model_dir, IMAGES_ONLY_REPOSITORY,
         cache=dataclasses.replace(CACHE_POLICY, path=str(node_dir / "images-only-embeddings")),

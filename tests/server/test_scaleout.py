@@ -45,7 +45,7 @@ from python_backends.scaleout.remote import RemoteEncoders
 from python_backends.scaleout.routing import rendezvous_order
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig
 from tests.images import synthetic_image, with_note
-from tests.server.conftest import LOG_DIR, TEST_EXIT_TIMEOUT_S, copy_model_code, serving
+from tests.server.conftest import LOG_DIR, TEST_EXIT_TIMEOUT_S, serving
 from tests.server.test_epd_acceptance import (
     EQUALITY_CASES,
     Answer,
@@ -79,7 +79,7 @@ class Topology:
 
 
 def _server(name: str, node_dir: Path, model_dir: Path, role: str, node: str, store: str, **extra) -> ServerOptions:
-    repository = copy_model_code(SLOTS_DIR / f"scaleout-{name}-{node_dir.name}")
+    repository = SLOTS_DIR / f"scaleout-{name}-{node_dir.name}"
     cache = dataclasses.replace(TARGETS["cpu"].cache, path=store, node_id=node)
     prepare("cpu", model_dir, repository, cache=cache, kv_store_path=str(node_dir / f"scaleout-kv-{name}"),
             role=role, **extra)  # fmt: skip

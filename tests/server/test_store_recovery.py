@@ -25,7 +25,6 @@ from tests.server.conftest import (
     SERVER_REPOSITORY,
     SLOT,
     TEST_EXIT_TIMEOUT_S,
-    copy_model_code,
     encoder_references,
     serving,
 )
@@ -34,7 +33,7 @@ pytestmark = pytest.mark.server
 
 
 def _encoder_server(model_dir: Path, node_dir: Path, store: Path) -> ServerOptions:
-    repository = copy_model_code(SERVER_REPOSITORY.parent / f"store-recovery-{SLOT}")
+    repository = SERVER_REPOSITORY.parent / f"store-recovery-{SLOT}"
     cache = dataclasses.replace(TARGETS["cpu"].cache, path=str(store), node_id="node-recovery")
     prepare("cpu", model_dir, repository, cache=cache, kv_store_path=str(node_dir / "recovery-kv"), role="encoder")
     args = load_model_args(dataclasses.replace(TARGETS["cpu"], cache=cache), "encoder")

@@ -65,19 +65,14 @@ class Paths:
 
 
 def prepare_repository(paths: Paths) -> Path:
-    """A private copy of the cpu repository, generated with this harness's store and KV folder."""
+    """A private cpu repository (model code copied by the builders), generated with this harness's
+    store and KV folder."""
     import dataclasses
 
     from builders.launcher import prepare
     from builders.repository import TARGETS
 
     repo = paths.work / "repository"
-    if not (repo / "epd" / "config.pbtxt").exists():
-        ignore = shutil.ignore_patterns("__pycache__", "encoder_*", "config.pbtxt")
-        shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=ignore, dirs_exist_ok=True)
-    else:  # model code may have changed since the last run
-        for model_py in (REPO_ROOT / "model_repository").glob("*/1/model.py"):
-            shutil.copy2(model_py, repo / model_py.relative_to(REPO_ROOT / "model_repository"))
     cache = dataclasses.replace(TARGETS["cpu"].cache, path=str(paths.store))
     prepare("cpu", None, repo, cache, kv_store_path=str(paths.kv))
     return repo

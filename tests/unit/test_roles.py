@@ -1,5 +1,5 @@
-"""Server roles (issue 13, item 1): the models each role serves, the repository written per role,
-the tritonserver flags that load exactly those models, and the launcher's --role / --node-id."""
+"""Server roles: the models each role serves, the repository written per role (with its kept model
+code), the tritonserver flags that load exactly those models, and the launcher's --role / --node-id."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from builders import launcher
 from builders.repository import TARGETS, CachePolicy, write_repository
 from builders.roles import load_model_args, role_models
+from builders.tritonserver import REPO_ROOT
 from python_backends import contract
 
 
@@ -47,21 +48,23 @@ def _configs(out: Path) -> set[str]:
 
 def test_repository_per_role_and_switching_roles(tmp_path: Path, model_dir: Path, fast_build: None) -> None:
     out, stamps = tmp_path / "repo", tmp_path / "stamps"
-    (out / "epd" / "1").mkdir(parents=True)
-    (out / "epd" / "1" / "model.py").write_text("# kept model code")  # as model_repository/ keeps it
-    (out / "encoder_0" / "1").mkdir(parents=True)
-    (out / "encoder_0" / "1" / "model.py").write_text("# kept encoder code")  # every encoder_<i> copies it
-    write_repository("cpu", model_dir, out, stamps, role="encoder")
+    kept = REPO_ROOT / "model_repository"
+
+    def same_code(model: str) -> bool:
+        return (out / model / "1" / "model.py").read_bytes() == (kept / model / "1" / "model.py").read_bytes()
+
+    write_repository("cpu", model_dir, out, stamps, role="encoder")  # an empty folder: the role's code copied
     assert _configs(out) == set(role_models(TARGETS["cpu"], "encoder"))
-    assert (out / "encoder_1" / "1" / "model.py").is_file()  # generated encoder model code
+    assert all(same_code(model) for model in ("preprocess", "vit_encoder", "encoder_0"))
+    assert not (out / "epd" / "1" / "model.py").exists()
+    assert (out / "encoder_1" / "1" / "model.py").read_bytes() == (kept / "encoder_0" / "1" / "model.py").read_bytes()
 
     write_repository("cpu", model_dir, out, stamps, role="pd")
     assert _configs(out) == {"epd", "prefill", "decode", "llm"}
+    assert all(same_code(model) for model in ("epd", "prefill", "decode", "llm"))
     assert not (out / "encoder_1" / "1" / "model.py").exists()  # the other role's generated files go
-    assert (out / "encoder_0" / "1" / "model.py").read_text() == "# kept encoder code"
     # epd keys images by the encoder's digest, so the artefact stays; kept model code is never removed.
-    assert (out / "vit_encoder" / "1" / contract.ONNX_FILE).is_file()
-    assert (out / "epd" / "1" / "model.py").read_text() == "# kept model code"
+    assert (out / "vit_encoder" / "1" / contract.ONNX_FILE).is_file() and same_code("encoder_0")
 
     write_repository("cpu", model_dir, out, stamps)  # back to one server
     assert _configs(out) == set(TARGETS["cpu"].models)
