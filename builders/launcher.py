@@ -41,19 +41,21 @@ def prepare(
     gpus: int | None = None,
     remote_encoders: str = "",
     max_videos: int | None = None,
+    engine_threads: int | None = None,
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
     the prefill/decode KV transfer folder replacing the target's; ``role``: write only that
     server role's models (``builders/roles.py``); ``gpus``: the gpu target's number of GPUs;
-    ``max_videos``: videos per request (None: the target's; 0: no model declares ``video``)."""
+    ``max_videos``: videos per request (None: the target's; 0: no model declares ``video``);
+    ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default)."""
     from builders.default_model import build_default_model, resolve_model
     from builders.repository import write_repository
 
     model_dir = resolve_model(model) if model else build_default_model()
     write_repository(
         target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus,
-        remote_encoders=remote_encoders, max_videos=max_videos,
+        remote_encoders=remote_encoders, max_videos=max_videos, engine_threads=engine_threads,
     )
     return model_dir
 
@@ -96,11 +98,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="gpu target: run the preflight checks (each failed "
                         "one with its fix) and exit; every gpu start runs them before tritonserver")
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
-    from builders.repository import add_cache_arguments, add_gpus_argument, add_max_videos_argument  # light, no torch
+    from builders.repository import (  # light, no torch
+        add_cache_arguments,
+        add_engine_threads_argument,
+        add_gpus_argument,
+        add_max_videos_argument,
+    )
 
     add_cache_arguments(parser)
     add_gpus_argument(parser)
     add_max_videos_argument(parser)
+    add_engine_threads_argument(parser)
     # Two servers on one node share a store and KV folder unless given their own (tests do).
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
     parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
@@ -185,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = prepare(
             args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
             role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "", max_videos=args.max_videos,
+            engine_threads=args.engine_threads,
         )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)

@@ -48,6 +48,7 @@ from builders.targets import (
     RepositoryBuildError,
     Target,
     add_cache_arguments,
+    add_engine_threads_argument,
     add_gpus_argument,
     add_max_videos_argument,
     cache_policy_from,
@@ -71,6 +72,7 @@ __all__ = [
     "Role",
     "Target",
     "add_cache_arguments",
+    "add_engine_threads_argument",
     "add_gpus_argument",
     "add_max_videos_argument",
     "build_dali_artifact",
@@ -128,6 +130,7 @@ def write_repository(
     path_policy: str | None = None,
     test_pauses: dict[str, str] | None = None,
     max_videos: int | None = None,
+    engine_threads: int | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
@@ -142,12 +145,15 @@ def write_repository(
     ``test_pauses``: test servers only, model name -> ``test_pauses`` JSON (stage_pauses.py).
     ``max_videos``: the videos per request of every model that takes video (None: the target's);
     0: an image-only repository, where no model declares the ``video`` input (perf_analyzer
-    2.41's ``--shared-memory`` needs every optional input covered by its data)."""
+    2.41's ``--shared-memory`` needs every optional input covered by its data).
+    ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if max_videos is not None:
         if max_videos < 0:
             raise ValueError(f"max_videos must be 0 (no video) or more, not {max_videos}")
         target = dataclasses.replace(target, video_limits={**target.video_limits, contract.MAX_VIDEOS: max_videos})
+    if engine_threads is not None:
+        target = target.with_engine_threads(engine_threads)
     if remote_encoders:
         # An ``all`` server serves its own encoder models: epd falls back to them when no remote
         # encoder is left; a ``pd`` server has none and answers UNAVAILABLE instead.
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         "--path-policy", choices=contract.PATH_POLICIES, help="epd's path policy (default: the target's, adaptive)"
     )
     add_max_videos_argument(parser)
+    add_engine_threads_argument(parser)
     args = parser.parse_args(argv)
     if args.gpus is not None and args.target != "gpu":
         parser.error("--gpus is for --target gpu")
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     policy = cache_policy_from(args, args.target)
     written = write_repository(
         args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus, path_policy=args.path_policy,
-        max_videos=args.max_videos,
+        max_videos=args.max_videos, engine_threads=args.engine_threads,
     )
     for path in written:
         print(f"wrote {path}")

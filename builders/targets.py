@@ -21,6 +21,7 @@ from builders.tensorrt_config import TrtProfile
 from python_backends import contract
 from python_backends.contract import CachePolicy
 from python_backends.engines.llm import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
+from python_backends.engines.llm import OMP_THREADS_ENV
 from python_backends.request.videos import GPU_CODECS
 
 Device = Literal["cpu", "gpu"]
@@ -194,6 +195,13 @@ class Target:
             env[GPU_DEVICE_ENV] = self.gpu_budget.cuda_visible_devices(role)
         return env
 
+    def with_engine_threads(self, threads: int) -> Target:
+        """Each vLLM engine with ``threads`` OpenMP threads (0: torch's default, one per core)."""
+        env = {key: value for key, value in self.vllm_env.items() if key != OMP_THREADS_ENV}
+        if threads:
+            env[OMP_THREADS_ENV] = str(threads)
+        return dataclasses.replace(self, vllm_env=env)
+
     def fitted_to_checkpoint(self, model_dir: Path) -> Target:
         """gpu: the TensorRT profile derived from the checkpoint's pixel limits (the plan and its
         config both read ``encode.trt_profile``); other targets unchanged."""
@@ -248,14 +256,13 @@ TARGETS: dict[str, Target] = {
             # An engine core's exit ends in a full garbage collection (~3 s idle, 5 s+ under
             # load here) after its teardown: not waited out on the CPU (python_backends/engines/llm.py).
             "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
-            # Not set, though measured better: "OMP_NUM_THREADS": "1". vLLM's CPU thread binding
-            # (VLLM_CPU_OMP_THREADS_BIND) applies only to worker processes it spawns, and the worker
-            # runs in the engine core here, so each engine runs torch's default, one OpenMP thread
-            # per core, spinning between parallel regions (perf: 52-68% of engine samples; one
-            # thread: server CPU per request -30-50%, docs/benchmarks/omp-threads.md). With one
-            # thread the disaggregated path runs ~2x faster and met Triton 2.51's BLS deadlock
-            # (README, Crashes) in 3 of 4 long runs, CI's session server once: not the default
-            # until that deadlock is avoided.
+            # One OpenMP thread per engine (torch's default is one per core, and its idle workers
+            # spin: 52-68% of an engine's samples in libgomp's spin-wait). vLLM's own thread
+            # binding never applies here (the worker runs in the engine core). Server CPU per
+            # request -30-50% (docs/benchmarks/omp-threads.md). It was taken back once because the
+            # faster disaggregated path met Triton 2.51's BLS deadlock; decode by polls removed that
+            # (docs/benchmarks/bls-deadlock.md). --engine-threads changes it (0: torch's default).
+            OMP_THREADS_ENV: "1",
         },
         # No dynamic-batching wait on the CPU: at concurrency 1 each of preprocess and
         # vit_encoder waited its full 1 ms for a second request (Triton stats, results/
@@ -330,6 +337,20 @@ def _videos(value: str) -> int:
     if count < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (no video) or more, not {count}")
     return count
+
+
+def _threads(value: str) -> int:
+    count = int(value)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or more, not {count}")
+    return count
+
+
+def add_engine_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine-threads", type=_threads, metavar="N",
+        help="OpenMP threads of each vLLM engine (default: the target's, 1 on cpu); 0: torch's default, one per core",
+    )  # fmt: skip
 
 
 def add_max_videos_argument(parser: argparse.ArgumentParser) -> None:

@@ -508,3 +508,25 @@ def test_gpu_plan_config_follows_the_checkpoints_pixel_limits(model_dir: Path) -
     assert graphs == [engine_input_shapes(p) for p in (profile.opt_patches, profile.max_patches)]
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["profile_min_patches"] == "16" and params["profile_max_patches"] == str(profile.max_patches)
+
+
+def test_engine_threads_reach_every_engine(tmp_path: Path, model_dir: Path, fast_build: None) -> None:
+    out, stamps = tmp_path / "repo", tmp_path / "stamps"
+    engines = ("llm", "epd", "prefill", "decode")
+
+    def omp_threads() -> set[str | None]:
+        values = set()
+        for model in engines:
+            config = text_format.Parse((out / model / "config.pbtxt").read_text(), Config())
+            parameters = {k: v.string_value for k, v in config.parameters.items()}
+            values.add(parameters.get("OMP_NUM_THREADS"))
+        return values
+
+    write_repository("cpu", model_dir, out, stamps)
+    assert omp_threads() == {"1"}  # the cpu target's default
+    write_repository("cpu", model_dir, out, stamps, engine_threads=0)
+    assert omp_threads() == {None}  # torch's default: the variable is not set at all
+    write_repository("cpu", model_dir, out, stamps, engine_threads=2)
+    assert omp_threads() == {"2"}
+    with pytest.raises(SystemExit):
+        repository.main(["--model", str(model_dir), "--out", str(out), "--engine-threads", "-1"])
