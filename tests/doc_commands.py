@@ -50,8 +50,10 @@ REGISTRY: dict[str, Entry] = {
     "client-cli": Entry("client-commands", "triton-epd-client over gRPC and HTTP"),
     "openai-curl": Entry("client-commands", "curl on the OpenAI API"),
     "generate-curl": Entry("client-commands", "curl on Triton's HTTP generate endpoint"),
-    "bench-url": Entry("client-commands", "`python -m bench run --url` against the test's server"),
-    "perf-analyzer": Entry("client-commands", "perf_analyzer (make tools) against the test's server"),
+    # Load tests against the test's server: 15+ and ~5 minutes, past what CI's time allows (the harness
+    # and perf_analyzer have tests of their own in `make test`: test_bench*, test_perf_analyzer).
+    "bench-url": Entry("opt-in", "`python -m bench run --url` against the test's server: a 15+ minute sweep"),
+    "perf-analyzer": Entry("opt-in", "perf_analyzer (make tools) against the test's server: minutes of 10 s windows"),
     "build-repository": Entry("offline", "the tiny model and the default repository"),
     "advise": Entry("offline", "triton-epd-advise and the advisor's fit on tests/data/advisor"),
     "bench-compare": Entry("offline", "`python -m bench compare` on two summaries"),

@@ -43,6 +43,7 @@ MODE_ALIASES: dict[str, str] = {
     "epd:colocated:unique": "epd:colocated",
 }
 TOLERANCE = 0.20  # the acceptance (docs/benchmarks/advisor.md): predictions within +-20% on e2e p50
+WITHIN_GOAL = 0.80  # share of the points not fitted on that must be within TOLERANCE (exit 1 below)
 
 # The parameters the fit moves, with bounds; the rest of the profile stays as given.
 FIT_PARAMETERS: tuple[tuple[str, float, float], ...] = (
@@ -308,7 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_profile(profile, args.out_profile)
     report = validity_report(predict(profile, points), train, args.report, args.measured)
     print((args.report / "validity.md").read_text())
-    return 0 if report["within_tolerance"] >= min(6, report["checked_points"]) else 1
+    # Exit 1 below the advisor's goal: throughput within the tolerance at >= 80% of the points it
+    # was not fitted on (8 of 10; 5 of 6).
+    return 0 if report["within_tolerance"] >= math.ceil(WITHIN_GOAL * report["checked_points"]) else 1
 
 
 if __name__ == "__main__":
