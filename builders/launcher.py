@@ -130,29 +130,39 @@ def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) 
 
 
 def run_demo(server: TritonServer, openai_url: str | None = None) -> int:
-    from client.epd_client import ClientError, GrpcClient, chat_prompt
+    """The sample request, greedy, to ``llm`` (one engine, raw image in) and to ``epd`` (encoder,
+    store, its path): both must answer the same tokens."""
+    from client.epd_client import ClientError, GenerateResult, GrpcClient, chat_prompt
 
-    client = GrpcClient(server.grpc_url, "llm")
-    print(f"\n>>> prompt: {SAMPLE_PROMPT!r} + image {SAMPLE_IMAGE.name}")
-    print(">>> answer: ", end="", flush=True)
-    try:
-        result = client.generate(
-            chat_prompt(SAMPLE_PROMPT, 1),
-            [SAMPLE_IMAGE.read_bytes()],
-            {"max_tokens": 24, "temperature": 0.0},
-            on_text=lambda text: print(text, end="", flush=True),
-        )
-    except ClientError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    print(f"\n>>> {result.num_input_tokens} input tokens, {result.num_output_tokens} output tokens "
+    print(f"\n>>> prompt: {SAMPLE_PROMPT!r} + image {SAMPLE_IMAGE.name}, greedy (temperature 0)")
+    answers: dict[str, GenerateResult] = {}
+    for model in ("llm", "epd"):
+        client = GrpcClient(server.grpc_url, model)
+        print(f">>> {model}: ", end="", flush=True)
+        try:
+            answers[model] = client.generate(
+                chat_prompt(SAMPLE_PROMPT, 1),
+                [SAMPLE_IMAGE.read_bytes()],
+                {"max_tokens": 24, "temperature": 0.0},
+                on_text=lambda text: print(text, end="", flush=True),
+            )
+        except ClientError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            client.close()
+        print()
+    llm, epd = answers["llm"], answers["epd"]
+    print(f">>> {llm.num_input_tokens} input tokens, {llm.num_output_tokens} output tokens "
           f"(random weights: the text is meaningless, the pipeline is real)")
+    if epd.token_ids != llm.token_ids:
+        print(f">>> epd's tokens differ from llm's: {epd.token_ids} vs {llm.token_ids}", file=sys.stderr)
+        return 1
+    print(f">>> epd answered the same {len(epd.token_ids)} tokens as llm")
     if openai_url is not None:  # the same question through the OpenAI API, with the official client
         from client.openai_server.demo import run as openai_demo
 
-        return openai_demo(openai_url)
+        return openai_demo(openai_url, expected=llm.text)
     return 0
 
 

@@ -19,13 +19,17 @@ SAMPLE_PROMPT = "What is in this picture?"
 
 def chat_messages(prompt: str, image: bytes) -> list[dict[str, Any]]:
     data_url = "data:image/jpeg;base64," + base64.b64encode(image).decode("ascii")
+    # The image first, as client.epd_client.chat_prompt puts it: the same prompt, the same tokens.
     return [{"role": "user", "content": [
-        {"type": "text", "text": prompt},
         {"type": "image_url", "image_url": {"url": data_url}},
+        {"type": "text", "text": prompt},
     ]}]  # fmt: skip
 
 
-def run(base_url: str, model: str = "epd", image: Path = SAMPLE_IMAGE, max_tokens: int = 24) -> int:
+def run(
+    base_url: str, model: str = "epd", image: Path = SAMPLE_IMAGE, max_tokens: int = 24, expected: str | None = None
+) -> int:
+    """``expected``: the text the answer must be (``make demo`` passes ``llm``'s greedy answer)."""
     from openai import OpenAI, OpenAIError
 
     client = OpenAI(base_url=base_url, api_key="unused")  # the server checks no key
@@ -40,9 +44,10 @@ def run(base_url: str, model: str = "epd", image: Path = SAMPLE_IMAGE, max_token
             stream=True,
             stream_options={"include_usage": True},
         )
-        usage = None
+        usage, text = None, ""
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
                 print(chunk.choices[0].delta.content, end="", flush=True)
             usage = chunk.usage or usage
     except OpenAIError as exc:
@@ -54,6 +59,11 @@ def run(base_url: str, model: str = "epd", image: Path = SAMPLE_IMAGE, max_token
         print("\nerror: the stream ended without usage", file=sys.stderr)
         return 1
     print(f"\n>>> usage: {usage.prompt_tokens} prompt tokens, {usage.completion_tokens} completion tokens")
+    if expected is not None:
+        if text != expected:
+            print(f">>> the OpenAI answer differs from llm's: {text!r} vs {expected!r}", file=sys.stderr)
+            return 1
+        print(">>> the same text as llm's answer")
     return 0
 
 

@@ -366,12 +366,16 @@ def covered(line: str, in_test: list[str]) -> bool:
 @pytest.mark.timeout(1500)
 def test_make_demo() -> None:
     """README's first command, as written: set up, serve the tiny model, answer the sample request
-    over gRPC and then the OpenAI API (port 9000), stop; it ends by itself with exit 0."""
+    greedily from llm and epd over gRPC (the same tokens) and then the OpenAI API (port 9000), stop;
+    it ends by itself with exit 0."""
     require_free(*dataclasses.astuple(FIXED), 9000)
     started = time.monotonic()
     output = run_block("make demo", LOG_DIR / "doc-make-demo.log", timeout_s=1400)
     assert re.search(r"^>>> \d+ input tokens, [1-9]\d* output tokens", output, re.MULTILINE), output
     assert re.search(r"^>>> usage: \d+ prompt tokens, [1-9]\d* completion tokens", output, re.MULTILINE), output
+    # Greedy both times: epd (encoder, store, its path) answers llm's tokens, and so does the OpenAI API.
+    assert re.search(r"^>>> epd answered the same [1-9]\d* tokens as llm$", output, re.MULTILINE), output
+    assert ">>> the same text as llm's answer" in output, output
     assert "stopped: tritonserver exited with code 0 in " in output, output
     server_log = REPO_ROOT / "build" / "demo-server.log"  # the Makefile's --log-file
     check_stop(StopReport("make demo", 0, False, 0, time.monotonic() - started, log_problems(server_log), server_log))
