@@ -144,6 +144,9 @@ def busy(ports: Sequence[int]) -> list[int]:
     taken = []
     for port in ports:
         with socket.socket() as sock:
+            # As servers bind (SO_REUSEADDR): a port whose last connections are in TIME_WAIT (the
+            # server of the test before) is free to listen on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("0.0.0.0", port))
             except OSError:

@@ -156,3 +156,14 @@ def test_fit_reads_the_path_benchmark_mode_names(tmp_path):
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(summary))
     assert fit.load_points(path) == original
+
+
+def test_fit_reports_and_gates_only_when_asked(tmp_path):
+    measured = Path(__file__).resolve().parents[1] / "data" / "advisor" / "peers-summary.json"
+    common = ["--measured", str(measured), "--train", "1", "llm@8", "epd@8", "--no-fit"]
+    assert fit.main([*common, "--report", str(tmp_path / "a")]) == 0  # a report, whatever it says
+    report = json.loads((tmp_path / "a" / "validity.json").read_text())
+    share = report["within_tolerance"] / report["checked_points"]
+    assert 0 < share < 1  # the stored run has points inside and outside the tolerance
+    assert fit.main([*common, "--report", str(tmp_path / "b"), "--require-within", str(share)]) == 0
+    assert fit.main([*common, "--report", str(tmp_path / "c"), "--require-within", "1.0"]) == 1
