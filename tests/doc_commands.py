@@ -55,7 +55,9 @@ REGISTRY: dict[str, Entry] = {
     "bench-url": Entry("opt-in", "`python -m bench run --url` against the test's server: a 15+ minute sweep"),
     "perf-analyzer": Entry("opt-in", "perf_analyzer (make tools) against the test's server: minutes of 10 s windows"),
     "build-repository": Entry("offline", "the tiny model and the default repository"),
-    "advise": Entry("offline", "triton-epd-advise and the advisor's fit on tests/data/advisor"),
+    # Simulations of every layout and load: ~2.5 minutes per block on 2 cores, past CI's time (the
+    # advisor's CLI and fit have unit tests: tests/unit/test_advisor.py).
+    "advise": Entry("opt-in", "triton-epd-advise and the advisor's fit on tests/data/advisor: ~2.5 minutes a block"),
     "bench-compare": Entry("offline", "`python -m bench compare` on two summaries"),
     "serve-checkpoint": Entry("opt-in", "serves a real checkpoint: set TRITON_EPD_CHECKPOINT to a Qwen2-VL folder"),
     "benchmark": Entry("opt-in", "a benchmark run: minutes to an hour"),
