@@ -128,13 +128,7 @@ class ProcessGroup:
             return "(no log)"
 
     def log_lines_with(self, markers: Sequence[str]) -> tuple[str, ...]:
-        if self.log_path is None or not markers:
-            return ()
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ()
-        return tuple(line for line in text.splitlines() if any(marker in line for marker in markers))
+        return () if self.log_path is None else log_lines_with(self.log_path, markers)
 
     def stop(self, timeout_s: float = 30.0, problem_markers: Sequence[str] = ()) -> StopReport | None:
         """Stop signal, wait up to ``timeout_s``, then SIGKILL the group; ``None`` if never
@@ -220,3 +214,14 @@ def wait_until_ready(
         time.sleep(poll_s)
     logs = "\n".join(f"--- {g.name} ({g.log_path}):\n{g.log_tail(tail_lines)}" for g in groups)
     raise StartTimeout(f"{what} not ready after {timeout_s:.0f} s.\n{logs}")
+
+
+def log_lines_with(log_path: Path, markers: Sequence[str]) -> tuple[str, ...]:
+    """The lines of a log that hold any of ``markers`` (none when the log cannot be read)."""
+    if not markers:
+        return ()
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return ()
+    return tuple(line for line in text.splitlines() if any(marker in line for marker in markers))

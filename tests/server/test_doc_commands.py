@@ -45,7 +45,7 @@ import pytest
 from bench.perf_analyzer_tool import locate
 from bench.server_stats import scrape_required
 from builders.launcher import SAMPLE_IMAGE, SAMPLE_PROMPT, prepare
-from builders.processes import ProcessGroup, StopReport, http_ok, wait_until_ready
+from builders.processes import ProcessGroup, StopReport, http_ok, log_lines_with, wait_until_ready
 from builders.tritonserver import PROBLEM_MARKERS, REPO_ROOT, Ports, TritonServer, find_tritonserver, free_port
 from client.epd_client import chat_prompt
 from tests.doc_commands import (
@@ -179,8 +179,7 @@ def answer_one(grpc_url: str, image: bytes | None = None) -> Answer:
 
 
 def log_problems(path: Path) -> tuple[str, ...]:
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    return tuple(line for line in text.splitlines() if any(marker in line for marker in PROBLEM_MARKERS))
+    return log_lines_with(path, PROBLEM_MARKERS)
 
 
 # --------------------------------------------------------------------------- serving lines
