@@ -313,6 +313,7 @@ def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict
         role = interface.name
         parameters = {
             contract.MAX_TOKENS_LIMIT: target.limits[contract.MAX_TOKENS_LIMIT],
+            **({contract.STREAM_INTERVAL: target.pd.stream_interval} if role == contract.DECODE_MODEL else {}),
             **target.role_environment(role),
             **_store_parameters(target, facts),
         }

@@ -79,6 +79,10 @@ class PdServing:
     # epd's path policy (python_backends/epd/pipeline.py): ``adaptive`` (the cost model picks per
     # request), ``disaggregated`` (epd then starts no colocated engine) or ``colocated``.
     path_policy: str = contract.ADAPTIVE_POLICY
+    # Tokens per answer of a polled decode (pd/polling.py; vLLM's stream_interval): each answer is
+    # one Triton request from epd to decode. 1 per answer cost e2e +10% at c=1 and -13% req/s at
+    # c=8 against a streamed read; 2 per answer were level with it (docs/benchmarks/bls-deadlock.md).
+    stream_interval: int = 2
 
     def __post_init__(self) -> None:
         if self.path_policy not in contract.PATH_POLICIES:

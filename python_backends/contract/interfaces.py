@@ -312,7 +312,7 @@ DECODE = ModelInterface(
         _ERRORS_AS_OUTPUTS,
     ),
     (*GENERATE_OUTPUTS, _tensor(n.POLL_OFFSET, "TYPE_INT64", 1), _ERROR),
-    (n.MAX_TOKENS_LIMIT, *_STORE_USER),
+    (n.MAX_TOKENS_LIMIT, n.STREAM_INTERVAL, *_STORE_USER),
     vllm_env=True,
 )
 

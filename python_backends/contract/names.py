@@ -95,6 +95,8 @@ MAX_IMAGE_BYTES = "max_image_bytes"
 MAX_IMAGE_PIXELS = "max_image_pixels"
 MAX_TOKENS_LIMIT = "max_tokens_limit"
 MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
+# decode, polled: the tokens one poll's answer waits for (vLLM's ``stream_interval``, pd/polling.py).
+STREAM_INTERVAL = "stream_interval"
 LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
 # Video limits of ``llm``, ``epd`` and the encoders. ``max_frames`` caps the frame
 # sampler (python_backends/request/videos.py) and is passed to vLLM's loader; ``video_codecs`` are the

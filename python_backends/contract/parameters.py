@@ -58,6 +58,7 @@ from python_backends.contract.names import (
     REMOTE_ENCODE_DEADLINE_S,
     REMOTE_ENCODERS_KEY,
     REMOTE_LOCAL_FALLBACK,
+    STREAM_INTERVAL,
     SPATIAL_MERGE_SIZE,
     STORE_CAPACITY_BYTES,
     STORE_DEVICE,
@@ -115,6 +116,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(MAX_IMAGE_PIXELS, 4096 * 4096, minimum=1),
         Parameter(MAX_TOKENS_LIMIT, 2048, minimum=1),
         Parameter(MAX_IMAGES_PER_REQUEST, 64, minimum=1),
+        Parameter(STREAM_INTERVAL, 1, minimum=1),
         # Defaults: python_backends.request.videos.VideoLimits / VideoSamplingConfig (kept equal by a test).
         Parameter(MAX_VIDEOS, 2, minimum=0),  # 0: the model refuses video
         Parameter(MAX_VIDEO_BYTES, 64 << 20, minimum=1),

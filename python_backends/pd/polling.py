@@ -10,9 +10,12 @@ offset:
 
 - the first call starts the generation (the engine's chunks are appended here as they come) and
   is answered like a poll from offset 0;
-- a poll from offset k answers, as one merged chunk, every chunk after k (waiting up to
-  ``wait_s`` for at least one) and the next offset; the chunks before k are dropped (the caller
-  has them);
+- a poll from offset k answers, as one merged chunk, every chunk after k and the next offset,
+  once they hold ``stream_interval`` tokens or the generation ended (waiting up to ``wait_s``;
+  then it answers what there is, maybe nothing); the chunks before k are dropped (the caller has
+  them). ``stream_interval`` is vLLM's trade-off of the same name: every answer is one more
+  Triton request, so 2 tokens per poll halve the requests for a burstier stream
+  (docs/benchmarks/bls-deadlock.md measures it);
 - the caller polls again from that offset until a chunk says finished;
 - a generation that nobody polls for ``idle_abort_s`` is aborted: its caller is gone.
 
@@ -33,7 +36,7 @@ from typing import Any
 from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 
-WAIT_S = 0.25  # a poll returns as soon as one chunk is there: this only bounds one call
+WAIT_S = 0.25  # a poll returns as soon as its tokens are there: this only bounds one call
 IDLE_ABORT_S = 30.0
 
 
@@ -72,12 +75,14 @@ class PolledGenerations:
         wait_s: float = WAIT_S,
         idle_abort_s: float = IDLE_ABORT_S,
         clock: Callable[[], float] = time.monotonic,
-        stopped: Callable[[], None] = lambda: None,
+        stream_interval: int = 1,
     ) -> None:
-        """``abort``: stops the engine's request of an id (``DecodeEngine.abort``); ``stopped``:
-        told after a generation was stopped (the model's gauges that follow the engine)."""
+        """``abort``: stops the engine's request of an id (``DecodeEngine.abort``);
+        ``stream_interval``: the tokens a poll waits for (fewer once the generation ended)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, not {stream_interval}")
         self._abort = abort
-        self._stopped = stopped
+        self._stream_interval = stream_interval
         self._wait_s = wait_s
         self._idle_abort_s = idle_abort_s
         self._clock = clock
@@ -127,10 +132,7 @@ class PolledGenerations:
         generation.polled_at = self._clock()
         del generation.chunks[: offset - generation.base]
         generation.base = offset
-        if not generation.chunks and not generation.done:
-            generation.changed.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(generation.changed.wait(), self._wait_s)
+        await self._await_tokens(generation)
         generation.polled_at = self._clock()
         answer = merged(generation.chunks)
         if generation.done and generation.error is not None and not generation.chunks:
@@ -142,6 +144,19 @@ class PolledGenerations:
         if answer.finished:
             del self._running[request_id]
         return answer, generation.base + len(generation.chunks)
+
+    async def _await_tokens(self, generation: _Generation) -> None:
+        """Until ``generation`` holds ``stream_interval`` unanswered tokens or ended, at most
+        ``wait_s``."""
+        loop = asyncio.get_running_loop()  # real time: ``clock`` is the idle reaper's
+        deadline = loop.time() + self._wait_s
+        while not generation.done and sum(max(len(c.token_ids), 1) for c in generation.chunks) < self._stream_interval:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            generation.changed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(generation.changed.wait(), left)
 
     async def cancel(self, request_id: str) -> None:
         """Stop the generation of ``request_id`` (the caller's abort), if it still runs."""
@@ -155,7 +170,6 @@ class PolledGenerations:
             with suppress(asyncio.CancelledError, Exception):
                 await generation.task
             await self._abort(request_id)
-            self._stopped()
 
     async def reap(self) -> list[str]:
         """Abort the generations nobody polled for ``idle_abort_s``; their ids."""

@@ -130,17 +130,30 @@ class BlsCaller:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _stream(
-        self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """A decoupled stage's non-empty responses (the empty final one is not yielded).
+    @staticmethod
+    def _request(
+        model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None
+    ) -> pb_utils.InferenceRequest:
+        """A request to a decoupled stage, which answers its errors in the ``error`` output.
         ``parameters``: Triton request parameters for the stage (e.g. the tenant)."""
         flag = tensor(contract.ERRORS_AS_OUTPUTS, [True], bool)
         extra = {"parameters": dict(parameters)} if parameters else {}
-        request = pb_utils.InferenceRequest(
-            model_name=model, inputs=[*inputs, flag], requested_output_names=[], **extra
-        )
-        opening = self._pool.submit(self._open, request)
+        return pb_utils.InferenceRequest(model_name=model, inputs=[*inputs, flag], requested_output_names=[], **extra)
+
+    def _read_whole(self, request: pb_utils.InferenceRequest) -> list[Any]:
+        """Send ``request`` and read its stream to the final response, on one pool thread."""
+        iterator = self._open(request)
+        responses = []
+        while (response := self._next(iterator)) is not None:
+            responses.append(response)
+        return responses
+
+    async def _stream(
+        self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A decoupled stage's non-empty responses (the empty final one is not yielded), read one
+        at a time (only the measurement-only streamed decode read does this)."""
+        opening = self._pool.submit(self._open, self._request(model, inputs, parameters))
         try:
             iterator = await asyncio.wrap_future(opening)
         except asyncio.CancelledError:
@@ -194,16 +207,23 @@ class BlsCaller:
         if not opening.cancelled() and opening.exception() is None:
             self._read_to_final_after(None, opening.result())
 
+    async def _answers(
+        self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """A stage's non-empty responses, sent and read to the final one in one pool call (one
+        thread hop per call: ``epd`` polls ``decode`` once per token). A caller cancelled meanwhile
+        leaves the thread to finish the read, so no stream is left open."""
+        responses = await self._call(self._read_whole, self._request(model, inputs, parameters))
+        return [out for out in map(_outputs, responses) if out]
+
     async def _last(
         self, model: str, inputs: list[pb_utils.Tensor], parameters: Mapping[str, str] | None = None
     ) -> dict[str, Any]:
         """A stage that answers once: its one non-empty response."""
-        last: dict[str, Any] | None = None
-        async for out in self._stream(model, inputs, parameters):
-            last = out
-        if last is None:
+        answers = await self._answers(model, inputs, parameters)
+        if not answers:
             raise EpdError(f"{model} returned no response", ErrorCode.INTERNAL)
-        return last
+        return answers[-1]
 
 
 class BlsEncode(BlsCaller):
@@ -319,5 +339,4 @@ class BlsStages(BlsCaller):
 
     async def _control(self, inputs: list[pb_utils.Tensor]) -> None:
         """A ``decode`` control request (``abort`` = true), answered by one empty final."""
-        async for _ in self._stream(self.decode_model, [*inputs, tensor(contract.ABORT, [True], bool)]):
-            pass
+        await self._answers(self.decode_model, [*inputs, tensor(contract.ABORT, [True], bool)])

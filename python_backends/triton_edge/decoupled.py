@@ -64,13 +64,17 @@ class CancelWatch:
 
     ``sender.is_cancelled()`` is a round trip from the stub to Triton's core; asked for every
     streamed token it costs a noticeable share of a small model's time per token (and ``epd``
-    streams through ``decode``, which would ask too). A cancel is noticed within ``interval_s``.
+    polls ``decode`` once per token, which would ask too). A cancel is noticed within
+    ``interval_s`` of ``received_at`` or of the last ask: a request is taken as not cancelled when
+    it arrives, so one answered within ``interval_s`` (a ``decode`` poll) never asks.
     """
 
-    def __init__(self, sender: pb_utils.InferenceResponseSender, interval_s: float = 0.05) -> None:
+    def __init__(
+        self, sender: pb_utils.InferenceResponseSender, interval_s: float = 0.05, received_at: float | None = None
+    ) -> None:
         self._sender = sender
         self._interval_s = interval_s
-        self._asked_at = float("-inf")
+        self._asked_at = float("-inf") if received_at is None else received_at
         self._cancelled = False
 
     def cancelled(self) -> bool:
@@ -84,6 +88,7 @@ class CancelWatch:
 class DecoupledModel:
     INPUTS: tuple[str, ...] = ()
     CLIENT_ABORT = False  # the client's request_id names its request; abort = true stops it
+    STATE_PERIOD_S = 1.0  # how often ``refresh_state`` runs
 
     engine: Any = None  # what serves requests: shut down (``shutdown()``) in finalize
     store: Any = None  # the node's embedding store, if the model opens it: closed in finalize
@@ -115,8 +120,14 @@ class DecoupledModel:
         chunk: GenerationChunk = item
         return chunk_response(chunk, self.declared_outputs), chunk.finished
 
-    def request_done(self) -> None:
-        """After each request, on the event loop (metrics that follow the engine's state)."""
+    def refresh_state(self) -> None:
+        """Every ``STATE_PERIOD_S`` on the event loop: the gauges that follow the model's state
+        (running requests, the engine's unfinished ones; a model adds its own). Never per request:
+        each gauge that moved is a round trip to the server (``metrics.py``'s cost rule), and a
+        ``decode`` polled once per token would pay them per token."""
+        with self._lock:
+            running = len(self._running)
+        self._running_gauge.set(running)
         if self._unfinished is not None and self._vllm_engine is not None:
             self._unfinished.set(self._vllm_engine.unfinished_requests())
 
@@ -162,9 +173,15 @@ class DecoupledModel:
             f"epd_{self.model_name}_running_requests", f"Requests the {self.model_name} model is still serving"
         )
         self.setup(args)
+        self.loop.submit(self._refresh_state_every())
         self._bls = self.engine if isinstance(self.engine, BlsCaller) else None  # epd, encoder_<i>
         if self._bls is not None:
             self.loop.submit(self._report_open_streams(self._bls))
+
+    async def _refresh_state_every(self) -> None:
+        while True:
+            self.refresh_state()
+            await asyncio.sleep(self.STATE_PERIOD_S)
 
     async def _report_open_streams(self, caller: BlsCaller, period_s: float = 1.0) -> None:
         # Scraped by the tests before every stop: a stream left open holds up the unload.
@@ -193,10 +210,9 @@ class DecoupledModel:
                 sender.send(flags=FINAL)
                 continue
             request_id = self.request_id(parsed)
-            future = self.loop.submit(self._serve(parsed, request_id, sender, as_output))
+            future = self.loop.submit(self._serve(parsed, request_id, sender, as_output, time.monotonic()))
             with self._lock:
                 self._running[client_id or request_id] = future
-                self._running_gauge.set(len(self._running))
             future.add_done_callback(functools.partial(self._forget, client_id or request_id))
 
     def _client_request(self, inputs: dict[str, Any]) -> str | None:
@@ -219,10 +235,9 @@ class DecoupledModel:
         with self._lock:
             if self._running.get(request_id) is future:
                 del self._running[request_id]
-            self._running_gauge.set(len(self._running))
 
-    async def _serve(self, parsed: Any, request_id: str, sender: Any, as_output: bool) -> None:
-        cancel = CancelWatch(sender)
+    async def _serve(self, parsed: Any, request_id: str, sender: Any, as_output: bool, received_at: float) -> None:
+        cancel = CancelWatch(sender, received_at=received_at)
         stream = self.serve(parsed, request_id)
         ended = False  # a FINAL went out
         sent = 0
@@ -269,7 +284,6 @@ class DecoupledModel:
             # model that is unloading can block this stub for good.
             if not ended and self._accepting:
                 self._send_final(sender, request_id)
-            self.request_done()
 
     def _send_final(self, sender: Any, request_id: str, response: Any = None) -> None:
         """The request's last response; a failure is logged, never raised: an error escaping the

@@ -246,8 +246,3 @@ class KvTransferMetrics:
 
     def refresh(self) -> None:
         self._pending.set(self._count())
-
-    async def refresh_every(self, period_s: float) -> None:
-        while True:
-            self.refresh()
-            await asyncio.sleep(period_s)

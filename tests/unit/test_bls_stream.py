@@ -1,4 +1,4 @@
-"""BlsCaller._stream reads a stage's BLS response iterator to its final response even when its
+"""BlsCaller._stream and _answers read a stage's BLS response iterator to its final response even when its
 caller stops listening (issue 19: half-read iterators deadlock Triton 2.51's stub at unload),
 never from two threads at once, and lets go of a finished one only after the stub did."""
 
@@ -179,6 +179,48 @@ def test_a_caller_cancelled_while_the_request_is_being_sent_still_has_its_iterat
 
     asyncio.run(cancel_while_opening())
     assert stage.finished.wait(timeout=10), f"the iterator was left after {stage.read} of 20 responses"
+    assert closed(caller)
+    caller.shutdown()
+
+
+def test_a_one_answer_call_is_sent_and_read_to_its_final_response_by_one_pool_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_answers`` (every poll of ``decode``): one thread hop per call, not one per response."""
+    stage = Stage(3)
+    bls_request_to(stage, monkeypatch)
+    caller = BlsCaller()
+    threads: set[int] = set()
+    read_whole = caller._read_whole
+
+    def counted(request: Any) -> list[Any]:
+        threads.add(threading.get_ident())
+        return read_whole(request)
+
+    monkeypatch.setattr(caller, "_read_whole", counted)
+    answers = asyncio.run(caller._answers("decode", []))
+    assert [int(out["output_token_ids"][0]) for out in answers] == [0, 1, 2]
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    assert caller.open_streams == 0
+    caller.shutdown()
+
+
+def test_a_one_answer_call_whose_caller_is_cancelled_is_still_read_to_its_final_response(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stage = Stage(10, delay_s=0.05)
+    bls_request_to(stage, monkeypatch)
+    caller = BlsCaller()
+
+    async def cancel_mid_call() -> None:
+        task = asyncio.create_task(caller._answers("decode", []))
+        await asyncio.sleep(0.12)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_mid_call())
+    assert stage.finished.wait(timeout=10), f"the iterator was left after {stage.read} of 10 responses"
     assert closed(caller)
     caller.shutdown()
 

@@ -82,6 +82,42 @@ def test_a_poll_answers_every_chunk_since_its_offset_once():
     run(scenario())
 
 
+def test_with_a_stream_interval_a_poll_waits_for_that_many_tokens_or_the_end():
+    async def scenario():
+        engine = Engine(count=3)
+        polls = PolledGenerations(engine.abort, wait_s=5.0, stream_interval=2)
+        polls.start("r", engine.chunks())
+        waiter = asyncio.create_task(polls.poll("r", 0))
+        engine.release()
+        await asyncio.sleep(0.02)
+        assert not waiter.done()  # one token is there: it waits for the second
+        engine.release()
+        pair, offset = await waiter
+        assert (pair.token_ids, offset) == ([1, 2], 2)
+        waiter = asyncio.create_task(polls.poll("r", 2))
+        engine.release()  # the last token: the generation ends with one
+        last, offset = await asyncio.wait_for(waiter, 1.0)
+        assert (last.token_ids, last.finished, offset) == ([3], True, 3)
+
+    run(scenario())
+
+
+def test_with_a_stream_interval_a_poll_still_answers_within_its_wait():
+    async def scenario():
+        engine = Engine(count=3)
+        polls = PolledGenerations(engine.abort, wait_s=0.05, stream_interval=4)
+        polls.start("r", engine.chunks())
+        engine.release()
+        await asyncio.sleep(0.01)
+        short, offset = await polls.poll("r", 0)  # fewer than 4 tokens, but the wait ran out
+        assert (short.token_ids, offset) == ([1], 1)
+        await polls.cancel("r")
+
+    run(scenario())
+    with pytest.raises(ValueError):
+        PolledGenerations(Engine().abort, stream_interval=0)
+
+
 def test_an_offset_outside_the_kept_chunks_is_invalid():
     async def scenario():
         engine = Engine(count=3)

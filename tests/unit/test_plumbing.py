@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import sys
 import threading
@@ -219,6 +220,10 @@ def test_cancel_watch_asks_triton_at_most_once_per_interval():
     now = CancelWatch(Sender(), interval_s=0.0)
     Sender.answer = True
     assert now.cancelled() and now.cancelled() and Sender.calls == 2  # a cancel sticks, asked once
+    # A request is taken as not cancelled when it arrives: one answered within the interval (a
+    # decode poll) never asks.
+    fresh = CancelWatch(Sender(), interval_s=3600, received_at=time.monotonic())
+    assert not fresh.cancelled() and Sender.calls == 2
 
 
 def test_event_loop_stop_lets_cancelled_tasks_finish_their_cleanup():

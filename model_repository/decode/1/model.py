@@ -24,10 +24,9 @@ class TritonPythonModel(DecoupledModel):
         self.max_tokens_limit = self.params.integer(contract.MAX_TOKENS_LIMIT)
         self.store = EmbeddingStore(self.params.store_config())
         self.engine = self.start_engine(args, DecodeEngine)
-        self.polls = PolledGenerations(self.engine.abort, stopped=self.request_done)
+        self.polls = PolledGenerations(self.engine.abort, stream_interval=self.params.integer(contract.STREAM_INTERVAL))
         self.loop.submit(self.polls.reap_every(1.0))
         self.transfers = KvTransferMetrics(self.metrics, lambda: len(list_transfers(self.engine.store)))
-        self.loop.submit(self.transfers.refresh_every(1.0))
 
     def parse(self, inputs, request):
         parsed = parse_stage_inputs(inputs, self.max_tokens_limit)
@@ -40,8 +39,8 @@ class TritonPythonModel(DecoupledModel):
             self.engine.discard(parsed.transfer_params)
         return None
 
-    def request_done(self):
-        super().request_done()
+    def refresh_state(self):
+        super().refresh_state()
         self.transfers.refresh()
 
     def request_id(self, parsed):
