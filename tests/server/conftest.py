@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import fcntl
 import gc
+import os
 import re
 import shutil
 import tempfile
@@ -94,11 +95,15 @@ def unclean_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = 
 def check_stop(report: StopReport | None, stuck: stop_dump.StuckStop | None = None) -> None:
     """Fail on an unclean stop (SIGKILL, a stub crash, or Triton's exit timeout), except the one
     case of Triton 2.51 holding a model of ours that holds nothing (``stop_dump.held_by_triton``):
-    that is recorded and warned about instead."""
+    that is recorded and warned about instead, except in CI (``CI=true``), where it fails too: our
+    clients must never trip that leak, and a green CI run is then the record that none did (CI
+    keeps no output of green runs)."""
     problem = unclean_stop(report, stuck)
     if problem and report is not None and stuck is not None and held_only_by_triton(report, stuck):
         with (LOG_DIR.parent / "models-held-by-triton.txt").open("a") as record:
             record.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {problem}\n\n")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"a model was held by Triton (its cancel leak) at the stop: {problem}", pytrace=False)
         warnings.warn(TritonHeldModel(problem), stacklevel=2)
         return
     if problem:
