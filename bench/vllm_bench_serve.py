@@ -97,6 +97,13 @@ def run_bench_serve(command: list[str], log_path: Path, result_path: Path, timeo
 @contextlib.contextmanager
 def our_openai_server(model_dir: Path | None, log_dir: Path, start_timeout_s: float = 900) -> Iterator[str]:
     """tritonserver (cpu target, default repository) + ``client.openai_server`` in front; the base URL."""
+    with our_servers(model_dir, log_dir, start_timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def our_servers(model_dir: Path | None, log_dir: Path, start_timeout_s: float = 900) -> Iterator[tuple[str, Any]]:
+    """As :func:`our_openai_server`, with the ``TritonServer`` too (for clients that call Triton itself)."""
     from builders.launcher import prepare
     from builders.tritonserver import Ports, ServerOptions, TritonServer, free_port
 
@@ -115,7 +122,7 @@ def our_openai_server(model_dir: Path | None, log_dir: Path, start_timeout_s: fl
         try:
             url = f"http://127.0.0.1:{port}"
             wait_until_ready(lambda: http_ok(f"{url}/health"), [app], 120, "the OpenAI API")
-            yield url
+            yield url, server
         finally:
             app.stop(timeout_s=10)
 

@@ -77,7 +77,7 @@ SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}  # ignore_e
 # pytest-timeout per NAME (0: none); the others get pyproject's 900 s.
 TIMEOUTS = {
     "make-serve": 1200, "tritonserver": 1200, "scale-out": 2400, "serve-checkpoint": 3600, "bench-url": 3600,
-    "perf-analyzer": 1800, "advise": 1800, "benchmark": 0, "sustained-load": 0, "docker": 0,
+    "perf-analyzer": 1800, "advise": 1800, "benchmark": 0, "aiperf": 0, "sustained-load": 0, "docker": 0,
 }  # fmt: skip
 
 
@@ -635,6 +635,7 @@ RUNNERS: dict[str, Runner] = {
     "bench-compare": run_bench_compare,
     "serve-checkpoint": run_serve_checkpoint,
     "benchmark": run_benchmark,
+    "aiperf": run_benchmark,
     "sustained-load": run_sustained_load,
     "docker": run_docker,
 }
