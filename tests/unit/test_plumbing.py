@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
