@@ -1,9 +1,19 @@
-"""Benchmark: server cold start (launch -> ready) and first-request latency.
+"""Benchmark: server cold start (launch -> ready), where the time goes per model, and the first
+request's latency.
 
-Not a test: it writes ``cold_start.json`` and ``cold_start.md`` under ``--out``. In
-the same run it measures two baselines so the numbers read as ratios on a noisy,
-shared machine: tritonserver with no model (the server's own floor) and vLLM's
-offline ``LLM()`` start in a plain Python process (what any vLLM user pays).
+    python -m bench.cold_start --role all --out results/latest/cold_start      (make bench-cold-start)
+    python -m bench.cold_start --role encoder --out results/latest/cold_start-encoder
+
+Not a test: it writes ``cold_start.json`` and ``cold_start.md`` under ``--out``. Each start is a
+fresh tritonserver on the role's repository (``all``: every model, as ``make serve``; ``encoder``:
+preprocess, vit_encoder, encode and the encoder models, as ``triton-epd-serve --role encoder``),
+after the repository was built once (a warm machine). Per model, from the server's own log: when
+Triton began loading it, when its instance began initializing (the python backend's stub launch)
+and when it was loaded. In the same run it measures the baselines that make the numbers read as
+ratios on a shared machine: tritonserver with no model (the server's floor) and, with
+``--offline``, vLLM's offline ``LLM()`` start in a plain process (what any vLLM user pays).
+``--auto-complete-config`` starts the servers with Triton's config auto-complete on (Triton's
+default; ours is off): the "before" of that change.
 """
 
 from __future__ import annotations
@@ -11,12 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 from builders.launcher import SAMPLE_IMAGE, prepare
@@ -28,7 +40,6 @@ OFFLINE_START = textwrap.dedent(
     import json, os, sys, time
     t0 = time.perf_counter()
     if __name__ == "__main__":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
         args = json.load(open(sys.argv[1]))
         llm = LLM(**args)
@@ -36,12 +47,40 @@ OFFLINE_START = textwrap.dedent(
     """
 )
 
+# Triton's log lines of a model's load (model_lifecycle.cc, python_be.cc), e.g.
+# I1203 21:17:24.675624 8686 model_lifecycle.cc:472] "loading: encoder_0:1"
+_STAMP = r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ "
+_LOADING = re.compile(_STAMP + r'model_lifecycle\.cc:\d+\] "loading: (\w+):\d+"')
+_INSTANCE = re.compile(_STAMP + r'python_be\.cc:\d+\] "TRITONBACKEND_ModelInstanceInitialize: (\w+?)_\d+(?:_\d+)? ')
+_LOADED = re.compile(_STAMP + r"model_lifecycle\.cc:\d+\] \"successfully loaded '(\w+)'\"")
 
-def time_server(repository: Path, log_path: Path, with_request: bool) -> dict[str, float]:
-    started = time.perf_counter()
-    with TritonServer(ServerOptions(repository, Ports.free()), log_path) as server:
+
+def _seconds(day: str, clock: str) -> float:
+    """A Triton log stamp (month and day, local time; no year: this year's) as a time.time()."""
+    stamp = datetime.strptime(f"{datetime.now().year}{day} {clock}", "%Y%m%d %H:%M:%S.%f")
+    return stamp.timestamp()
+
+
+def load_breakdown(log_text: str, launched_at: float) -> dict[str, dict[str, float]]:
+    """Per model, seconds after ``launched_at`` (a wall-clock time.time() of the launch) at which
+    Triton began loading it (``loading``), its first instance began initializing (``instance``:
+    python models only) and it was loaded (``loaded``)."""
+    models: dict[str, dict[str, float]] = {}
+    for line in log_text.splitlines():
+        for key, pattern in (("loading", _LOADING), ("instance", _INSTANCE), ("loaded", _LOADED)):
+            match = pattern.match(line)
+            if match:
+                day, clock, model = match.groups()
+                models.setdefault(model, {}).setdefault(key, _seconds(day, clock) - launched_at)
+    return models
+
+
+def time_server(repository: Path, log_path: Path, with_request: bool, auto_complete: bool) -> dict:
+    launched_at, started = time.time(), time.perf_counter()
+    options = ServerOptions(repository, Ports.free(), auto_complete_config=auto_complete)
+    with TritonServer(options, log_path) as server:
         server.wait_ready(timeout_s=900)
-        result = {"ready_s": time.perf_counter() - started}
+        result: dict = {"ready_s": time.perf_counter() - started}
         if with_request:
             client = GrpcClient(server.grpc_url, "llm")
             sent = time.perf_counter()
@@ -53,6 +92,7 @@ def time_server(repository: Path, log_path: Path, with_request: bool) -> dict[st
             result["first_request_ttft_s"] = answer.chunk_times[0] - sent
             result["first_request_e2e_s"] = answer.chunk_times[-1] - sent
             client.close()
+    result["models"] = load_breakdown(log_path.read_text(errors="replace"), launched_at)
     return result
 
 
@@ -66,45 +106,57 @@ def time_offline_vllm(engine_args_path: Path) -> dict[str, float]:
     return json.loads(marked[-1].removeprefix("COLD_START "))
 
 
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+def median_of(runs: list[dict]) -> dict:
+    """The median of every number in ``runs`` (nested dicts alike; keys missing in a run skipped)."""
+    merged: dict = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs if key in run]
+        merged[key] = median_of(values) if isinstance(values[0], dict) else statistics.median(values)
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=("all", "encoder"), default="all")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "latest" / "cold_start")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--offline", action="store_true", help="also time vLLM's offline LLM() start")
+    parser.add_argument("--auto-complete-config", action="store_true",
+                        help="Triton's config auto-complete on (its default): the 'before'")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    repository = REPO_ROOT / "model_repository"
-    prepare("cpu", None, repository)
+    if args.role == "all":
+        repository = REPO_ROOT / "model_repository"
+        prepare("cpu", None, repository)
+    else:
+        repository = REPO_ROOT / "build" / "cold-start-encoder"
+        prepare("cpu", None, repository, role="encoder")
     empty = Path(tempfile.mkdtemp(prefix="empty-repo-"))
 
-    llm_runs, floor_runs, offline_runs = [], [], []
+    runs, floor_runs, offline_runs = [], [], []
     logs = REPO_ROOT / "build" / "bench-logs"
     for i in range(args.repeat):
-        llm_runs.append(time_server(repository, logs / f"cold-start-llm-{i}.log", with_request=True))
-        floor_runs.append(time_server(empty, logs / f"cold-start-floor-{i}.log", with_request=False))
-        offline_runs.append(time_offline_vllm(repository / "llm" / "1" / "engine_args.json"))
-        print(f"run {i}: llm {llm_runs[-1]}, floor {floor_runs[-1]}, offline vLLM {offline_runs[-1]}", flush=True)
+        log = logs / f"cold-start-{args.role}-{i}.log"
+        runs.append(time_server(repository, log, args.role == "all", args.auto_complete_config))
+        floor_runs.append(time_server(empty, logs / f"cold-start-floor-{i}.log", False, args.auto_complete_config))
+        if args.offline:
+            offline_runs.append(time_offline_vllm(repository / "llm" / "1" / "engine_args.json"))
+        print(f"run {i}: {args.role} ready in {runs[-1]['ready_s']:.1f} s, no model {floor_runs[-1]['ready_s']:.1f} s",
+              flush=True)
 
-    llm, floor, offline = median_of(llm_runs), median_of(floor_runs), median_of(offline_runs)
     summary = {
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cpu_count()} cores",
+        "role": args.role,
+        "auto_complete_config": args.auto_complete_config,
         "repeat": args.repeat,
-        "triton_llm": llm,
-        "triton_no_model": floor,
-        "offline_vllm": offline,
-        "ratios": {
-            "llm_ready_vs_offline_vllm_start": llm["ready_s"] / offline["ready_s"],
-            "llm_ready_minus_triton_floor_s": llm["ready_s"] - floor["ready_s"],
-        },
-        "target": "llm ready <= 30 s on a 2-core machine",
-        "runs": {"triton_llm": llm_runs, "triton_no_model": floor_runs, "offline_vllm": offline_runs},
+        "server": median_of(runs),
+        "triton_no_model": median_of(floor_runs),
+        "offline_vllm": median_of(offline_runs) if offline_runs else None,
+        "runs": {"server": runs, "triton_no_model": floor_runs, "offline_vllm": offline_runs},
     }
     (args.out / "cold_start.json").write_text(json.dumps(summary, indent=2))
-    (args.out / "cold_start.md").write_text(_markdown(summary))
-    print(_markdown(summary))
+    (args.out / "cold_start.md").write_text(markdown(summary))
+    print(markdown(summary))
     return 0
 
 
@@ -114,19 +166,32 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def _markdown(s: dict) -> str:
-    llm, floor, offline = s["triton_llm"], s["triton_no_model"], s["offline_vllm"]
-    return (
-        f"# Cold start ({s['machine']}, median of {s['repeat']})\n\n"
-        "| what | seconds |\n|---|---|\n"
-        f"| tritonserver + `llm` (vLLM, tiny Qwen2-VL): launch -> ready | {llm['ready_s']:.1f} |\n"
-        f"| first request (image + text, 16 tokens): TTFT | {llm['first_request_ttft_s']:.3f} |\n"
-        f"| first request: end to end | {llm['first_request_e2e_s']:.3f} |\n"
-        f"| tritonserver with no model: launch -> ready | {floor['ready_s']:.1f} |\n"
-        f"| offline `vllm.LLM(...)` in a plain process | {offline['ready_s']:.1f} |\n\n"
-        f"Ratio `llm` ready / offline vLLM start: {s['ratios']['llm_ready_vs_offline_vllm_start']:.2f}. "
-        f"Target: {s['target']}.\n"
-    )
+def markdown(s: dict) -> str:
+    server, floor, offline = s["server"], s["triton_no_model"], s["offline_vllm"]
+    auto = "on" if s["auto_complete_config"] else "off"
+    lines = [
+        f"# Cold start: role `{s['role']}` ({s['machine']}, median of {s['repeat']}, auto-complete {auto})",
+        "",
+        "| what | seconds |",
+        "|---|---:|",
+        f"| tritonserver, role `{s['role']}`: launch -> ready | {server['ready_s']:.1f} |",
+    ]
+    if "first_request_ttft_s" in server:
+        lines += [
+            f"| first request to `llm` (image + text, 16 tokens): TTFT | {server['first_request_ttft_s']:.3f} |",
+            f"| first request: end to end | {server['first_request_e2e_s']:.3f} |",
+        ]
+    lines.append(f"| tritonserver with no model: launch -> ready | {floor['ready_s']:.1f} |")
+    if offline:
+        lines.append(f"| offline `vllm.LLM(...)` in a plain process | {offline['ready_s']:.1f} |")
+    lines += ["", "Per model, seconds after launch (Triton's log):", "",
+              "| model | loading began | instance began | loaded | load took |", "|---|---:|---:|---:|---:|"]
+    for model, at in sorted(server["models"].items(), key=lambda item: item[1].get("loaded", 0.0)):
+        began, loaded = at.get("loading"), at.get("loaded")
+        took = "" if began is None or loaded is None else f"{loaded - began:.1f}"
+        cells = ["" if at.get(key) is None else f"{at[key]:.1f}" for key in ("loading", "instance", "loaded")]
+        lines.append(f"| {model} | {' | '.join(cells)} | {took} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

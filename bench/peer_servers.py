@@ -13,7 +13,7 @@ starts its processes, waits until they answer, yields a :class:`GroupHandle` and
 
 Fairness: the peers get the engine settings our server gives its engines (the ``cpu``
 target of ``builders.repository``: dtype, max_model_len, max_num_seqs, image limit,
-enforce_eager, seed, and the target's engine environment: ``VLLM_CPU_KVCACHE_SPACE``,
+enforce_eager, the KV cache size, seed, and the target's engine environment:
 ``VLLM_ENABLE_V1_MULTIPROCESSING``, OpenMP's threads), each engine the same.
 
 ``vllm serve`` runs through ``bench.vllm_serve`` (vLLM's own CLI with the one

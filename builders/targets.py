@@ -247,13 +247,15 @@ TARGETS: dict[str, Target] = {
             "limit_mm_per_prompt": {"image": 4},
             # torch.compile costs minutes of start-up on 2 cores for no gain on a tiny model.
             "enforce_eager": True,
+            # KV cache per engine: 256 MiB is 262,144 tokens of the tiny model, twice what
+            # max_num_seqs full-length requests hold. vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE,
+            # whole GiB only) was 1 GiB per engine; with an explicit size (and eager mode) vLLM also
+            # skips its warm-up: engine init 1.6-2.2 s, was 6.4-8.0 s (docs/benchmarks/cold-start.md).
+            "kv_cache_memory_bytes": 256 << 20,
             "seed": 0,
             "disable_log_stats": True,
         },
         vllm_env={
-            # GiB of KV cache per engine; 1 is plenty for the tiny model and lets several
-            # engines fit in 24 GiB.
-            "VLLM_CPU_KVCACHE_SPACE": "1",
             # Run the model worker inside the engine-core process instead of spawning a
             # second one: ~10 s less cold start on 2 cores (16 s vs 26 s), same tokens.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

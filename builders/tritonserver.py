@@ -147,6 +147,11 @@ class ServerOptions:
     # How long a stop waits for in-flight requests and model unloads before Triton gives up
     # ("Exit timeout expired", exit code 1); None: Triton's default, 30 s.
     exit_timeout_s: int | None = None
+    # Triton's config auto-complete (its default): off, as the builders write every config in full
+    # and it starts one more stub per python model (to import its model.py and ask it) before the
+    # instance's own: a --role encoder server was ready in 3.1 s with it, 1.0 s without
+    # (docs/benchmarks/cold-start.md).
+    auto_complete_config: bool = False
 
     @property
     def stop_timeout_s(self) -> float:
@@ -236,6 +241,7 @@ class TritonServer:
             f"--log-verbose={opts.log_verbose}",
             # A failing model must fail the server start, not leave it half-ready.
             "--exit-on-error=true",
+            *([] if opts.auto_complete_config else ["--disable-auto-complete-config"]),
             *([] if opts.exit_timeout_s is None else [f"--exit-timeout-secs={opts.exit_timeout_s}"]),
             *opts.extra_args,
         ]

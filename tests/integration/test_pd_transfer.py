@@ -96,8 +96,7 @@ def engines():
     from python_backends.pd.engine_args import pd_engine_args
     from python_backends.pd.engines import DecodeEngine, PrefillEngine
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     shm = Path("/dev/shm")
     store = (shm if shm.is_dir() else Path("/tmp")) / f"epd-kv-test-{uuid.uuid4().hex[:8]}"

@@ -174,4 +174,4 @@ def test_every_engine_starts_with_the_targets_engine_environment(server: TritonS
     for model in ("llm", "epd", "prefill", "decode"):
         said = f"{model} python_backends.engines.llm: vLLM engine environment:"
         lines = [line for line in log.splitlines() if said in line]
-        assert lines and all("VLLM_CPU_KVCACHE_SPACE=1" in line.split() for line in lines), (model, lines)
+        assert lines and all("VLLM_ENABLE_V1_MULTIPROCESSING=0" in line.split() for line in lines), (model, lines)

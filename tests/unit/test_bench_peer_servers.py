@@ -320,7 +320,7 @@ def test_serve_flags_from_engine_args() -> None:
 
 def test_peer_settings_follow_our_cpu_target(tmp_path: Path) -> None:
     settings = PeerSettings.from_target(tmp_path / "tiny-qwen2-vl", tmp_path, tmp_path / "ec")
-    assert settings.vllm_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert settings.vllm_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     command = settings.serve_command(1234, {"mm_encoder_only": True})
     assert command[1:5] == ["-m", "bench.vllm_serve", "serve", str(tmp_path / "tiny-qwen2-vl")]
     assert (

@@ -355,7 +355,7 @@ def test_omp_parameters_are_engine_environment_and_set_this_processs_torch_threa
     engine_env = {**TARGETS["cpu"].role_environment("llm"), OMP_THREADS_ENV: "1"}
     config = {"parameters": {key: {"string_value": v} for key, v in engine_env.items()}}
     environment = ModelParameters.from_model_config(config).vllm_environment()
-    assert environment[OMP_THREADS_ENV] == "1" and environment["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert environment[OMP_THREADS_ENV] == "1" and environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
     threads = torch.get_num_threads()
     monkeypatch.delenv(OMP_THREADS_ENV, raising=False)
