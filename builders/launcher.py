@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import signal
 import sys
@@ -25,6 +26,8 @@ from builders.roles import ROLES, Role, load_model_args
 from builders.stage_watch import HUNG_AFTER_S, StageWatch
 from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+from python_backends import contract
+from python_backends.runtime.cpus import parse_cpu_list
 from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
@@ -42,20 +45,25 @@ def prepare(
     remote_encoders: str = "",
     max_videos: int | None = None,
     engine_threads: int | None = None,
+    cpus: Sequence[str] = (),
+    colocated_encodes: str | None = None,
+    path_policy: str | None = None,
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
     the prefill/decode KV transfer folder replacing the target's; ``role``: write only that
     server role's models (``builders/roles.py``); ``gpus``: the gpu target's number of GPUs;
     ``max_videos``: videos per request (None: the target's; 0: no model declares ``video``);
-    ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default)."""
+    ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default);
+    ``cpus``, ``colocated_encodes``, ``path_policy``: as ``write_repository`` takes them."""
     from builders.default_model import build_default_model, resolve_model
     from builders.repository import write_repository
 
     model_dir = resolve_model(model) if model else build_default_model()
     write_repository(
         target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus,
-        remote_encoders=remote_encoders, max_videos=max_videos, engine_threads=engine_threads,
+        remote_encoders=remote_encoders, max_videos=max_videos, engine_threads=engine_threads, cpus=cpus,
+        colocated_encodes=colocated_encodes, path_policy=path_policy,
     )
     return model_dir
 
@@ -98,8 +106,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="gpu target: run the preflight checks (each failed "
                         "one with its fix) and exit; every gpu start runs them before tritonserver")
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
+    parser.add_argument("--path-policy", choices=contract.PATH_POLICIES,
+                        help="epd's path policy (default: the target's, adaptive)")
     from builders.repository import (  # light, no torch
         add_cache_arguments,
+        add_colocated_encodes_argument,
+        add_cpus_argument,
         add_engine_threads_argument,
         add_gpus_argument,
         add_max_videos_argument,
@@ -109,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_gpus_argument(parser)
     add_max_videos_argument(parser)
     add_engine_threads_argument(parser)
+    add_cpus_argument(parser)
+    add_colocated_encodes_argument(parser)
     # Two servers on one node share a store and KV folder unless given their own (tests do).
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
     parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
@@ -203,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = prepare(
             args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
             role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "", max_videos=args.max_videos,
-            engine_threads=args.engine_threads,
+            engine_threads=args.engine_threads, cpus=args.cpus, colocated_encodes=args.colocated_encodes,
+            path_policy=args.path_policy,
         )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)
@@ -216,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             print("not starting tritonserver: fix the failed checks above", flush=True)
             return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+    for spec in args.cpus:
+        if "=" not in spec:  # the whole server: tritonserver (its frontends too) starts inside the set
+            os.sched_setaffinity(0, parse_cpu_list(spec))
     role_args = load_model_args(target_named(args.target, cache_policy(args)), args.role)
     # Each stub beats in this folder (python_backends/runtime/heartbeat.py); the stage watch reads it.
     heartbeats = tempfile.mkdtemp(prefix="triton-epd-heartbeats-")

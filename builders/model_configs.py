@@ -40,6 +40,7 @@ from builders.targets import ENCODE_ROLE, Target
 from builders.tensorrt_config import tensorrt_config
 from python_backends import contract
 from python_backends.contract import ModelInterface
+from python_backends.runtime.cpus import parse_cpu_list
 
 POSITIONS_MODEL_TEMPLATE = "vit_positions_model.py"
 # Every encoder_<i> serves the kept model.py of encoder_0 (the one always there: encoders >= 1).
@@ -81,10 +82,10 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
             "instance_kind": target.instance_kind,
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters({
+            "parameters": render_parameters(target.placed(contract.LLM_MODEL, {
                 **target.limits, **target.video_limits, **target.role_environment(contract.LLM_MODEL), **embeds,
                 **target.test_parameters(contract.LLM_MODEL),
-            }),
+            })),
         },
     )
     positions = checkpoint_positions(model_dir)
@@ -139,7 +140,7 @@ def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> di
         contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
         contract.MAX_IMAGE_PIXELS: target.limits[contract.MAX_IMAGE_PIXELS],
     }
-    values["parameters"] = render_parameters(parameters)
+    values["parameters"] = render_parameters(target.placed(contract.PREPROCESS_MODEL, parameters))
     return {"preprocess/config.pbtxt": render_template("preprocess_python.pbtxt", values)}
 
 
@@ -168,7 +169,7 @@ def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
             "instances": str(serving.encoder_instances),
-            "parameters": render_parameters(parameters),
+            "parameters": render_parameters(target.placed(contract.VIT_ENCODER_MODEL, parameters)),
         },
     )
     return {"vit_encoder/config.pbtxt": config}
@@ -277,7 +278,7 @@ def _python_model_config(target: Target, name: str, interface: ModelInterface, p
             "instance_kind": target.instance_kind,
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters({**parameters, **target.test_parameters(name)}),
+            "parameters": render_parameters(target.placed(name, {**parameters, **target.test_parameters(name)})),
         },
     )
 
@@ -325,6 +326,17 @@ def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict
     return files
 
 
+def _engines_apart(target: Target) -> bool:
+    """Whether epd's colocated engine has CPUs that prefill's and decode's engines never use (then
+    its two paths do not compete for processors: python_backends/epd/path_cost.py)."""
+    sets = {model: parse_cpu_list(target.cpu_sets.get(model, "")) for model in PD_ENGINE_MODELS}
+    engines = sets[contract.PREFILL_MODEL] | sets[contract.DECODE_MODEL]
+    return all(sets.values()) and not sets[contract.EPD_MODEL] & engines
+
+
+PD_ENGINE_MODELS = (contract.EPD_MODEL, contract.PREFILL_MODEL, contract.DECODE_MODEL)
+
+
 def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     """``epd``: the entry point's config (its model.py is kept in model_repository/epd/1/) and the
     engine args of its colocated path's engine (llm's: same model, same embeddings input)."""
@@ -339,6 +351,8 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
         contract.REMOTE_ENCODERS_KEY: target.pd.remote_encoders,
         contract.REMOTE_LOCAL_FALLBACK: target.pd.remote_local_fallback,
         contract.PATH_POLICY: target.pd.path_policy,
+        contract.COLOCATED_ENCODES: target.pd.colocated_encodes,
+        contract.SHARED_COMPUTE: not _engines_apart(target),
         **target.role_environment(contract.EPD_MODEL),
     }
     positions = checkpoint_positions(model_dir)

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from builders.artifacts import (
@@ -40,7 +40,7 @@ from builders.artifacts import (
 )
 from builders.model_configs import repository_files
 from builders.pbtxt import TEMPLATES, render_template
-from builders.roles import ROLES, Role, role_models
+from builders.roles import ROLES, Role, add_cpus_argument, model_cpu_sets, role_models
 from builders.targets import (
     TARGETS,
     EncodeServing,
@@ -48,6 +48,7 @@ from builders.targets import (
     RepositoryBuildError,
     Target,
     add_cache_arguments,
+    add_colocated_encodes_argument,
     add_engine_threads_argument,
     add_gpus_argument,
     add_max_videos_argument,
@@ -72,6 +73,8 @@ __all__ = [
     "Role",
     "Target",
     "add_cache_arguments",
+    "add_colocated_encodes_argument",
+    "add_cpus_argument",
     "add_engine_threads_argument",
     "add_gpus_argument",
     "add_max_videos_argument",
@@ -131,6 +134,8 @@ def write_repository(
     test_pauses: dict[str, str] | None = None,
     max_videos: int | None = None,
     engine_threads: int | None = None,
+    cpus: Sequence[str] = (),
+    colocated_encodes: str | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
@@ -146,7 +151,9 @@ def write_repository(
     ``max_videos``: the videos per request of every model that takes video (None: the target's);
     0: an image-only repository, where no model declares the ``video`` input (perf_analyzer
     2.41's ``--shared-memory`` needs every optional input covered by its data).
-    ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default)."""
+    ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default).
+    ``cpus``: ``--cpus`` specs, the models' CPU sets (``builders/roles.py`` model_cpu_sets).
+    ``colocated_encodes``: who encodes epd's colocated misses (``PdServing.colocated_encodes``)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if max_videos is not None:
         if max_videos < 0:
@@ -165,6 +172,10 @@ def write_repository(
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, path_policy=path_policy))
     if test_pauses:
         target = dataclasses.replace(target, test_pauses=dict(test_pauses))
+    if colocated_encodes is not None:
+        target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, colocated_encodes=colocated_encodes))
+    if cpus:
+        target = dataclasses.replace(target, cpu_sets=model_cpu_sets(target, cpus, role))
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     _prune_other_targets(target, out)
@@ -233,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_max_videos_argument(parser)
     add_engine_threads_argument(parser)
+    add_cpus_argument(parser)
+    add_colocated_encodes_argument(parser)
     args = parser.parse_args(argv)
     if args.gpus is not None and args.target != "gpu":
         parser.error("--gpus is for --target gpu")
@@ -241,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     policy = cache_policy_from(args, args.target)
     written = write_repository(
         args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus, path_policy=args.path_policy,
-        max_videos=args.max_videos, engine_threads=args.engine_threads,
+        max_videos=args.max_videos, engine_threads=args.engine_threads, cpus=args.cpus,
+        colocated_encodes=args.colocated_encodes,
     )
     for path in written:
         print(f"wrote {path}")

@@ -13,10 +13,13 @@ shared repository folder are never loaded.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
 from typing import Literal
 
 from builders.targets import PD_MODELS, Target
 from python_backends import contract
+from python_backends.runtime.cpus import format_cpu_list, parse_cpu_list
 
 Role = Literal["all", "encoder", "pd"]
 ROLES: tuple[Role, ...] = ("all", "encoder", "pd")
@@ -41,3 +44,46 @@ def load_model_args(target: Target, role: Role) -> tuple[str, ...]:
     if role == "all":
         return ()
     return ("--model-control-mode=explicit", *(f"--load-model={model}" for model in role_models(target, role)))
+
+
+def group_models(target: Target, group: str) -> tuple[str, ...]:
+    """``--cpus GROUP=LIST``'s groups: ``encoders`` (the encoder role's models) and ``engines``
+    (epd, prefill, decode: the pipeline's engines; ``llm``, the baseline, is named by itself)."""
+    wanted = set(role_models(target, "encoder")) if group == "encoders" else set(PD_MODELS)
+    return tuple(model for model in target.models if model in wanted)
+
+
+CPU_GROUPS = ("encoders", "engines")
+
+
+def model_cpu_sets(target: Target, specs: Sequence[str], role: Role = "all") -> dict[str, str]:
+    """``--cpus`` values -> model name -> CPU list (``Target.cpu_sets``). Each spec is ``LIST``
+    (every model the role serves), ``GROUP=LIST`` (:func:`group_models`) or ``MODEL=LIST``; a
+    later spec wins, so ``0 llm=0-1`` puts every model on CPU 0 but ``llm`` on both."""
+    served = role_models(target, role)
+    sets: dict[str, str] = {}
+    for spec in specs:
+        name, equals, cpu_list = spec.rpartition("=")
+        if not equals:
+            models: tuple[str, ...] = served
+        elif name in CPU_GROUPS:
+            models = tuple(m for m in group_models(target, name) if m in served)
+        elif name in served:
+            models = (name,)
+        else:
+            groups = ", ".join((*CPU_GROUPS, *served))
+            raise ValueError(f"--cpus {spec!r}: {name!r} is neither a group nor a model of this server ({groups})")
+        cpus = parse_cpu_list(cpu_list)
+        if not cpus:
+            raise ValueError(f"--cpus {spec!r} names no CPU")
+        sets.update(dict.fromkeys(models, format_cpu_list(cpus)))
+    return sets
+
+
+def add_cpus_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cpus", action="append", default=[], metavar="[GROUP=]LIST",
+        help="CPU set (Linux CPU list, e.g. 0 or 0-1,3) of the whole server (LIST), of a model group "
+        "(encoders=LIST, engines=LIST) or of one model (MODEL=LIST); repeatable, later wins. Thread "
+        "counts (OpenMP per engine, ONNX Runtime, DALI) follow each set (docs/operations.md)",
+    )  # fmt: skip

@@ -23,6 +23,7 @@ from python_backends.contract import CachePolicy
 from python_backends.engines.llm import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
 from python_backends.engines.llm import OMP_THREADS_ENV
 from python_backends.request.videos import GPU_CODECS
+from python_backends.runtime.cpus import parse_cpu_list
 
 Device = Literal["cpu", "gpu"]
 
@@ -83,11 +84,18 @@ class PdServing:
     # one Triton request from epd to decode. 1 per answer cost e2e +10% at c=1 and -13% req/s at
     # c=8 against a streamed read; 2 per answer were level with it (docs/benchmarks/bls-deadlock.md).
     stream_interval: int = 2
+    # Who encodes the images the store lacks on epd's colocated path (contract.COLOCATED_ENCODES):
+    # "engine" (its vLLM engine, from the media) or "encoders" (the encoder models; the engine
+    # takes embeddings by reference: the E|PD topology, docs/benchmarks/epd-pays.md).
+    colocated_encodes: str = contract.default_of(contract.COLOCATED_ENCODES)
 
     def __post_init__(self) -> None:
         if self.path_policy not in contract.PATH_POLICIES:
             choices = ", ".join(contract.PATH_POLICIES)
             raise ValueError(f"path_policy must be one of {choices}, got {self.path_policy!r}")
+        if self.colocated_encodes not in contract.COLOCATED_ENCODERS:
+            choices = ", ".join(contract.COLOCATED_ENCODERS)
+            raise ValueError(f"colocated_encodes must be one of {choices}, got {self.colocated_encodes!r}")
 
 
 # vLLM roles that own an engine, and the encode side (preprocess, vit_encoder, the store).
@@ -176,6 +184,20 @@ class Target:
     # Test servers only: model name -> its ``test_pauses`` JSON (python_backends/runtime/stage_pauses.py).
     # Empty in every served target; set with ``write_repository(test_pauses=...)``.
     test_pauses: dict[str, str] = field(default_factory=dict)
+    # Model name -> the CPU list its stub runs on (contract.CPUS; builders/roles.py model_cpu_sets).
+    # Empty: every model runs wherever the server runs.
+    cpu_sets: dict[str, str] = field(default_factory=dict)
+
+    def placed(self, model: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        """``parameters`` of ``model`` on its CPU set, if it has one: the set, and the thread
+        counts the model declares (OpenMP's of its engine, DALI's, ONNX Runtime's) sized to it,
+        so that no model spins more threads than it has cores."""
+        cpus = self.cpu_sets.get(model)
+        if not cpus:
+            return parameters
+        threads = len(parse_cpu_list(cpus))
+        sized = {key: threads for key in (OMP_THREADS_ENV, contract.DALI_NUM_THREADS, contract.INTRA_OP_THREADS)}
+        return {**parameters, **{key: sized[key] for key in sized if key in parameters}, contract.CPUS: cpus}
 
     def engine_args_for(self, role: str, max_position_embeddings: int | None) -> dict[str, Any]:
         """``engine_args`` for one engine role: ``max_model_len`` cut to the checkpoint's
@@ -356,6 +378,14 @@ def add_engine_threads_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-threads", type=_threads, metavar="N",
         help="OpenMP threads of each vLLM engine (default: the target's, 1 on cpu); 0: torch's default, one per core",
+    )  # fmt: skip
+
+
+def add_colocated_encodes_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--colocated-encodes", choices=contract.COLOCATED_ENCODERS,
+        help="who encodes the images the store lacks on epd's colocated path: its engine (default) or the "
+        "encoder models, the engine then taking embeddings by reference (the E|PD topology)",
     )  # fmt: skip
 
 

@@ -118,7 +118,7 @@ class ModelInterface:
         return ModelInterface(self.name, inputs, self.outputs, self.parameters, self.vllm_env)
 
     def accepts_parameter(self, key: str) -> bool:
-        if key == n.TEST_PAUSES:  # any decoupled python model (the test servers' pauses)
+        if key in (n.TEST_PAUSES, n.CPUS):  # any python model (test pauses: the decoupled ones)
             return True
         return key in self.parameters or (self.vllm_env and key.startswith(n.ENGINE_ENV_PREFIXES))
 
@@ -194,6 +194,8 @@ EPD = ModelInterface(
         n.PREFILL_MODEL_KEY,
         n.DECODE_MODEL_KEY,
         n.PATH_POLICY,
+        n.COLOCATED_ENCODES,
+        n.SHARED_COMPUTE,
         n.REMOTE_ENCODERS_KEY,
         n.REMOTE_ENCODE_DEADLINE_S,
         n.REMOTE_LOCAL_FALLBACK,

@@ -117,6 +117,17 @@ PREFILL_MODEL_KEY = "prefill_model"
 DECODE_MODEL_KEY = "decode_model"
 # epd: the deployment's path policy (one of PATH_POLICIES; a request's ``path`` overrides it).
 PATH_POLICY = "path_policy"
+# epd: who encodes the images the store lacks on the colocated path: ``engine`` (epd's own vLLM
+# engine, from the media, when every image is new) or ``encoders`` (always the encoder models,
+# into the store; the engine gets embeddings by reference: vLLM's 1E+1PD, the E|PD topology).
+COLOCATED_ENCODES = "colocated_encodes"
+COLOCATED_ENCODERS = ("engine", "encoders")
+# epd: whether its two paths' engines share processors (the adaptive rule, epd/path_cost.py); the
+# builders write false when epd's CPU set is apart from prefill's and decode's.
+SHARED_COMPUTE = "shared_compute"
+# Any python model: the CPUs its stub (and what the stub starts: a vLLM engine core, ONNX Runtime
+# and DALI threads) runs on, as a Linux CPU list ("0", "0-1,3"); empty: wherever the server runs.
+CPUS = "cpus"
 # What content keys cover besides the media (epd and encoder_<i> alike).
 PREPROCESSOR_CONFIG = "preprocessor_config"
 ENCODER_FILE = "encoder_file"

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from python_backends import contract
+from python_backends.runtime.cpus import pin_to_model_cpus
 from python_backends.runtime.heartbeat import Heartbeat, start_heartbeat
 from python_backends.runtime.model_params import ModelParameters
 from python_backends.triton_edge.logs import route_to_triton_log
@@ -41,6 +43,7 @@ class BatchedModel:
         self.heartbeat = start_heartbeat()  # for the launcher's stage watch: a stub that runs no Python
         self.config: dict[str, Any] = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(self.config)
+        pin_to_model_cpus(self.model_name, self.params.string(contract.CPUS, ""))  # before anything starts
         self.metrics = ModelMetrics(self.model_name)
         self.setup(args)
 

@@ -43,6 +43,7 @@ from python_backends import contract
 from python_backends.engines.generation import GenerationChunk, text_of
 from python_backends.engines.process import start_hosted_engine
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.runtime.cpus import pin_to_model_cpus
 from python_backends.runtime.event_loop import EventLoopThread
 from python_backends.runtime.heartbeat import Heartbeat, start_heartbeat
 from python_backends.runtime.model_params import ModelParameters
@@ -160,6 +161,7 @@ class DecoupledModel:
         self.heartbeat = start_heartbeat()  # for the launcher's stage watch: a stub that runs no Python
         config = json.loads(args["model_config"])
         self.params = ModelParameters.from_model_config(config)
+        pin_to_model_cpus(self.model_name, self.params.string(contract.CPUS, ""))  # before anything starts
         self.declared_outputs = frozenset(output["name"] for output in config.get("output", []))
         # Test servers only (python_backends/runtime/stage_pauses.py); empty in every served target.
         self.pauses = StagePauses.parse(self.params.string(contract.TEST_PAUSES, ""))

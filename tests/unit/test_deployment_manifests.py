@@ -93,3 +93,17 @@ def test_compose_file_has_two_encoders_and_one_pd_server_the_launcher_accepts() 
     healthcheck = shlex.join(services["pd"]["healthcheck"]["test"])
     assert "/v2/health/ready" in healthcheck
     assert set(services["pd"]["depends_on"]) == {"encoder-a", "encoder-b"}
+
+
+def test_each_role_has_cores_of_its_own_and_threads_sized_to_them() -> None:
+    """Compose: each service's cpuset is the CPU set its launcher command names (--cpus), the
+    encoders apart from the PD server. Kubernetes: Guaranteed QoS with whole CPUs, what the
+    static CPU manager needs to give a pod exclusive cores."""
+    services = yaml.safe_load((DOCKER / "compose.cpu.yaml").read_text())["services"]
+    for name, service in services.items():
+        assert launcher.parse_args(service["command"]).cpus == [service["cpuset"]], name
+    assert services["encoder-a"]["cpuset"] != services["pd"]["cpuset"]
+    for name in ("triton-epd-encoder", "triton-epd-pd"):
+        (container,) = all_resources()[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+        assert requests == limits and str(requests["cpu"]).isdigit(), name
