@@ -71,7 +71,7 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
     from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
     repository = REPO_ROOT / "model_repository"
-    prepare("cpu", args.model, repository)
+    prepare("cpu", args.model, repository, cpus=args.cpus, colocated_encodes=args.colocated_encodes)
     heartbeats = log_dir / "heartbeats"
     shutil.rmtree(heartbeats, ignore_errors=True)
     heartbeats.mkdir(parents=True)

@@ -28,25 +28,24 @@ DEFAULT_PEER_MODES = (
 
 
 def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.workload import WORKLOADS
+
     group = parser.add_argument_group("workload (seeded: the same options give the same requests)")
+    group.add_argument(
+        "--workload", choices=sorted(WORKLOADS), help="a named workload: its defaults for the options below, each "
+        "still given its own way (bench/workload.py WORKLOADS)",
+    )  # fmt: skip
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument(
-        "--prompt-tokens", default="32", help="text tokens per prompt: N, uniform:LO:HI, normal:MEAN:STD, choice:A,B"
-    )
-    group.add_argument(
-        "--output-tokens", default="32", help="max_tokens per request (same forms); exact with ignore_eos"
-    )
-    group.add_argument("--images-per-request", default="1", help="images per request (same forms), e.g. choice:0,1,2")
-    group.add_argument(
-        "--image-size", nargs="+", default=["640x480"], help="synthetic image sizes WxH, drawn uniformly"
-    )
+    # The options a named workload sets default to None here; workload_spec fills them in.
+    group.add_argument("--prompt-tokens", help="text tokens per prompt: N, uniform:LO:HI, normal:MEAN:STD, choice:A,B")
+    group.add_argument("--output-tokens", help="max_tokens per request (same forms); exact with ignore_eos")
+    group.add_argument("--images-per-request", help="images per request (same forms), e.g. choice:0,1,2")
+    group.add_argument("--image-size", nargs="+", help="synthetic image sizes WxH, drawn uniformly")
     group.add_argument("--image-format", default="JPEG", choices=("JPEG", "PNG", "WEBP"))
     group.add_argument("--image-dir", type=Path, help="use real image files from this folder instead of synthetic ones")
-    group.add_argument(
-        "--reuse-ratio", type=float, default=0.0, help="share of images drawn from the reused pool (plain modes)"
-    )
+    group.add_argument("--reuse-ratio", type=float, help="share of images drawn from the reused pool (plain modes)")
     group.add_argument("--repeated-reuse-ratio", type=float, default=1.0, help="the same for MODEL:repeated modes")
-    group.add_argument("--media-pool", type=int, default=4, help="distinct images in the reused pool")
+    group.add_argument("--media-pool", type=int, help="distinct images in the reused pool")
     group.add_argument(
         "--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths then vary)"
     )
@@ -65,8 +64,13 @@ def workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_spec(args: argparse.Namespace) -> Any:
-    from bench.workload import LengthDist, WorkloadSpec, parse_sizes
+    """The workload of ``args`` (the options a named workload sets are filled into ``args``)."""
+    from bench.workload import WORKLOAD_DEFAULTS, WORKLOADS, LengthDist, WorkloadSpec, parse_sizes
 
+    named = WORKLOADS[args.workload] if getattr(args, "workload", None) else {}
+    for option, default in WORKLOAD_DEFAULTS.items():
+        if getattr(args, option, None) is None:
+            setattr(args, option, named.get(option, default))
     tokenizer = args.tokenizer or (DEFAULT_TOKENIZER if DEFAULT_TOKENIZER.is_file() else None)
     return WorkloadSpec(
         seed=args.seed,
@@ -163,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--model", type=Path, help="checkpoint for the server started here (default: the tiny built-in model)"
     )
+    from builders.repository import add_colocated_encodes_argument, add_cpus_argument  # light, no torch
+
+    add_cpus_argument(run)  # the server started here: CPU sets per model group (E|PD on cores of its own)
+    add_colocated_encodes_argument(run)
     run.add_argument(
         "--modes",
         nargs="+",

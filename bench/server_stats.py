@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.error
 import urllib.request
@@ -224,17 +225,44 @@ def process_tree_cpu_s(pid: int) -> float | None:
     return total
 
 
+def model_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per python model of the tritonserver at ``pid``: each stub's process tree (its
+    vLLM engine core included), by the model folder in the stub's command line."""
+    per_model: dict[str, float] = {}
+    try:
+        stubs = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return per_model
+    for stub in stubs:
+        try:
+            match = next((_STUB_MODEL.search(arg) for arg in stub.cmdline() if _STUB_MODEL.search(arg)), None)
+        except psutil.NoSuchProcess:
+            continue
+        spent = process_tree_cpu_s(stub.pid)
+        if match and spent is not None:
+            per_model[match.group(1)] = per_model.get(match.group(1), 0.0) + spent
+    return per_model
+
+
+_STUB_MODEL = re.compile(r"/([^/]+)/\d+/model\.py$")
+
+
 @dataclass(frozen=True)
 class CpuSample:
     wall_s: float
     client_s: float
     server_s: float | None
     machine_busy_s: float = 0.0  # all processes, all cores
+    core_busy_s: tuple[float, ...] = ()  # all processes, per core
+    model_s: dict[str, float] = field(default_factory=dict)  # per python model (model_cpu_s)
+
+
+def busy_s(times: Any) -> float:
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def machine_busy_s() -> float:
-    times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+    return busy_s(psutil.cpu_times())
 
 
 class CpuMeter:
@@ -252,10 +280,12 @@ class CpuMeter:
         if self.server_pids:
             trees = [process_tree_cpu_s(pid) for pid in self.server_pids]
             server = None if any(t is None for t in trees) else sum(t for t in trees if t is not None)
-        return CpuSample(time.perf_counter(), time.process_time(), server, machine_busy_s())
+        cores = tuple(busy_s(times) for times in psutil.cpu_times(percpu=True))
+        models = model_cpu_s(self.server_pids[0]) if len(self.server_pids) == 1 else {}
+        return CpuSample(time.perf_counter(), time.process_time(), server, machine_busy_s(), cores, models)
 
 
-def cpu_usage(before: CpuSample, after: CpuSample, requests: int, cores: int | None = None) -> dict[str, float | None]:
+def cpu_usage(before: CpuSample, after: CpuSample, requests: int, cores: int | None = None) -> dict[str, Any]:
     wall = after.wall_s - before.wall_s
     client = after.client_s - before.client_s
     server = None if before.server_s is None or after.server_s is None else after.server_s - before.server_s
@@ -272,4 +302,12 @@ def cpu_usage(before: CpuSample, after: CpuSample, requests: int, cores: int | N
         "server_cpu_ms_per_request": None if server is None else 1000.0 * server / per,
         "client_to_server_cpu": None if not server else client / server,
         "other_processes_cpu_share": other,
+        # Where each core idled: its busy share of the window (every process), and each model's CPU
+        # per request (its stub and engine core): the per-stage cost of a split.
+        "core_busy_share": [
+            (b - a) / wall if wall > 0 else None for a, b in zip(before.core_busy_s, after.core_busy_s, strict=False)
+        ],
+        "model_cpu_ms_per_request": {
+            model: 1000.0 * (spent - before.model_s.get(model, 0.0)) / per for model, spent in after.model_s.items()
+        },
     }

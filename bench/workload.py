@@ -35,6 +35,32 @@ FILLER_WORDS = (
 ).split()
 
 
+# What the workload options default to, and the named workloads (``--workload``) of the EPD
+# benchmark (docs/benchmarks/epd-pays.md): each sets these options' defaults.
+WORKLOAD_DEFAULTS: dict[str, Any] = {
+    "prompt_tokens": "32",
+    "output_tokens": "32",
+    "images_per_request": "1",
+    "image_size": ["640x480"],
+    "reuse_ratio": 0.0,
+    "media_pool": 4,
+}
+# 0.26 to 1.0 MP, the article's range (its sizes: 0.26-0.79 MP; vLLM's EPD runs go to 1 MP).
+ARTICLE_SIZES = ["512x512", "640x480", "800x600", "1024x768", "1000x1000"]
+WORKLOADS: dict[str, dict[str, Any]] = {
+    # (a) the article's regime, where splitting the encoder out should pay: heavy media, short
+    # answers, every image new.
+    "article": {"images_per_request": "4", "image_size": ARTICLE_SIZES, "output_tokens": "uniform:2:16"},
+    # (b) one image and a long answer: decode dominates, splitting should not pay.
+    "long-answer": {"images_per_request": "1", "image_size": ["640x480"], "output_tokens": "256"},
+    # (c) the article's shape with 80% of images from a pool: the shared cache's regime.
+    "reuse": {
+        "images_per_request": "4", "image_size": ARTICLE_SIZES, "output_tokens": "uniform:2:16",
+        "reuse_ratio": 0.8, "media_pool": 16,
+    },  # fmt: skip
+}
+
+
 class WorkloadError(ValueError):
     """A workload option that cannot work (bad distribution text, empty image folder)."""
 

@@ -16,7 +16,10 @@ Images, after the shared hash and lookup (``epd/references.py``):
   image whose processed pixels the engine still holds (its processor cache, by that key) goes
   as ``None``: no decode, no processing, no copy (docs/benchmarks/serving-paths.md);
 - some of each: the missing ones are encoded by the encoder models first (into the store) and
-  all go in as embeddings, because vLLM takes one form per modality in a prompt.
+  all go in as embeddings, because vLLM takes one form per modality in a prompt;
+- with ``colocated_encodes = encoders`` (the E|PD topology), every image the store lacks goes to
+  the encoder models, new or not: the engine never encodes, as vLLM's 1E+1PD, so the encoders
+  can run on processors of their own (docs/benchmarks/epd-pays.md).
 
 Videos always go through the encoder models and the store (and then every item of the request
 goes in as embeddings): the engine's own video loading is ``llm``'s baseline, and a stored video
@@ -56,10 +59,17 @@ class ColocatedEngine(Protocol):
 
 
 class ColocatedPath:
-    def __init__(self, engine: ColocatedEngine, references: ImageReferences, limits: ImageLimits) -> None:
+    """``encoders_encode``: the images the store lacks always go to the encoder models and every
+    image reaches the engine as embeddings (the E|PD topology: vLLM's 1E+1PD, the encoders on
+    processors of their own), never as media."""
+
+    def __init__(
+        self, engine: ColocatedEngine, references: ImageReferences, limits: ImageLimits, encoders_encode: bool = False
+    ) -> None:
         self.engine = engine
         self.references = references
         self.limits = limits
+        self.encoders_encode = encoders_encode
 
     async def _prompt(
         self,
@@ -73,7 +83,7 @@ class ColocatedPath:
         media the engine holds go as None)."""
         if not request.images and not request.videos:
             return vllm_prompt(request.prompt), False
-        if not leased.found and not request.videos:  # every image is new: the engine encodes the media itself
+        if not leased.found and not request.videos and not self.encoders_encode:  # the engine encodes the media
             keys = leased.keys[: leased.num_images]
             held = {key for key in keys if engine_held and self.engine.holds_media(key)}
             to_decode = [leased.missing[key] for key in keys if key not in held]

@@ -60,6 +60,7 @@ class EpdPipeline:
         image_limits: ImageLimits | None = None,
         policy: str = contract.ADAPTIVE_POLICY,
         cost_model: PathCostModel | None = None,
+        colocated_encodes: str = "engine",
     ) -> None:
         self.store = store
         # Stages that route images themselves (remote encoders) say so: the pipeline then picks no
@@ -73,7 +74,8 @@ class EpdPipeline:
         }
         if colocated is not None:
             limits = image_limits or ImageLimits()
-            self.paths[contract.COLOCATED_PATH] = ColocatedPath(colocated, self.references, limits)
+            encoders_encode = colocated_encodes == "encoders"
+            self.paths[contract.COLOCATED_PATH] = ColocatedPath(colocated, self.references, limits, encoders_encode)
         if policy not in contract.PATH_POLICIES:
             raise ValueError(f"path_policy must be one of {', '.join(contract.PATH_POLICIES)}, got {policy!r}")
         if policy != contract.ADAPTIVE_POLICY and policy not in self.paths:

@@ -17,6 +17,7 @@ from python_backends import contract
 from python_backends.engines.videos import VideoInputLimits
 from python_backends.epd.colocated import ColocatedEngine
 from python_backends.epd.disaggregated import StageClient
+from python_backends.epd.path_cost import PathCostModel
 from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import invalid_arg
 from python_backends.request.generate import (
@@ -58,12 +59,16 @@ class EpdServer:
         keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
         cache = params.cache_policy()
         policy = params.string(contract.PATH_POLICY)
+        colocated_encodes = params.string(contract.COLOCATED_ENCODES)
+        if colocated_encodes not in contract.COLOCATED_ENCODERS:
+            raise ValueError(f"{contract.COLOCATED_ENCODES} must be one of {contract.COLOCATED_ENCODERS}")
         colocated = start_colocated() if policy != contract.DISAGGREGATED_PATH else None
         stages, remote = with_remote_encoders(params, store, keys, stages)  # --remote-encoders: over gRPC
         pipeline = EpdPipeline(
             store, stages, keys, params.string(contract.ENCODER_MODELS_KEY).split(","),
             node_cache=cache.scope == "node", tenant_policy=cache.tenants, colocated=colocated,
-            image_limits=limits.images, policy=policy,
+            image_limits=limits.images, policy=policy, colocated_encodes=colocated_encodes,
+            cost_model=PathCostModel(shared_compute=params.boolean(contract.SHARED_COMPUTE)),
         )  # fmt: skip
         allow_streamed_decode = os.environ.get(contract.ALLOW_STREAMED_DECODE_ENV) == "1"
         return cls(pipeline, store, limits, videos, remote, colocated, allow_streamed_decode)

@@ -89,6 +89,21 @@ def test_cpu_usage_per_request():
     assert usage["client_to_server_cpu"] == pytest.approx(0.05)
 
 
+def test_cpu_usage_per_core_and_per_model():
+    before = CpuSample(0.0, 1.0, 10.0, 5.0, (2.0, 3.0), {"epd": 1.0, "vit_encoder": 0.5})
+    after = CpuSample(5.0, 1.2, 14.0, 11.0, (7.0, 4.0), {"epd": 3.0, "vit_encoder": 1.5, "llm": 0.1})
+    usage = cpu_usage(before, after, requests=10)
+    assert usage["core_busy_share"] == pytest.approx([1.0, 0.2])  # core 1 idled 80% of the window
+    assert usage["model_cpu_ms_per_request"] == pytest.approx({"epd": 200.0, "vit_encoder": 100.0, "llm": 10.0})
+
+
+def test_model_cpu_is_read_off_each_stubs_command_line():
+    from bench.server_stats import _STUB_MODEL
+
+    arg = "/work/main/model_repository/encoder_0/1/model.py"
+    assert _STUB_MODEL.search(arg).group(1) == "encoder_0" and _STUB_MODEL.search("shm_region_1") is None
+
+
 def _summary(ttft_p50: float, throughput: float) -> dict:
     return {
         "points": [

@@ -236,3 +236,17 @@ def test_an_again_mode_sends_the_same_work_but_never_its_originals_requests(medi
     assert not {r.key for r in ours} & {r.key for r in theirs}
     assert [len(r.images) for r in ours] == [len(r.images) for r in theirs]
     assert [r.sampling for r in ours] == [r.sampling for r in theirs]
+
+
+def test_a_named_workload_sets_defaults_that_its_options_still_override():
+    from bench.cli_args import build_parser, workload_spec
+
+    article = workload_spec(build_parser().parse_args(["run", "--workload", "article"]))
+    assert str(article.images_per_request) == "4" and str(article.output_tokens) == "uniform:2:16"
+    assert max(w * h for w, h in article.image_sizes) == 1_000_000 and article.reuse_ratio == 0.0
+    reuse = workload_spec(build_parser().parse_args(["run", "--workload", "reuse", "--reuse-ratio", "0.5"]))
+    assert reuse.reuse_ratio == 0.5 and reuse.media_pool_size == 16
+    plain = workload_spec(build_parser().parse_args(["run"]))
+    assert str(plain.output_tokens) == "32" and plain.image_sizes == ((640, 480),)
+    long_answer = workload_spec(build_parser().parse_args(["run", "--workload", "long-answer"]))
+    assert str(long_answer.output_tokens) == "256" and str(long_answer.images_per_request) == "1"

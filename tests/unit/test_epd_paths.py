@@ -161,6 +161,21 @@ def test_colocated_with_some_images_stored_encodes_the_rest_first(store):
     assert store.metrics()["active_leases"] == 0
 
 
+def test_with_the_encoders_encoding_new_images_go_to_the_encoders_and_the_engine_gets_embeddings(store):
+    """The E|PD topology (colocated_encodes = encoders): the engine never encodes, even when every
+    image is new, and the stored embeddings serve the next request without another encode."""
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine, colocated_encodes="encoders")
+    first = run(p, request([PHOTO, OTHER]), path=COLOCATED_PATH)
+    assert len(stages.encoded) == 2 and "encode" in first[-1].timings_ms
+    assert stages.prefill_refs == []  # prefill and decode are the colocated engine's
+    data = engine.prompts[0]["multi_modal_data"]["image"]
+    assert set(data) == {"image_embeds", "image_grid_thw"} and data["image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+    again = run(p, request([PHOTO]), path=COLOCATED_PATH, request_id="r2")
+    assert len(stages.encoded) == 2 and again[-1].cache_hits == 1
+    assert store.metrics()["active_leases"] == 0
+
+
 def test_forcing_disaggregated_under_adaptive_is_obeyed(store):
     stages, engine = FakeStages(store), FakeEngine()
     p = pipeline(stages, engine)
