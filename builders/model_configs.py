@@ -326,15 +326,15 @@ def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict
     return files
 
 
+PD_ENGINE_MODELS = (contract.EPD_MODEL, contract.PREFILL_MODEL, contract.DECODE_MODEL)
+
+
 def _engines_apart(target: Target) -> bool:
     """Whether epd's colocated engine has CPUs that prefill's and decode's engines never use (then
     its two paths do not compete for processors: python_backends/epd/path_cost.py)."""
     sets = {model: parse_cpu_list(target.cpu_sets.get(model, "")) for model in PD_ENGINE_MODELS}
     engines = sets[contract.PREFILL_MODEL] | sets[contract.DECODE_MODEL]
     return all(sets.values()) and not sets[contract.EPD_MODEL] & engines
-
-
-PD_ENGINE_MODELS = (contract.EPD_MODEL, contract.PREFILL_MODEL, contract.DECODE_MODEL)
 
 
 def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
