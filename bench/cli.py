@@ -67,6 +67,7 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
     import shutil
 
     from builders.launcher import prepare, stop_after_stage_crash
+    from builders.roles import server_cpus
     from builders.tritonserver import Ports, ServerOptions, TritonServer
     from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
@@ -75,7 +76,9 @@ def _server_for(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, A
     heartbeats = log_dir / "heartbeats"
     shutil.rmtree(heartbeats, ignore_errors=True)
     heartbeats.mkdir(parents=True)
-    options = ServerOptions(repository, Ports.free(), extra_env={HEARTBEAT_DIR_ENV: str(heartbeats)})
+    options = ServerOptions(
+        repository, Ports.free(), extra_env={HEARTBEAT_DIR_ENV: str(heartbeats)}, cpus=server_cpus(args.cpus)
+    )
     started = time.perf_counter()
     with TritonServer(options, log_dir / "server.log") as server:
         server.wait_ready(timeout_s=900)

@@ -235,7 +235,7 @@ def model_cpu_s(pid: int) -> dict[str, float]:
         return per_model
     for stub in stubs:
         try:
-            match = next((_STUB_MODEL.search(arg) for arg in stub.cmdline() if _STUB_MODEL.search(arg)), None)
+            match = next(filter(None, map(_STUB_MODEL.search, stub.cmdline())), None)
         except psutil.NoSuchProcess:
             continue
         spent = process_tree_cpu_s(stub.pid)

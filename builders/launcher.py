@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import signal
 import sys
@@ -22,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from builders.processes import ProcessGroup, StartError, StartTimeout, http_ok, wait_until_ready
-from builders.roles import ROLES, Role, load_model_args
+from builders.roles import ROLES, Role, load_model_args, server_cpus
 from builders.stage_watch import HUNG_AFTER_S, StageWatch
 from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from python_backends import contract
-from python_backends.runtime.cpus import parse_cpu_list
 from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
@@ -231,15 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             print("not starting tritonserver: fix the failed checks above", flush=True)
             return 1
     ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-    for spec in args.cpus:
-        if "=" not in spec:  # the whole server: tritonserver (its frontends too) starts inside the set
-            os.sched_setaffinity(0, parse_cpu_list(spec))
     role_args = load_model_args(target_named(args.target, cache_policy(args)), args.role)
     # Each stub beats in this folder (python_backends/runtime/heartbeat.py); the stage watch reads it.
     heartbeats = tempfile.mkdtemp(prefix="triton-epd-heartbeats-")
     options = ServerOptions(
         args.model_repository, ports, extra_args=role_args, exit_timeout_s=args.exit_timeout_s,
-        extra_env={HEARTBEAT_DIR_ENV: heartbeats},
+        extra_env={HEARTBEAT_DIR_ENV: heartbeats}, cpus=server_cpus(args.cpus),
     )
     try:
         return run_server(args, options, model_dir, started)

@@ -9,6 +9,7 @@ pid and a stop reaches every child it started (python-backend stubs, vLLM engine
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -67,12 +68,15 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _default_stop_signals() -> None:
-    """In the child before exec: SIGINT and SIGTERM back to their default actions. A process started
-    with SIGINT ignored (from a background job, under nohup) passes that on, and a Python child then
-    installs no KeyboardInterrupt handler: our SIGINT stop would do nothing to it."""
+def _in_child(cpus: frozenset[int] | None) -> None:
+    """In the child before exec: SIGINT and SIGTERM back to their default actions (a process started
+    with SIGINT ignored, from a background job or under nohup, passes that on, and a Python child
+    then installs no KeyboardInterrupt handler: our SIGINT stop would do nothing to it); and the
+    child's CPU set, which exec keeps and every thread and process it starts inherits."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -90,15 +94,17 @@ class ProcessGroup:
     stop_signal: signal.Signals = signal.SIGTERM
     signal_group: bool = True
     log_command: bool = False  # first log line: "$ command" (peer logs read on their own)
+    cpus: frozenset[int] | None = None  # the CPUs the process (and all it starts) runs on; None: any
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, base_env: Mapping[str, str] | None = None) -> ProcessGroup:
         """Start with ``base_env`` (default: this process's environment) updated by ``env``."""
         env = {**(os.environ if base_env is None else base_env), **self.env}
+        in_child = functools.partial(_in_child, self.cpus)
         if self.log_path is None:
             self.process = subprocess.Popen(
                 self.command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_default_stop_signals,
+                preexec_fn=in_child,
             )
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +114,7 @@ class ProcessGroup:
                 log.flush()
             self.process = subprocess.Popen(
                 self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_default_stop_signals,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=in_child,
             )
         return self
 

@@ -80,6 +80,13 @@ def model_cpu_sets(target: Target, specs: Sequence[str], role: Role = "all") -> 
     return sets
 
 
+def server_cpus(specs: Sequence[str]) -> frozenset[int] | None:
+    """The CPU set of the whole server among ``--cpus`` specs (the last ``LIST`` without a name),
+    for ``ServerOptions.cpus``; None when no spec names the whole server."""
+    whole = [spec for spec in specs if "=" not in spec]
+    return parse_cpu_list(whole[-1]) if whole else None
+
+
 def add_cpus_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpus", action="append", default=[], metavar="[GROUP=]LIST",

@@ -152,6 +152,8 @@ class ServerOptions:
     # instance's own: a --role encoder server was ready in 3.1 s with it, 1.0 s without
     # (docs/benchmarks/cold-start.md).
     auto_complete_config: bool = False
+    # The CPUs tritonserver, its frontends and every stub run on (``--cpus LIST``); None: any.
+    cpus: frozenset[int] | None = None
 
     @property
     def stop_timeout_s(self) -> float:
@@ -209,7 +211,7 @@ class TritonServer:
         self.log_path = log_path
         self.group = ProcessGroup(
             "tritonserver", self.command(), dict(options.extra_env), log_path,
-            stop_signal=signal.SIGINT, signal_group=False,
+            stop_signal=signal.SIGINT, signal_group=False, cpus=options.cpus,
         )
         self.stop_report: StopReport | None = None
 
@@ -247,7 +249,9 @@ class TritonServer:
         ]
 
     def start(self) -> TritonServer:
-        self.group.command, self.group.env = self.command(), dict(self.options.extra_env)  # options may have changed
+        # The options may have changed since __init__.
+        self.group.command, self.group.env = self.command(), dict(self.options.extra_env)
+        self.group.cpus = self.options.cpus
         self.group.start(base_env=self.install.env)
         return self
 

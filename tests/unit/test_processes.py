@@ -127,3 +127,22 @@ def test_waiting_names_a_child_that_died_and_times_out_as_a_timeout(tmp_path: Pa
         assert isinstance(timeout.value, StartTimeout) and "not ready after" in str(timeout.value)
     finally:
         alive.stop(timeout_s=5)
+
+
+def test_a_group_given_cpus_starts_inside_them_and_its_children_too(tmp_path: Path) -> None:
+    import os
+
+    cpu = min(os.sched_getaffinity(0))
+    code = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); " + (
+        "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    )
+    group = python(code, tmp_path / "log", cpus=frozenset({cpu})).start()
+    assert group.process is not None and group.process.wait(timeout=30) == 0
+    assert (tmp_path / "log").read_text().split() == [f"[{cpu}]", f"[{cpu}]"]
+
+
+def test_the_whole_servers_cpus_are_the_last_unnamed_spec() -> None:
+    from builders.roles import server_cpus
+
+    assert server_cpus(["encoders=0", "engines=1"]) is None
+    assert server_cpus(["0-1", "llm=0", "1"]) == {1}
