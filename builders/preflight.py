@@ -28,6 +28,7 @@ from builders.model_configs import checkpoint_positions
 from builders.targets import ENCODE_ROLE, ENGINE_ROLES, Target, resolved_target
 from python_backends import contract
 from python_backends.contract import CachePolicy
+from python_backends.engines.async_llm import ENGINE_START_ENV
 
 # Triton backends the gpu repository loads: python (llm, prefill, decode, epd, encoders),
 # dali (preprocess), tensorrt (vit_encoder's plan), onnxruntime (the ONNX fallback, the GPU check).
@@ -263,7 +264,11 @@ def check_shm(machine: Machine, target: Target) -> Check:
 
 
 def check_spawn(target: Target) -> Check:
-    methods = {role: target.role_environment(role).get("VLLM_WORKER_MULTIPROC_METHOD") for role in ENGINE_ROLES}
+    # Our own start setting wins over vLLM's variable (python_backends/engines/async_llm.py).
+    methods = {
+        role: env.get(ENGINE_START_ENV) or env.get("VLLM_WORKER_MULTIPROC_METHOD")
+        for role, env in ((role, target.role_environment(role)) for role in ENGINE_ROLES)
+    }
     forked = [role for role, method in methods.items() if method != "spawn"]
     if forked:
         return Check("spawn", "fail", f"{', '.join(forked)} may fork a CUDA-initialised process",

@@ -284,6 +284,12 @@ TARGETS: dict[str, Target] = {
             # An engine core's exit ends in a full garbage collection (~3 s idle, 5 s+ under
             # load here) after its teardown: not waited out on the CPU (python_backends/engines/llm.py).
             "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
+            # Fork the engine core from its stub, which has imported torch and vLLM already, instead
+            # of vLLM's spawn on CPU (a fresh interpreter importing them again, ~13 CPU-s per
+            # engine): `make serve` 38.8 s -> 21.1 s (docs/benchmarks/cold-start.md). No device in the
+            # stub to make a fork unsafe; the stub's other threads are Triton's IPC and our loop,
+            # whose state the engine core never touches.
+            "VLLM_EPD_ENGINE_START": "fork",
             # One OpenMP thread per engine (torch's default is one per core, and its idle workers
             # spin: 52-68% of an engine's samples in libgomp's spin-wait). vLLM's own thread
             # binding never applies here (the worker runs in the engine core). Server CPU per

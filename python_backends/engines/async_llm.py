@@ -26,13 +26,59 @@ from python_backends.errors import invalid_arg
 # collection out; GPU targets keep vLLM's default (a kill during teardown can leave VRAM resident).
 ENGINE_EXIT_GRACE_ENV = "VLLM_EPD_ENGINE_EXIT_GRACE_S"
 
+# How the engine-core process starts: "fork" or "spawn" (unset: vLLM's choice). vLLM's CPU platform
+# always says spawn (0.32, CpuPlatform.check_and_update_config), and a spawned engine core imports
+# torch and vLLM again: ~13 CPU-seconds per engine, most of a server's start on 2 cores. Forked from
+# a stub that has imported them it starts at once (docs/benchmarks/cold-start.md). Only where no
+# device is initialised in the stub: the gpu target keeps spawn (never fork a CUDA process).
+ENGINE_START_ENV = "VLLM_EPD_ENGINE_START"
+START_METHODS = ("fork", "spawn")
+
 
 async def start_async_llm(engine_args: Mapping[str, Any]) -> Any:
-    """A vLLM AsyncLLM built from ``engine_args`` (AsyncEngineArgs fields)."""
+    """A vLLM AsyncLLM built from ``engine_args`` (AsyncEngineArgs fields), its engine core
+    started the way ``VLLM_EPD_ENGINE_START`` says. ``AsyncLLM.from_engine_args`` unrolled: the
+    start method must be set after the platform has chosen its own (in ``create_engine_config``)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+    args = AsyncEngineArgs(**engine_args)
+    vllm_config = args.create_engine_config()
+    with _engine_start_method(engine_start_method()):
+        return AsyncLLM(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_requests=args.enable_log_requests,
+            log_stats=not args.disable_log_stats,
+        )
+
+
+def engine_start_method(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``VLLM_EPD_ENGINE_START`` checked, or None (unset: vLLM's choice)."""
+    method = environ.get(ENGINE_START_ENV) or None
+    if method is not None and method not in START_METHODS:
+        raise ValueError(f"{ENGINE_START_ENV}={method!r}: expected one of {', '.join(START_METHODS)}")
+    return method
+
+
+@contextmanager
+def _engine_start_method(method: str | None) -> Iterator[None]:
+    """vLLM reads its start method from the environment when it starts a process; the stub's
+    environment gets it back afterwards."""
+    if method is None:
+        yield
+        return
+    key = "VLLM_WORKER_MULTIPROC_METHOD"
+    before = os.environ.get(key)
+    os.environ[key] = method
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def engine_exit_grace_s(environ: Mapping[str, str] = os.environ) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -301,6 +302,27 @@ def test_engine_exit_grace_is_read_from_the_models_vllm_environment():
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match=ENGINE_EXIT_GRACE_ENV):
             engine_exit_grace_s({ENGINE_EXIT_GRACE_ENV: bad})
+
+
+def test_engine_start_method_is_checked_and_set_only_while_the_engine_starts(monkeypatch):
+    from python_backends.engines.async_llm import ENGINE_START_ENV, _engine_start_method, engine_start_method
+
+    assert engine_start_method({}) is None  # vLLM's own choice (the gpu target)
+    assert engine_start_method({ENGINE_START_ENV: "fork"}) == "fork"
+    with pytest.raises(ValueError, match=ENGINE_START_ENV):
+        engine_start_method({ENGINE_START_ENV: "forkserver"})
+
+    key = "VLLM_WORKER_MULTIPROC_METHOD"
+    monkeypatch.delenv(key, raising=False)
+    with _engine_start_method("fork"):
+        assert os.environ[key] == "fork"
+    assert key not in os.environ
+    monkeypatch.setenv(key, "spawn")
+    with pytest.raises(RuntimeError), _engine_start_method("fork"):
+        raise RuntimeError("the engine did not start")
+    assert os.environ[key] == "spawn"
+    with _engine_start_method(None):
+        assert os.environ[key] == "spawn"
 
 
 def test_generate_result_summary_times_from_the_send() -> None:

@@ -202,6 +202,11 @@ def test_engine_without_spawn(good_machine: Machine, checkpoint: Path, repositor
     forked = dataclasses.replace(TARGETS["gpu"], vllm_env={})
     detail, fix = failed(run_checks(good_machine, forked, checkpoint, repository), "spawn")
     assert "llm, prefill, decode" in detail and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in fix
+    # The cpu target's fork setting, carried to a GPU target, wins over vLLM's spawn: refused too.
+    gpu = TARGETS["gpu"]
+    fork_start = dataclasses.replace(gpu, vllm_env={**gpu.vllm_env, "VLLM_EPD_ENGINE_START": "fork"})
+    detail, _ = failed(run_checks(good_machine, fork_start, checkpoint, repository), "spawn")
+    assert "llm, prefill, decode" in detail
 
 
 def test_no_gpu_says_so_and_names_the_skipped_checks(
