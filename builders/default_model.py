@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,9 @@ if TYPE_CHECKING:  # heavy imports stay lazy: resolve_model runs in every servin
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "build" / "models" / "tiny-qwen2-vl"
+# The checkpoints this module builds, by recipe: the default (Qwen2-VL) and the audio one (issue 34).
+RECIPES = {"qwen2-vl": "Qwen2-VL", "qwen2-audio": "Qwen2-Audio"}
+DEFAULT_AUDIO_MODEL_DIR = REPO_ROOT / "build" / "models" / "tiny-qwen2-audio"
 CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
 # The stamp records a digest of this file, tiny_checkpoint.py and the corpus, so any change to the recipe
@@ -125,13 +129,21 @@ def is_vision_key(name: str) -> bool:
     return name.startswith("visual.")
 
 
-def save_shards(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
-    """Write the vision shard, the LM shard and a standard index that maps every key."""
+def save_shards(
+    weights: dict[str, torch.Tensor],
+    out_dir: Path,
+    names: dict[str, str] | None = None,
+    is_encoder_key: Callable[[str], bool] = is_vision_key,
+) -> None:
+    """Write the encoder's shard, the LM's shard and a standard index that maps every key.
+    ``names``: what the index calls the two shards (encoder first) and their files."""
     from safetensors.torch import save_file
 
+    names = names or {"vision": VISION_SHARD, "language": LANGUAGE_SHARD}
+    encoder_file, language_file = names.values()
     shards = {
-        VISION_SHARD: {k: v for k, v in weights.items() if is_vision_key(k)},
-        LANGUAGE_SHARD: {k: v for k, v in weights.items() if not is_vision_key(k)},
+        encoder_file: {k: v for k, v in weights.items() if is_encoder_key(k)},
+        language_file: {k: v for k, v in weights.items() if not is_encoder_key(k)},
     }
     weight_map: dict[str, str] = {}
     total_size = 0
@@ -144,7 +156,7 @@ def save_shards(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
         "metadata": {
             "total_size": total_size,
             # Informative only; real checkpoints lack it, so loaders go by weight_map.
-            "shards": {"vision": VISION_SHARD, "language": LANGUAGE_SHARD},
+            "shards": names,
         },
         "weight_map": dict(sorted(weight_map.items())),
     }
@@ -191,23 +203,24 @@ def write_checkpoint(out_dir: Path, seed: int, spec: TinySpec) -> None:
 
 
 def builder_digest() -> str:
-    """sha256 over the inputs that define a build: the two modules' sources and the corpus."""
+    """sha256 over the inputs that define a build: the modules' sources and the corpus."""
     digest = hashlib.sha256()
-    for path in (Path(__file__).resolve(), Path(__file__).resolve().parent / "tiny_checkpoint.py", CORPUS_PATH):
+    here = Path(__file__).resolve().parent
+    for path in (Path(__file__).resolve(), here / "tiny_checkpoint.py", here / "tiny_audio.py", CORPUS_PATH):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def expected_stamp(seed: int) -> dict[str, Any]:
-    return {"builder": "builders.default_model", "builder_digest": builder_digest(), "seed": seed}
+def expected_stamp(seed: int, recipe: str = "qwen2-vl") -> dict[str, Any]:
+    return {"builder": "builders.default_model", "builder_digest": builder_digest(), "recipe": recipe, "seed": seed}
 
 
-def stamp_for(out_dir: Path, seed: int) -> dict[str, Any]:
+def stamp_for(out_dir: Path, seed: int, recipe: str = "qwen2-vl") -> dict[str, Any]:
     files = sorted(p.name for p in out_dir.iterdir() if p.is_file() and p.name != STAMP_FILE)
-    return {**expected_stamp(seed), "files": {name: sha256_file(out_dir / name) for name in files}}
+    return {**expected_stamp(seed, recipe), "files": {name: sha256_file(out_dir / name) for name in files}}
 
 
-def is_complete_build(out_dir: Path, seed: int) -> bool:
+def is_complete_build(out_dir: Path, seed: int, recipe: str = "qwen2-vl") -> bool:
     """True if ``out_dir`` holds an intact build of this exact recipe for ``seed``.
 
     Hashing the few MB of files is cheap and catches half-written or edited builds.
@@ -217,7 +230,8 @@ def is_complete_build(out_dir: Path, seed: int) -> bool:
         stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if {k: stamp.get(k) for k in expected_stamp(seed)} != expected_stamp(seed):
+    expected = expected_stamp(seed, recipe)
+    if {k: stamp.get(k) for k in expected} != expected:
         return False
     files = stamp.get("files")
     if not isinstance(files, dict) or not files:
@@ -236,15 +250,19 @@ def _make_readable(directory: Path) -> None:
         path.chmod(0o644)
 
 
-def build_default_model(out_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0, force: bool = False) -> Path:
-    """Build the tiny checkpoint into ``out_dir`` and return it; reuse an intact build.
+def build_default_model(
+    out_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0, force: bool = False, recipe: str = "qwen2-vl"
+) -> Path:
+    """Build the tiny checkpoint of ``recipe`` into ``out_dir`` and return it; reuse an intact build.
 
     The files are written into a temporary sibling directory and renamed into place, so a
     crash or a concurrent builder never leaves a half-written checkpoint at ``out_dir``.
     A non-empty ``out_dir`` that is not one of our builds is never deleted.
     """
     out_dir = Path(out_dir).resolve()
-    if not force and is_complete_build(out_dir, seed):
+    if recipe not in RECIPES:
+        raise ModelDirError(f"unknown recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    if not force and is_complete_build(out_dir, seed, recipe):
         return out_dir
     if out_dir.exists() and not out_dir.is_dir():
         raise ModelDirError(f"{out_dir} exists and is not a directory; choose another --out")
@@ -256,8 +274,13 @@ def build_default_model(out_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0, force:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        write_checkpoint(tmp_dir, seed, TinySpec())
-        write_json(tmp_dir / STAMP_FILE, stamp_for(tmp_dir, seed))
+        if recipe == "qwen2-audio":
+            from builders.tiny_audio import write_audio_checkpoint
+
+            write_audio_checkpoint(tmp_dir, seed, CORPUS_PATH.read_text(encoding="utf-8"))
+        else:
+            write_checkpoint(tmp_dir, seed, TinySpec())
+        write_json(tmp_dir / STAMP_FILE, stamp_for(tmp_dir, seed, recipe))
         _make_readable(tmp_dir)
         if out_dir.exists():
             shutil.rmtree(out_dir)  # one of our builds (checked above): stale or forced
@@ -265,7 +288,7 @@ def build_default_model(out_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0, force:
             os.replace(tmp_dir, out_dir)
         except OSError:
             # Another builder renamed its copy in first; the same seed means the same bytes.
-            if not is_complete_build(out_dir, seed):
+            if not is_complete_build(out_dir, seed, recipe):
                 raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -338,20 +361,23 @@ def resolve_model(path_or_none: str | os.PathLike[str] | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m builders.default_model",
-        description="Build the tiny random-weight Qwen2-VL checkpoint used by default.",
+        description="Build the tiny random-weight Qwen2-VL checkpoint used by default (or the audio one).",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="output directory")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="qwen2-vl",
+                        help="qwen2-vl (the default model) or qwen2-audio (issue 34's audio model)")
+    parser.add_argument("--out", type=Path, help="output directory (default: build/models/tiny-<recipe>)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even if an intact build exists")
     args = parser.parse_args(argv)
-    reused = not args.force and is_complete_build(args.out.resolve(), args.seed)
+    out = args.out or (DEFAULT_AUDIO_MODEL_DIR if args.recipe == "qwen2-audio" else DEFAULT_MODEL_DIR)
+    reused = not args.force and is_complete_build(out.resolve(), args.seed, args.recipe)
     try:
-        out_dir = build_default_model(args.out, seed=args.seed, force=args.force)
+        out_dir = build_default_model(out, seed=args.seed, force=args.force, recipe=args.recipe)
     except ModelDirError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     action = "reused intact build" if reused else "wrote"
-    print(f"{action}: tiny Qwen2-VL checkpoint (seed {args.seed}) at {out_dir}")
+    print(f"{action}: tiny {RECIPES[args.recipe]} checkpoint (seed {args.seed}) at {out_dir}")
     return 0
 
 

@@ -94,7 +94,7 @@ class TinySpec:
 # ---------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(corpus: str, spec: TinySpec) -> Tokenizer:
+def train_tokenizer(corpus: str, spec: TinySpec, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
     """Train Qwen2's tokenizer pipeline (NFC, regex split, byte-level BPE) on ``corpus``.
 
     The trainer breaks ties deterministically, so the same corpus gives the same merges in
@@ -124,21 +124,22 @@ def train_tokenizer(corpus: str, spec: TinySpec) -> Tokenizer:
     )
     tokenizer.train_from_iterator([corpus], trainer=trainer)
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+        [AddedToken(t, special=True, normalized=False) for t in special_tokens]
     )
     return tokenizer
 
 
-def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+def special_token_ids(tokenizer: Tokenizer, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, int]:
+    ids = {token: tokenizer.token_to_id(token) for token in special_tokens}
     missing = [t for t, i in ids.items() if i is None]
     if missing:
         raise RuntimeError(f"tokenizer lacks special tokens {missing}")
     return ids  # type: ignore[return-value]
 
 
-def tokenizer_config(ids: dict[str, int], spec: TinySpec) -> dict[str, Any]:
-    """tokenizer_config.json as Qwen2-VL-Instruct ships it (eos <|im_end|>, pad <|endoftext|>)."""
+def tokenizer_config(ids: dict[str, int], spec: TinySpec, chat_template: str = CHAT_TEMPLATE) -> dict[str, Any]:
+    """tokenizer_config.json as Qwen2-VL-Instruct ships it (eos <|im_end|>, pad <|endoftext|>);
+    ``ids`` names the special tokens, in id order."""
     added = {
         str(ids[token]): {
             "content": token,
@@ -148,14 +149,14 @@ def tokenizer_config(ids: dict[str, int], spec: TinySpec) -> dict[str, Any]:
             "single_word": False,
             "special": True,
         }
-        for token in SPECIAL_TOKENS
+        for token in ids
     }
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
+        "additional_special_tokens": [t for t in ids if t != "<|endoftext|>"],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
