@@ -59,6 +59,7 @@ REGISTRY: dict[str, Entry] = {
     # advisor's CLI and fit have unit tests: tests/unit/test_advisor.py).
     "advise": Entry("opt-in", "triton-epd-advise and the advisor's fit on tests/data/advisor: ~2.5 minutes a block"),
     "bench-compare": Entry("offline", "`python -m bench compare` on two summaries"),
+    "audio-parity": Entry("offline", "`python -m bench.audio_parity`: DALI's audio features against Whisper's, ~20 s"),
     "serve-checkpoint": Entry("opt-in", "serves a real checkpoint: set TRITON_EPD_CHECKPOINT to a Qwen2-VL folder"),
     "benchmark": Entry("opt-in", "a benchmark run: minutes to an hour"),
     # AIPerf installs from PyPI into a venv of its own (make aiperf-tools), which CI does not build.

@@ -95,3 +95,30 @@ def test_audio_embeds_give_the_raw_audios_greedy_tokens(engine: Engine, seconds:
     # The embeddings matter: another clip's give other tokens (a check that could fail).
     other, _ = embeds(clip(seconds, tone_hz * 1.5, seed=1))
     assert tokens({"audio_embeds": other[None]}) != from_raw
+
+
+@pytest.mark.parametrize("container", ["wav", "flac"])
+def test_dali_features_through_the_onnx_encoder_give_the_raw_clips_tokens(engine: Engine, container: str) -> None:
+    """The encode path end to end without transformers: file bytes -> the DALI pipeline -> the
+    ONNX graph -> vLLM, against vLLM on the file's samples."""
+    from vllm import SamplingParams
+
+    from bench.audio_clips import encoded, pcm16, wav
+    from python_backends.preprocess.audio_pipeline import AudioFeatureConfig, feature_length, serialize_audio_pipeline
+    from python_backends.preprocess.runner import DaliCpuRunner
+
+    config = AudioFeatureConfig()
+    runner = DaliCpuRunner(serialize_audio_pipeline(config, max_batch_size=1), max_batch_size=1, num_threads=1)
+    audio = clip(7.3, 660.0, seed=7)
+    data = wav(audio) if container == "wav" else encoded(audio, "flac", "flac")
+    features, samples = runner._run_feeds({"audio": [np.frombuffer(data, np.uint8)]})
+    lengths = np.array([feature_length(int(np.array(samples[0])[0]), config)], dtype=np.int64)
+    embeds = onnx_embeddings(engine.session, np.array(features[0])[None], lengths)[0]
+
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+
+    def tokens(audio_data: Any) -> list[int]:
+        out = engine.llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": audio_data}}, greedy, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    assert tokens({"audio_embeds": torch.from_numpy(embeds)[None]}) == tokens((pcm16(audio), SAMPLING_RATE))

@@ -575,6 +575,14 @@ def run_bench_compare(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
     assert re.search(r"^0 regression\(s\) in [1-9]\d* compared values", output, re.MULTILINE), output[-3000:]
 
 
+def run_audio_parity(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    # As written: every case of the table, lossless 16 kHz rows within 1e-4 of Whisper's features.
+    output = run_block(block.text, log_path(block), timeout_s=600)
+    lossless = r"^\| WAV 16 kHz mono \| [\d,]+ \| 56000 / 56000 / 56000 \| \d\.\de-0[5-9] /"
+    assert re.search(lossless, output, re.MULTILINE), output
+    assert sum(line.startswith("| ") for line in output.splitlines()) == 1 + 7, output  # header + 7 cases
+
+
 # --------------------------------------------------------------------------- opt-in
 
 
@@ -633,6 +641,7 @@ RUNNERS: dict[str, Runner] = {
     "build-repository": run_build_repository,
     "advise": run_advise,
     "bench-compare": run_bench_compare,
+    "audio-parity": run_audio_parity,
     "serve-checkpoint": run_serve_checkpoint,
     "benchmark": run_benchmark,
     "aiperf": run_benchmark,
