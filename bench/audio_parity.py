@@ -4,7 +4,9 @@ container, codec and sample rate (issue 34).
 Two references, each then through the feature extractor: FFmpeg's decode to mono float32 at
 16 kHz (:func:`ffmpeg_samples`) and what vLLM does with the same file on a raw-audio request
 (:func:`vllm_samples`). A row says how many samples each decoded, and the features' max and mean
-absolute difference from DALI's.
+absolute difference from DALI's. The last column is what is served
+(:mod:`python_backends.preprocess.audio`: FFmpeg decodes, DALI makes the features from its samples)
+against the feature extractor on the same samples.
 
 CLI: ``python -m bench.audio_parity [--out DIR]`` prints a markdown table (and writes it to
 DIR/audio_parity.md).
@@ -75,10 +77,17 @@ def measure() -> list[dict[str, object]]:
     config = AudioFeatureConfig()
     extractor = WhisperFeatureExtractor(feature_size=config.feature_size)
     pipeline = serialize_audio_pipeline(config, max_batch_size=1)
+    from python_backends.preprocess.audio import AudioLimits, DaliAudioFeatures, decode_audio
+
+    ours = DaliAudioFeatures(config, max_batch_size=1, num_threads=1)
     rows: list[dict[str, object]] = []
     for name, make in cases().items():
         data = make()
         row: dict[str, object] = {"case": name, "bytes": len(data)}
+        samples_ours = decode_audio(data, 0, AudioLimits(), SAMPLING_RATE)
+        expected_ours = extractor(samples_ours, sampling_rate=SAMPLING_RATE, padding="max_length")
+        served = ours.features([samples_ours])[0].features
+        row["ours"] = f"{np.abs(served - expected_ours['input_features'][0]).max():.1e}"
         try:  # a fresh runner per file: DALI's state after an error is not reused
             features, samples = DaliCpuRunner(pipeline, 1, 1)._run_feeds({"audio": [np.frombuffer(data, np.uint8)]})
             row["DALI"] = int(np.array(samples[0])[0])
@@ -97,13 +106,14 @@ def measure() -> list[dict[str, object]]:
 
 def table(rows: list[dict[str, object]]) -> str:
     lines = [
-        "| file | bytes | samples DALI / FFmpeg / vLLM | vs FFmpeg: max / mean diff | vs vLLM: max / mean diff |",
-        "|---|---:|---:|---:|---:|",
+        "| file | bytes | samples DALI / FFmpeg / vLLM | vs FFmpeg: max / mean diff | vs vLLM: max / mean diff "
+        "| served (FFmpeg decode + DALI features): max diff |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         counts = f"{row['DALI']} / {row['FFmpeg']} / {row['vLLM']}"
         ffmpeg, vllm = row.get("FFmpeg diff", "-"), row.get("vLLM diff", "-")
-        lines.append(f"| {row['case']} | {row['bytes']:,} | {counts} | {ffmpeg} | {vllm} |")
+        lines.append(f"| {row['case']} | {row['bytes']:,} | {counts} | {ffmpeg} | {vllm} | {row['ours']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,8 @@ pad or cut to its window (30 s), a centred, reflect-padded STFT with a periodic 
 clip's maximum minus 8, then ``(x + 4) / 4``; the STFT's last frame is dropped, as Whisper drops
 it. Measured against transformers on the same samples: within 5e-5 (tests/unit/test_audio_pipeline.py).
 
-Input: ``audio`` (uint8 bytes of one encoded file per sample). Outputs: ``input_features``
+Input: ``audio`` (uint8 bytes of one encoded file per sample), or, where the file is decoded
+outside DALI (``decode=False``), ``samples`` (float32 mono at the extractor's rate). Outputs: ``input_features``
 float32 ``[mel bins, frames]`` and ``samples`` int64 ``[1]``, the decoded length at the
 extractor's rate before padding (the caller turns it into the feature length the encoder masks
 by, :func:`feature_length`, and checks the clip's duration against its limit).
@@ -35,6 +36,7 @@ from python_backends.preprocess.image_pipeline import (
 )
 
 AUDIO_INPUT = "audio"
+SAMPLES_INPUT = "samples"
 FEATURES_OUTPUT = "input_features"
 SAMPLES_OUTPUT = "samples"
 DEFAULT_AUDIO_BATCH_SIZE = 4
@@ -80,9 +82,14 @@ def periodic_hann(length: int) -> list[float]:
     return [0.5 - 0.5 * math.cos(2 * math.pi * i / length) for i in range(length)]
 
 
-def define_audio_graph(config: AudioFeatureConfig) -> Sequence[DataNode]:
-    encoded = fn.external_source(name=AUDIO_INPUT, dtype=types.UINT8, ndim=1)
-    audio, _rate = fn.decoders.audio(encoded, sample_rate=config.sampling_rate, downmix=True, dtype=types.FLOAT)
+def define_audio_graph(config: AudioFeatureConfig, decode: bool = True) -> Sequence[DataNode]:
+    """``decode``: from encoded files (``audio``, DALI's decoder and resampler); else from mono
+    float32 samples at the extractor's rate (``samples``, decoded outside: :mod:`python_backends.preprocess.audio`)."""
+    if decode:
+        encoded = fn.external_source(name=AUDIO_INPUT, dtype=types.UINT8, ndim=1)
+        audio, _rate = fn.decoders.audio(encoded, sample_rate=config.sampling_rate, downmix=True, dtype=types.FLOAT)
+    else:
+        audio = fn.external_source(name=SAMPLES_INPUT, dtype=types.FLOAT, ndim=1)
     samples = fn.cast(audio.shape(), dtype=types.INT64)
     window = fn.slice(fn.pad(audio, axes=(0,), shape=(config.n_samples,), fill_value=0.0), 0, config.n_samples,
                       axes=(0,))  # fmt: skip
@@ -102,6 +109,9 @@ def define_audio_graph(config: AudioFeatureConfig) -> Sequence[DataNode]:
 
 
 def serialize_audio_pipeline(
-    config: AudioFeatureConfig, max_batch_size: int = DEFAULT_AUDIO_BATCH_SIZE, num_threads: int = DEFAULT_NUM_THREADS
+    config: AudioFeatureConfig,
+    max_batch_size: int = DEFAULT_AUDIO_BATCH_SIZE,
+    num_threads: int = DEFAULT_NUM_THREADS,
+    decode: bool = True,
 ) -> bytes:
-    return serialized(pipeline_of(lambda: define_audio_graph(config), max_batch_size, num_threads))
+    return serialized(pipeline_of(lambda: define_audio_graph(config, decode), max_batch_size, num_threads))

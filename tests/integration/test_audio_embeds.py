@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.audio_clips import tone
 from builders.audio_encoder import AudioEncoder, export_onnx, onnx_embeddings
 from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
 
@@ -36,11 +37,9 @@ class Engine(NamedTuple):
     session: Any
 
 
-def clip(seconds: float, tone_hz: float, seed: int) -> np.ndarray:
+def clip(seconds: float, tone_hz: float, seed: int, rate: int = SAMPLING_RATE) -> np.ndarray:
     """A tone under noise: different clips give different features."""
-    t = np.arange(int(seconds * SAMPLING_RATE)) / SAMPLING_RATE
-    noise = np.random.default_rng(seed).standard_normal(t.size)
-    return (0.3 * np.sin(2 * np.pi * tone_hz * t) + 0.05 * noise).astype(np.float32)
+    return tone(seconds, tone_hz, seed, rate)
 
 
 def features(processor: Any, audio: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,23 +96,26 @@ def test_audio_embeds_give_the_raw_audios_greedy_tokens(engine: Engine, seconds:
     assert tokens({"audio_embeds": other[None]}) != from_raw
 
 
-@pytest.mark.parametrize("container", ["wav", "flac"])
-def test_dali_features_through_the_onnx_encoder_give_the_raw_clips_tokens(engine: Engine, container: str) -> None:
-    """The encode path end to end without transformers: file bytes -> the DALI pipeline -> the
-    ONNX graph -> vLLM, against vLLM on the file's samples."""
+@pytest.mark.parametrize("container", ["wav", "flac", "mp3", "ogg opus 48 kHz"])
+def test_the_served_encode_chain_gives_vllms_tokens_on_the_same_samples(engine: Engine, container: str) -> None:
+    """The encode path end to end without transformers: file bytes -> FFmpeg's samples -> the DALI
+    features -> the ONNX graph -> vLLM, against vLLM on the same samples."""
     from vllm import SamplingParams
 
-    from bench.audio_clips import encoded, pcm16, wav
-    from python_backends.preprocess.audio_pipeline import AudioFeatureConfig, feature_length, serialize_audio_pipeline
-    from python_backends.preprocess.runner import DaliCpuRunner
+    from bench.audio_clips import encoded, wav
+    from python_backends.preprocess.audio import AudioLimits, DaliAudioFeatures, decode_audio
+    from python_backends.preprocess.audio_pipeline import AudioFeatureConfig
 
-    config = AudioFeatureConfig()
-    runner = DaliCpuRunner(serialize_audio_pipeline(config, max_batch_size=1), max_batch_size=1, num_threads=1)
-    audio = clip(7.3, 660.0, seed=7)
-    data = wav(audio) if container == "wav" else encoded(audio, "flac", "flac")
-    features, samples = runner._run_feeds({"audio": [np.frombuffer(data, np.uint8)]})
-    lengths = np.array([feature_length(int(np.array(samples[0])[0]), config)], dtype=np.int64)
-    embeds = onnx_embeddings(engine.session, np.array(features[0])[None], lengths)[0]
+    data = {
+        "wav": lambda: wav(clip(7.3, 660.0, seed=7)),
+        "flac": lambda: encoded(clip(7.3, 660.0, seed=7), "flac", "flac"),
+        "mp3": lambda: encoded(clip(7.3, 660.0, seed=7), "mp3", "libmp3lame"),
+        "ogg opus 48 kHz": lambda: encoded(clip(7.3, 660.0, seed=7, rate=48_000), "ogg", "libopus", 48_000),
+    }[container]()
+    samples = decode_audio(data, 0, AudioLimits(), SAMPLING_RATE)
+    features = DaliAudioFeatures(AudioFeatureConfig(), max_batch_size=1, num_threads=1).features([samples])[0]
+    lengths = np.array([features.length], dtype=np.int64)
+    embeds = onnx_embeddings(engine.session, features.features[None], lengths)[0]
 
     greedy = SamplingParams(temperature=0, max_tokens=12)
 
@@ -121,4 +123,4 @@ def test_dali_features_through_the_onnx_encoder_give_the_raw_clips_tokens(engine
         out = engine.llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": audio_data}}, greedy, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
-    assert tokens({"audio_embeds": torch.from_numpy(embeds)[None]}) == tokens((pcm16(audio), SAMPLING_RATE))
+    assert tokens({"audio_embeds": torch.from_numpy(embeds)[None]}) == tokens((samples, SAMPLING_RATE))
