@@ -285,7 +285,7 @@ TARGETS: dict[str, Target] = {
             # load here) after its teardown: not waited out on the CPU (python_backends/engines/llm.py).
             "VLLM_EPD_ENGINE_EXIT_GRACE_S": "2",
             # Fork the engine core from its stub, which has imported torch and vLLM already, instead
-            # of vLLM's spawn on CPU (a fresh interpreter importing them again, ~13 CPU-s per
+            # of vLLM's spawn on CPU (a fresh interpreter importing them again, ~7 CPU-s per
             # engine): `make serve` 38.8 s -> 21.1 s (docs/benchmarks/cold-start.md). No device in the
             # stub to make a fork unsafe; the stub's other threads are Triton's IPC and our loop,
             # whose state the engine core never touches.

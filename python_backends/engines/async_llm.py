@@ -28,7 +28,7 @@ ENGINE_EXIT_GRACE_ENV = "VLLM_EPD_ENGINE_EXIT_GRACE_S"
 
 # How the engine-core process starts: "fork" or "spawn" (unset: vLLM's choice). vLLM's CPU platform
 # always says spawn (0.32, CpuPlatform.check_and_update_config), and a spawned engine core imports
-# torch and vLLM again: ~13 CPU-seconds per engine, most of a server's start on 2 cores. Forked from
+# torch and vLLM again: ~7 CPU-seconds per engine, most of a server's start on 2 cores. Forked from
 # a stub that has imported them it starts at once (docs/benchmarks/cold-start.md). Only where no
 # device is initialised in the stub: the gpu target keeps spawn (never fork a CUDA process).
 ENGINE_START_ENV = "VLLM_EPD_ENGINE_START"
