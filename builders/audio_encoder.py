@@ -21,14 +21,13 @@ Runtime against the torch module).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
+from builders.encoder import EncoderBuildError, read_planned, shard_plan
 from builders.tiny_audio import is_audio_encoder_key
 
 INPUT_NAMES = ("input_features", "feature_lengths")
@@ -37,16 +36,10 @@ OUTPUT_NAMES = ("audio_embeds", "audio_tokens")
 
 def encoder_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """The encoder's tensors (hub names), from the shards that hold them only."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({file for key, file in weight_map.items() if is_audio_encoder_key(key)})
-    else:
-        files = ["model.safetensors"]
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update({k: v for k, v in load_file(model_dir / name).items() if is_audio_encoder_key(k)})
-    return weights
+    plan, _ = shard_plan(model_dir, is_audio_encoder_key)
+    if not plan:
+        raise EncoderBuildError(f"no audio encoder weights (audio_tower.*, multi_modal_projector.*) in {model_dir}")
+    return read_planned(model_dir, plan)
 
 
 class AudioEncoder(torch.nn.Module):

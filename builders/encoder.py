@@ -24,7 +24,7 @@ import argparse
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -90,39 +90,50 @@ def _vision_suffix(key: str) -> str | None:
     return None
 
 
-def vision_shard_plan(model_dir: Path) -> tuple[dict[str, list[str]], int]:
-    """{shard file: [its vision keys]} and the total number of shard files."""
+def shard_plan(model_dir: Path, wanted: Callable[[str], bool]) -> tuple[dict[str, list[str]], int]:
+    """{shard file: [its keys that are ``wanted``]} and the total number of shard files (any
+    encoder's weights: the ViT's here, the audio encoder's in ``builders/audio_encoder.py``)."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
         weight_map: dict[str, str] = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         plan: dict[str, list[str]] = {}
         for key, filename in weight_map.items():
-            if _vision_suffix(key) is not None:
+            if wanted(key):
                 plan.setdefault(filename, []).append(key)
         return plan, len(set(weight_map.values()))
     if (model_dir / SINGLE_FILE).is_file():
         from safetensors import safe_open
 
         with safe_open(str(model_dir / SINGLE_FILE), framework="pt") as handle:
-            keys = [key for key in handle.keys() if _vision_suffix(key) is not None]
+            keys = [key for key in handle.keys() if wanted(key)]
         return ({SINGLE_FILE: keys} if keys else {}), 1
     raise EncoderBuildError(f"{model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
-def load_vision_weights(model_dir: str | Path) -> VisionWeights:
-    """Open only the shard files that hold vision tensors, and read only those tensors."""
+def read_planned(model_dir: Path, plan: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """The planned tensors (hub names), reading only those."""
     from safetensors import safe_open
 
+    tensors: dict[str, torch.Tensor] = {}
+    for filename, keys in sorted(plan.items()):
+        with safe_open(str(model_dir / filename), framework="pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in keys})
+    return tensors
+
+
+def vision_shard_plan(model_dir: Path) -> tuple[dict[str, list[str]], int]:
+    """{shard file: [its vision keys]} and the total number of shard files."""
+    return shard_plan(model_dir, lambda key: _vision_suffix(key) is not None)
+
+
+def load_vision_weights(model_dir: str | Path) -> VisionWeights:
+    """Open only the shard files that hold vision tensors, and read only those tensors."""
     model_dir = Path(model_dir)
     started = time.perf_counter()
     plan, total = vision_shard_plan(model_dir)
     if not plan:
         raise EncoderBuildError(f"no vision weights ({' or '.join(VISION_PREFIXES)}*) in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for filename, keys in sorted(plan.items()):
-        with safe_open(str(model_dir / filename), framework="pt") as handle:
-            for key in keys:
-                tensors[_vision_suffix(key) or key] = handle.get_tensor(key)
+    tensors = {_vision_suffix(key) or key: tensor for key, tensor in read_planned(model_dir, plan).items()}
     seconds = time.perf_counter() - started
     LOGGER.info(
         "read %d vision tensors from %d of %d shard files in %.2f s",
