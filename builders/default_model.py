@@ -24,11 +24,13 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from builders.tiny_checkpoint import (
     CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
     TinySpec,
     generation_config,
     model_config,
@@ -44,8 +46,6 @@ if TYPE_CHECKING:  # heavy imports stay lazy: resolve_model runs in every servin
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "build" / "models" / "tiny-qwen2-vl"
-# The checkpoints this module builds, by recipe: the default (Qwen2-VL) and the audio one (issue 34).
-RECIPES = {"qwen2-vl": "Qwen2-VL", "qwen2-audio": "Qwen2-Audio"}
 DEFAULT_AUDIO_MODEL_DIR = REPO_ROOT / "build" / "models" / "tiny-qwen2-audio"
 CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -181,18 +181,26 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_checkpoint(out_dir: Path, seed: int, spec: TinySpec) -> None:
-    """Write every file of the checkpoint (except the stamp) into an existing empty dir."""
-    tokenizer = train_tokenizer(CORPUS_PATH.read_text(encoding="utf-8"), spec)
-    ids = special_token_ids(tokenizer)
-    vocab_size = tokenizer.get_vocab_size()  # every model id is a token the tokenizer decodes
-
+def write_tokenizer(
+    out_dir: Path, spec: TinySpec, special_tokens: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE
+) -> tuple[int, dict[str, int]]:
+    """The tokenizer's files, trained on the corpus with ``special_tokens`` after its vocabulary;
+    returns the vocabulary size (every model id is a token the tokenizer decodes) and the special ids."""
+    tokenizer = train_tokenizer(CORPUS_PATH.read_text(encoding="utf-8"), spec, special_tokens)
+    ids = special_token_ids(tokenizer, special_tokens)
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
     tokenizer.model.save(str(out_dir))  # vocab.json + merges.txt, as hub checkpoints ship
-    write_json(out_dir / "tokenizer_config.json", tokenizer_config(ids, spec))
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config(ids, spec, chat_template))
     # transformers 5 reads chat_template.jinja for processors; tokenizer_config has it too
     # for readers (vLLM, older transformers) that only look there.
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    (out_dir / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    return tokenizer.get_vocab_size(), ids
+
+
+def write_checkpoint(out_dir: Path, seed: int, spec: TinySpec | None = None) -> None:
+    """Write every file of the checkpoint (except the stamp) into an existing empty dir."""
+    spec = spec or TinySpec()
+    vocab_size, ids = write_tokenizer(out_dir, spec)
     write_json(out_dir / "preprocessor_config.json", preprocessor_config(spec))
     write_json(out_dir / "video_preprocessor_config.json", video_preprocessor_config(spec))
 
@@ -200,6 +208,26 @@ def write_checkpoint(out_dir: Path, seed: int, spec: TinySpec) -> None:
     write_json(out_dir / "config.json", config)
     write_json(out_dir / "generation_config.json", generation_config(ids))
     save_shards(init_weights(parameter_shapes(config), seed), out_dir)
+
+
+def _write_audio_checkpoint(out_dir: Path, seed: int) -> None:
+    from builders.tiny_audio import write_audio_checkpoint  # it builds on this module
+
+    write_audio_checkpoint(out_dir, seed)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    title: str
+    default_dir: Path
+    write: Callable[[Path, int], None]  # every file but the stamp, into an empty folder, from a seed
+
+
+# The checkpoints this module builds: the default (Qwen2-VL) and the audio one (issue 34).
+RECIPES = {
+    "qwen2-vl": Recipe("Qwen2-VL", DEFAULT_MODEL_DIR, write_checkpoint),
+    "qwen2-audio": Recipe("Qwen2-Audio", DEFAULT_AUDIO_MODEL_DIR, _write_audio_checkpoint),
+}
 
 
 def builder_digest() -> str:
@@ -274,12 +302,7 @@ def build_default_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        if recipe == "qwen2-audio":
-            from builders.tiny_audio import write_audio_checkpoint
-
-            write_audio_checkpoint(tmp_dir, seed, CORPUS_PATH.read_text(encoding="utf-8"))
-        else:
-            write_checkpoint(tmp_dir, seed, TinySpec())
+        RECIPES[recipe].write(tmp_dir, seed)
         write_json(tmp_dir / STAMP_FILE, stamp_for(tmp_dir, seed, recipe))
         _make_readable(tmp_dir)
         if out_dir.exists():
@@ -369,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even if an intact build exists")
     args = parser.parse_args(argv)
-    out = args.out or (DEFAULT_AUDIO_MODEL_DIR if args.recipe == "qwen2-audio" else DEFAULT_MODEL_DIR)
+    out = args.out or RECIPES[args.recipe].default_dir
     reused = not args.force and is_complete_build(out.resolve(), args.seed, args.recipe)
     try:
         out_dir = build_default_model(out, seed=args.seed, force=args.force, recipe=args.recipe)
@@ -377,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     action = "reused intact build" if reused else "wrote"
-    print(f"{action}: tiny {RECIPES[args.recipe]} checkpoint (seed {args.seed}) at {out_dir}")
+    print(f"{action}: tiny {RECIPES[args.recipe].title} checkpoint (seed {args.seed}) at {out_dir}")
     return 0
 
 

@@ -7,8 +7,9 @@ the default model's (``builders/default_model.py``): the same BPE tokenizer and 
 family's special tokens plus its three audio tokens, hub-layout configs and keys, our seeded init;
 the feature extractor is Whisper's at 128 mel bins, 16 kHz, 30 s windows, as Qwen2-Audio ships it.
 
-The weights go in two shards, the audio encoder's (``audio_tower.*``, ``multi_modal_projector.*``)
-and the LM's, so an encoder process can load only its own.
+The weights go in the default model's two shard files, the first holding the audio encoder
+(``audio_tower.*``, ``multi_modal_projector.*``), the second the LM, so an encoder process can
+load only its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builders.tiny_checkpoint import SPECIAL_TOKENS, TinySpec, tokenizer_config
+from builders.default_model import LANGUAGE_SHARD, VISION_SHARD, init_weights, save_shards, write_json, write_tokenizer
+from builders.tiny_checkpoint import SPECIAL_TOKENS, TinySpec, generation_config
 
 # Qwen2-Audio's audio tokens, in its id order (151646..151648 there).
 AUDIO_TOKENS: tuple[str, ...] = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
@@ -38,9 +40,7 @@ AUDIO_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-AUDIO_ENCODER_SHARD = "model-00001-of-00002.safetensors"
-LANGUAGE_SHARD = "model-00002-of-00002.safetensors"
+AUDIO_ENCODER_SHARD = VISION_SHARD  # the default model's first shard file, its encoder's here too
 
 
 @dataclass(frozen=True)
@@ -147,19 +147,11 @@ def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {hub_key(name): tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def write_audio_checkpoint(out_dir: Path, seed: int, corpus: str, spec: AudioSpec = AudioSpec()) -> None:
+def write_audio_checkpoint(out_dir: Path, seed: int, spec: AudioSpec = AudioSpec()) -> None:
     """Every file of the checkpoint (but the build stamp) into the existing empty ``out_dir``."""
-    from builders.default_model import init_weights, save_shards, write_json
-    from builders.tiny_checkpoint import generation_config, special_token_ids, train_tokenizer
-
-    tokenizer = train_tokenizer(corpus, spec.lm, AUDIO_SPECIAL_TOKENS)
-    ids = special_token_ids(tokenizer, AUDIO_SPECIAL_TOKENS)
-    tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
-    tokenizer.model.save(str(out_dir))
-    write_json(out_dir / "tokenizer_config.json", tokenizer_config(ids, spec.lm, AUDIO_CHAT_TEMPLATE))
-    (out_dir / "chat_template.jinja").write_text(AUDIO_CHAT_TEMPLATE, encoding="utf-8")
+    vocab_size, ids = write_tokenizer(out_dir, spec.lm, AUDIO_SPECIAL_TOKENS, AUDIO_CHAT_TEMPLATE)
     write_json(out_dir / "preprocessor_config.json", feature_extractor_config(spec))
-    config = audio_model_config(spec, ids, tokenizer.get_vocab_size())
+    config = audio_model_config(spec, ids, vocab_size)
     write_json(out_dir / "config.json", config)
     write_json(out_dir / "generation_config.json", generation_config(ids))
     save_shards(
