@@ -1,9 +1,11 @@
 """Generated audio clips for tests and benchmarks: a tone under seeded noise, encoded as WAV (stdlib)
-or through FFmpeg (PyAV, which bundles it): FLAC, Ogg Vorbis, Ogg Opus, MP3."""
+or through FFmpeg (PyAV, which bundles it): FLAC, Ogg Vorbis, Ogg Opus, MP3; and every kind of bad
+audio with what its INVALID_ARG message says (unit tests decode them, server tests send them)."""
 
 from __future__ import annotations
 
 import io
+import struct
 import wave
 
 import numpy as np
@@ -50,3 +52,35 @@ def encoded(samples: np.ndarray, container: str, codec: str, rate: int = SAMPLIN
         for packet in stream.encode(None):
             muxer.mux(packet)
     return out.getvalue()
+
+
+CLIP = tone(3.0, 440.0, seed=11)
+# The ``max_audio_bytes`` the "too many bytes" case is sent against.
+TOO_MANY_BYTES_LIMIT = 1000
+
+
+def claims_hours(data: bytes) -> bytes:
+    """A WAV whose RIFF and data chunk sizes say ~37 hours."""
+    out = bytearray(data)
+    at = out.find(b"data")
+    out[at + 4 : at + 8] = struct.pack("<I", 0xFFFFFF00)
+    out[4:8] = struct.pack("<I", 0xFFFFFF00 + 36)
+    return bytes(out)
+
+
+BAD_AUDIO = {  # name: (bytes, what the message says)
+    "empty": (lambda: b"", "empty"),
+    "not audio": (lambda: b"\x00\x01nonsense" * 100, "not an audio file"),
+    "an image": (lambda: b"\x89PNG\r\n\x1a\n" + b"\0" * 100, "no audio stream"),
+    "header only": (lambda: wav(CLIP)[:44], "no audio samples"),
+    "truncated wav": (lambda: wav(CLIP)[: len(wav(CLIP)) // 3], "truncated: the header says 3.00 s"),
+    "truncated mp3": (lambda: encoded(CLIP, "mp3", "libmp3lame")[:2000], "truncated"),
+    "truncated flac": (lambda: encoded(CLIP, "flac", "flac")[:20000], "corrupt audio"),
+    "too long": (lambda: wav(tone(31.0, 440.0)), "31.0 s long, above the limit of 30 s (max_audio_seconds)"),
+    "header claims hours": (lambda: claims_hours(wav(CLIP)), "134217.7 s long, above the limit"),
+    # FFmpeg's Ogg demuxer says 3.9 s for this 31 s file: caught by counting samples as they decode
+    "longer than its header says": (lambda: encoded(tone(31.0, 440.0), "ogg", "libvorbis"), "longer than the limit"),
+    "too many bytes": (lambda: wav(tone(1.0, 440.0)), f"above the limit of {TOO_MANY_BYTES_LIMIT} (max_audio_bytes)"),
+}
+
+

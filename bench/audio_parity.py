@@ -77,7 +77,8 @@ def measure() -> list[dict[str, object]]:
     config = AudioFeatureConfig()
     extractor = WhisperFeatureExtractor(feature_size=config.feature_size)
     pipeline = serialize_audio_pipeline(config, max_batch_size=1)
-    from python_backends.preprocess.audio import AudioLimits, DaliAudioFeatures, decode_audio
+    from python_backends.preprocess.audio import DaliAudioFeatures
+    from python_backends.request.audios import AudioLimits, decode_audio
 
     ours = DaliAudioFeatures(config, max_batch_size=1, num_threads=1)
     rows: list[dict[str, object]] = []

@@ -333,8 +333,23 @@ def _missing_weights(model_dir: Path) -> str | None:
     return f"no model.safetensors or {INDEX_FILE} (weights must be safetensors)"
 
 
+# The architectures served, by config.json's ``model_type``: what each takes besides text.
+# Qwen2-VL: images and video (every model of the repository); Qwen2-Audio: audio (``llm``).
+SERVED_MODEL_TYPES = {"qwen2_vl": "Qwen2-VL", "qwen2_audio": "Qwen2-Audio"}
+AUDIO_MODEL_TYPES = frozenset({"qwen2_audio"})
+
+
+def is_audio_checkpoint(model_dir: Path) -> bool:
+    """Whether ``model_dir``'s config.json names an audio architecture (not validated here)."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return False
+    return json.loads(config_path.read_text(encoding="utf-8")).get("model_type") in AUDIO_MODEL_TYPES
+
+
 def validate_checkpoint(model_dir: Path) -> None:
-    """Raise ModelDirError unless ``model_dir`` looks like a complete Qwen2-VL checkpoint."""
+    """Raise ModelDirError unless ``model_dir`` looks like a complete checkpoint of an architecture
+    this server serves (:data:`SERVED_MODEL_TYPES`)."""
     if not model_dir.is_dir():
         raise ModelDirError(f"model directory {model_dir} does not exist or is not a directory")
     config_path = model_dir / "config.json"
@@ -345,11 +360,13 @@ def validate_checkpoint(model_dir: Path) -> None:
     except ValueError as exc:
         raise ModelDirError(f"{config_path} is not valid JSON: {exc}") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type != "qwen2_vl":
+    if model_type not in SERVED_MODEL_TYPES:
         raise ModelDirError(
             f"{model_dir} holds model_type {model_type!r}; this server needs a Qwen2-VL checkpoint "
-            "(model_type 'qwen2_vl'), e.g. Qwen/Qwen2-VL-2B-Instruct, or no path for the tiny default"
+            "(model_type 'qwen2_vl'), e.g. Qwen/Qwen2-VL-2B-Instruct, or no path for the tiny default "
+            "(or a Qwen2-Audio one, model_type 'qwen2_audio', for audio)"
         )
+    title = SERVED_MODEL_TYPES[model_type]
     problems: list[str] = []
     if not (model_dir / "tokenizer.json").is_file() and not (
         (model_dir / "vocab.json").is_file() and (model_dir / "merges.txt").is_file()
@@ -360,11 +377,12 @@ def validate_checkpoint(model_dir: Path) -> None:
     if not (model_dir / "preprocessor_config.json").is_file() and not (
         model_dir / "processor_config.json"
     ).is_file():
-        problems.append("no image processor config (preprocessor_config.json)")
+        what = "feature extractor" if model_type in AUDIO_MODEL_TYPES else "image processor"
+        problems.append(f"no {what} config (preprocessor_config.json)")
     if (weights_problem := _missing_weights(model_dir)) is not None:
         problems.append(weights_problem)
     if problems:
-        raise ModelDirError(f"{model_dir} is not a complete Qwen2-VL checkpoint: " + "; ".join(problems))
+        raise ModelDirError(f"{model_dir} is not a complete {title} checkpoint: " + "; ".join(problems))
 
 
 def resolve_model(path_or_none: str | os.PathLike[str] | None) -> Path:

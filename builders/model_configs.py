@@ -73,7 +73,7 @@ def _encode_gpu(target: Target) -> int:
 def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     # Embeddings by value (``ensemble``, or a client that ran ``encode``) are checked against
     # the exported encoder's output: hidden size and merge size come from its facts.
-    interface = contract.LLM.sized(facts.parameters()).taking_videos(_max_videos(target.video_limits))
+    interface = contract.LLM.sized(facts.parameters()).taking_videos(_max_videos(target.video_limits)).taking_audios(0)
     embeds = {contract.IMAGE_EMBEDS_HIDDEN_SIZE: facts.hidden_size, contract.SPATIAL_MERGE_SIZE: facts.merge_size}
     config = render_template(
         "llm.pbtxt",
@@ -91,6 +91,32 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
     positions = checkpoint_positions(model_dir)
     role_args = _with_video(target.engine_args_for(contract.LLM_MODEL, positions), target.video_limits)
     engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
+    return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
+
+
+def audio_llm_files(target: Target, model_dir: Path) -> dict[str, str]:
+    """``llm`` of an audio checkpoint (Qwen2-Audio): ``audio`` in, decoded by FFmpeg to the
+    feature extractor's rate (python_backends/request/audios.py), the samples to vLLM. No image
+    or video input: the model takes neither."""
+    rate = json.loads((model_dir / "preprocessor_config.json").read_text())["sampling_rate"]
+    audio = {**contract.audio_limit_defaults(), **target.audio_limits, contract.AUDIO_SAMPLING_RATE: int(rate)}
+    parameters = {
+        **target.limits, contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio,
+        **target.role_environment(contract.LLM_MODEL), **target.test_parameters(contract.LLM_MODEL),
+    }
+    config = render_template(
+        "llm.pbtxt",
+        {
+            "target": target.name,
+            "instance_kind": target.instance_kind,
+            "inputs": render_tensors(contract.AUDIO_LLM.inputs),
+            "outputs": render_tensors(contract.AUDIO_LLM.outputs),
+            "parameters": render_parameters(target.placed(contract.LLM_MODEL, parameters)),
+        },
+    )
+    role_args = target.engine_args_for(contract.LLM_MODEL, checkpoint_positions(model_dir))
+    role_args["limit_mm_per_prompt"] = {"audio": audio[contract.MAX_AUDIOS]}
+    engine_args = {"model": str(model_dir.resolve()), **role_args}
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
 
 

@@ -38,7 +38,8 @@ from builders.artifacts import (
     ensure_artifact,
     safetensors_tensor_bytes,
 )
-from builders.model_configs import repository_files
+from builders.default_model import is_audio_checkpoint
+from builders.model_configs import audio_llm_files, repository_files
 from builders.pbtxt import TEMPLATES, render_template
 from builders.roles import ROLES, Role, add_cpus_argument, model_cpu_sets, role_models
 from builders.targets import (
@@ -95,12 +96,12 @@ LOGGER = logging.getLogger(__name__)
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 
 
-def _prune_other_targets(target: Target, out: Path) -> list[Path]:
-    """Remove generated files of models that only another target has (e.g. gpu's
-    ``vit_positions`` when the cpu repository is written over a gpu one)."""
+def _prune_other_models(models: Iterable[str], out: Path) -> list[Path]:
+    """Remove generated files of models other than ``models`` (e.g. gpu's ``vit_positions`` when
+    the cpu repository is written over a gpu one, or every image model for an audio checkpoint)."""
     removed = []
     encoders = {p.name for p in out.glob("encoder_*") if re.fullmatch(r"encoder_\d+", p.name)}
-    others = ({m for t in TARGETS.values() for m in t.models} | encoders) - set(target.models)
+    others = ({m for t in TARGETS.values() for m in t.models} | encoders) - set(models)
     for model in sorted(others):
         model_dir = out / model
         candidates = [model_dir / "config.pbtxt", model_dir / "1" / "model.py"]
@@ -178,7 +179,9 @@ def write_repository(
         target = dataclasses.replace(target, cpu_sets=model_cpu_sets(target, cpus, role))
     model_dir = Path(model_dir).resolve()
     out = Path(out)
-    _prune_other_targets(target, out)
+    if is_audio_checkpoint(model_dir):
+        return _write_audio_repository(target, model_dir, out, role)
+    _prune_other_models(target.models, out)
 
     _, dali_built = build_dali_artifact(target, model_dir, out / "preprocess" / "1", stamp_dir)
     build_video_dali_artifact(target, model_dir, out / "preprocess" / "1", stamp_dir)
@@ -196,11 +199,28 @@ def write_repository(
         out / "preprocess" / "1" / VIDEO_DALI_FILE,
         out / "vit_encoder" / "1" / ONNX_FILE,
     ]
-    served = role_models(target, role)
+    return written + _write_files(out, role_models(target, role), repository_files(target, model_dir, facts))
+
+
+def _write_audio_repository(target: Target, model_dir: Path, out: Path, role: Role) -> list[Path]:
+    """An audio checkpoint's repository: ``llm`` with the ``audio`` input. The image models
+    (their artefacts are the vision tower's) are not written, and their generated files go."""
+    if role != "all":
+        raise RepositoryBuildError(
+            f"an audio checkpoint is served by one server (--role all), not --role {role}: "
+            "its encode path does not run on encoder servers yet"
+        )
+    served = (contract.LLM_MODEL,)
+    _prune_other_models(served, out)
+    return _write_files(out, served, audio_llm_files(target, model_dir))
+
+
+def _write_files(out: Path, served: Sequence[str], files: dict[str, str]) -> list[Path]:
+    """Write the generated ``files`` of the ``served`` models (and their kept model code when the
+    repository is not model_repository/); remove the generated files of the others."""
     for model in served:  # an ensemble needs its (empty) version folder too
         (out / model / "1").mkdir(parents=True, exist_ok=True)
-    written += _copy_kept_model_code(out, served)
-    files = repository_files(target, model_dir, facts)
+    written = _copy_kept_model_code(out, served)
     for relative in files:  # generated files only: kept model code and artefacts stay
         if _model_of(relative) not in served and (out / relative).is_file():
             (out / relative).unlink()

@@ -179,6 +179,9 @@ class Target:
     # Video limits of ``llm`` (contract.VIDEO_LIMITS); ``video_codecs`` names what the target's
     # video decoder reads (DALI's CPU decoder / NVDEC), so ``llm`` accepts what ``epd`` will.
     video_limits: dict[str, Any] = field(default_factory=contract.video_limit_defaults)
+    # Audio limits of ``llm`` when it serves an audio checkpoint (contract.AUDIO_LIMITS; the
+    # sampling rate is the checkpoint's, builders/model_configs.py audio_llm_files).
+    audio_limits: dict[str, Any] = field(default_factory=lambda: {contract.MAX_AUDIOS: 2})
     # gpu only: GPUs per role and each engine's memory share (None: the cpu target).
     gpu_budget: GpuBudget | None = None
     # Test servers only: model name -> its ``test_pauses`` JSON (python_backends/runtime/stage_pauses.py).

@@ -1,4 +1,4 @@
-"""``triton-epd-client``: send a prompt and images to a running triton-epd server."""
+"""``triton-epd-client``: send a prompt, images and audio files to a running triton-epd server."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("prompt", help="the question or instruction")
     parser.add_argument("--image", action="append", type=Path, default=[], help="image file (repeatable)")
+    parser.add_argument(
+        "--audio", action="append", type=Path, default=[], help="audio file: WAV, FLAC, MP3, Ogg (repeatable; llm)"
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="llm, ensemble or epd")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--url", help="host:port (default localhost:8001 for gRPC, localhost:8000 for HTTP)")
@@ -28,21 +31,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         images = [path.read_bytes() for path in args.image]
+        audios = [path.read_bytes() for path in args.audio]
         sampling = {"max_tokens": args.max_tokens, **json.loads(args.sampling)}
     except (OSError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    prompt = args.prompt if args.raw else chat_prompt(args.prompt, len(images))
+    prompt = args.prompt if args.raw else chat_prompt(args.prompt, len(images), len(audios))
     try:
         if args.protocol == "grpc":
             client = GrpcClient(args.url or "localhost:8001", args.model)
             client.check_ready()
-            result = client.generate(prompt, images, sampling, on_text=lambda t: print(t, end="", flush=True))
+            result = client.generate(
+                prompt, images, sampling, on_text=lambda t: print(t, end="", flush=True), audios=audios
+            )
             print()
         else:
             client = HttpClient(args.url or "localhost:8000", args.model)
             client.check_ready()
-            result = client.generate(prompt, images, sampling)
+            result = client.generate(prompt, images, sampling, audios=audios)
             print(result.text)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Talk to triton-epd's user-facing models (``llm``, ``ensemble``, ``epd``) over gRPC or HTTP.
 
 The interface mirrors Triton's vllm_backend: ``text_input``, ``image`` (encoded
-images, one per element), ``stream``, ``sampling_parameters`` (JSON) and
-``exclude_input_in_output``. gRPC streams tokens as they are generated; HTTP returns
+images, one per element; ``video`` and ``audio`` likewise for ``llm``), ``stream``,
+``sampling_parameters`` (JSON) and ``exclude_input_in_output``. gRPC streams tokens as they are generated; HTTP returns
 the whole answer in one response.
 """
 
@@ -33,12 +33,14 @@ class ClientError(RuntimeError):
         self.status = status
 
 
-def chat_prompt(text: str, num_images: int) -> str:
-    """Qwen2-VL's chat format for one user turn with ``num_images`` images first."""
+def chat_prompt(text: str, num_images: int, num_audios: int = 0) -> str:
+    """The chat format for one user turn with ``num_audios`` audio clips (Qwen2-Audio's lines, as
+    its chat template writes them) and ``num_images`` images (Qwen2-VL's placeholders) first."""
+    audio = "".join(f"Audio {i}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" for i in range(1, num_audios + 1))
     vision = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
     return (
         f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
-        f"<|im_start|>user\n{vision}{text}<|im_end|>\n<|im_start|>assistant\n"
+        f"<|im_start|>user\n{audio}{vision}{text}<|im_end|>\n<|im_start|>assistant\n"
     )
 
 
@@ -121,6 +123,7 @@ def build_inputs(
     exclude_input_in_output: bool | None,
     one_image_uint8: bool = False,
     videos: Sequence[bytes] = (),
+    audios: Sequence[bytes] = (),
 ) -> list[Any]:
     def tensor(name: str, array: np.ndarray, dtype: str) -> Any:
         item = module.InferInput(name, list(array.shape), dtype)
@@ -134,6 +137,8 @@ def build_inputs(
         inputs.append(tensor("image", np.array(list(images), dtype=np.object_), "BYTES"))
     if videos:  # encoded video files (llm)
         inputs.append(tensor("video", np.array(list(videos), dtype=np.object_), "BYTES"))
+    if audios:  # encoded audio files (llm of an audio checkpoint)
+        inputs.append(tensor("audio", np.array(list(audios), dtype=np.object_), "BYTES"))
     inputs.append(tensor("stream", np.array([stream]), "BOOL"))
     if sampling:
         payload = json.dumps(sampling).encode("utf-8")
@@ -191,6 +196,7 @@ class GrpcClient:
         timeout_s: float = 600.0,
         parameters: dict[str, Any] | None = None,
         videos: Sequence[bytes] = (),
+        audios: Sequence[bytes] = (),
     ) -> GenerateResult:
         """One streaming request; raises ClientError with Triton's status on failure.
 
@@ -208,7 +214,7 @@ class GrpcClient:
             self._client.async_stream_infer(
                 self.model,
                 build_inputs(
-                    self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS, videos
+                    self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS, videos, audios
                 ),
                 enable_empty_final_response=True,  # every output the model sends
                 parameters=parameters,
@@ -296,6 +302,7 @@ class HttpClient:
         sampling: dict[str, Any] | None = None,
         exclude_input_in_output: bool = True,
         videos: Sequence[bytes] = (),
+        audios: Sequence[bytes] = (),
     ) -> GenerateResult:
         body: dict[str, Any] = {
             "text_input": prompt,
@@ -306,6 +313,8 @@ class HttpClient:
             body["image"] = [base64.b64encode(image).decode("ascii") for image in images]
         if videos:  # base64 in JSON, like images (llm)
             body["video"] = [base64.b64encode(video).decode("ascii") for video in videos]
+        if audios:  # base64 in JSON, like videos (llm of an audio checkpoint)
+            body["audio"] = [base64.b64encode(audio).decode("ascii") for audio in audios]
         if sampling:
             body["sampling_parameters"] = json.dumps(sampling)
         result = GenerateResult(started_at=time.perf_counter())

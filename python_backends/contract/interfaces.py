@@ -15,6 +15,7 @@ from python_backends.contract import names as n
 from python_backends.contract.names import ContractError
 
 __all__ = [
+    "AUDIO_LLM",
     "DECODE",
     "ENCODE",
     "ENCODER",
@@ -106,16 +107,22 @@ class ModelInterface:
             self.vllm_env,
         )
 
+    def without(self, *names: str) -> ModelInterface:
+        """The interface without the inputs ``names``."""
+        inputs = tuple(t for t in self.inputs if t.name not in names)
+        return ModelInterface(self.name, inputs, self.outputs, self.parameters, self.vllm_env)
+
     def taking_videos(self, max_videos: int) -> ModelInterface:
         """The interface a config declares for a model whose ``max_videos`` is ``max_videos``:
         without the ``video`` input when it is 0. A model that takes no video does not declare it:
         a client sees in the model's metadata that it takes none, a video is refused by Triton
         itself (unexpected input), and a client that must cover every optional input (perf_analyzer
         2.41's ``--shared-memory``) is not asked for a video an image request does not have."""
-        if max_videos > 0:
-            return self
-        inputs = tuple(t for t in self.inputs if t.name != n.VIDEO)
-        return ModelInterface(self.name, inputs, self.outputs, self.parameters, self.vllm_env)
+        return self if max_videos > 0 else self.without(n.VIDEO)
+
+    def taking_audios(self, max_audios: int) -> ModelInterface:
+        """As :meth:`taking_videos`, for ``audio``: declared only by a model of an audio checkpoint."""
+        return self if max_audios > 0 else self.without(n.AUDIO)
 
     def accepts_parameter(self, key: str) -> bool:
         if key in (n.TEST_PAUSES, n.CPUS):  # any python model (test pauses: the decoupled ones)
@@ -138,6 +145,7 @@ GENERATE_OUTPUTS = (
 _PROMPT = _tensor(n.TEXT_INPUT, "TYPE_STRING", 1)
 _ENCODED_IMAGES = _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True)  # one or more encoded files
 _ENCODED_VIDEOS = _tensor(n.VIDEO, "TYPE_STRING", -1, optional=True)  # llm, epd, encoders: video files
+_ENCODED_AUDIOS = _tensor(n.AUDIO, "TYPE_STRING", -1, optional=True)  # llm of an audio checkpoint: audio files
 _IMAGE_REFERENCES = _tensor(n.REFERENCES, "TYPE_STRING", -1, optional=True)  # <= 1 KB JSON each
 _ERRORS_AS_OUTPUTS = _tensor(n.ERRORS_AS_OUTPUTS, "TYPE_BOOL", 1, optional=True)
 # ``llm``, ``epd``: a client names its request (``request_id``) and stops it in-band with a control
@@ -158,15 +166,18 @@ LLM = ModelInterface(
         _PROMPT,
         _ENCODED_IMAGES,
         _ENCODED_VIDEOS,
+        _ENCODED_AUDIOS,
         _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, -1, n.HIDDEN_SIZE, optional=True),
         _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3, optional=True),
         *GENERATE_OPTIONS,
         *_CLIENT_ABORT,
     ),
     GENERATE_OUTPUTS,
-    (*n.LIMITS, *n.VIDEO_LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
+    (*n.LIMITS, *n.VIDEO_LIMITS, *n.AUDIO_LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
     vllm_env=True,
 )
+# ``llm`` of an audio checkpoint (Qwen2-Audio: audio in, no image or video).
+AUDIO_LLM = LLM.without(n.IMAGE, n.VIDEO, n.IMAGE_EMBEDS, n.IMAGE_GRID_THW)
 # ``ensemble``: encode's steps -> llm; exactly one image per request, as encode takes it.
 ENSEMBLE = ModelInterface(
     n.ENSEMBLE_MODEL, (_PROMPT, _tensor(n.IMAGE, "TYPE_UINT8", 1, -1), *GENERATE_OPTIONS), GENERATE_OUTPUTS
@@ -321,7 +332,7 @@ DECODE = ModelInterface(
 # Every interface by model name; a name may have one per target (cpu first, then gpu), and the
 # models that take video one without ``video`` for ``max_videos`` 0 (``taking_videos``).
 INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
-    n.LLM_MODEL: (LLM, LLM.taking_videos(0)),
+    n.LLM_MODEL: (LLM.taking_audios(0), LLM.taking_audios(0).taking_videos(0), AUDIO_LLM),
     n.ENSEMBLE_MODEL: (ENSEMBLE,),
     n.EPD_MODEL: (EPD, EPD.taking_videos(0)),
     n.PREPROCESS_MODEL: (PREPROCESS,),

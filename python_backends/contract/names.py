@@ -32,6 +32,7 @@ def encoder_model_names(count: int) -> tuple[str, ...]:
 TEXT_INPUT = "text_input"
 IMAGE = "image"
 VIDEO = "video"  # llm: one or more encoded videos
+AUDIO = "audio"  # llm of an audio checkpoint: one or more encoded audio files (WAV, FLAC, MP3, Ogg)
 STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
@@ -107,6 +108,13 @@ MAX_VIDEO_SECONDS = "max_video_seconds"
 MAX_FRAMES = "max_frames"
 VIDEO_CODECS = "video_codecs"
 VIDEO_LIMITS = (MAX_VIDEOS, MAX_VIDEO_BYTES, MAX_VIDEO_SECONDS, MAX_FRAMES, VIDEO_CODECS)
+# Audio limits of the models that take audio (python_backends/request/audios.py, AudioLimits);
+# ``audio_sampling_rate`` is the checkpoint feature extractor's rate, what clips are resampled to.
+MAX_AUDIOS = "max_audios"
+MAX_AUDIO_BYTES = "max_audio_bytes"
+MAX_AUDIO_SECONDS = "max_audio_seconds"
+AUDIO_SAMPLING_RATE = "audio_sampling_rate"
+AUDIO_LIMITS = (MAX_AUDIOS, MAX_AUDIO_BYTES, MAX_AUDIO_SECONDS, AUDIO_SAMPLING_RATE)
 # Embeddings by value (llm) and the store's grid check.
 IMAGE_EMBEDS_HIDDEN_SIZE = "image_embeds_hidden_size"
 SPATIAL_MERGE_SIZE = "spatial_merge_size"

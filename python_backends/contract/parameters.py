@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from python_backends.contract.names import (
     ADAPTIVE_POLICY,
+    AUDIO_LIMITS,
+    AUDIO_SAMPLING_RATE,
     CACHE_SCOPE,
     CHECKPOINT_SHARDS,
     CHECKPOINT_WEIGHT_BYTES,
@@ -31,6 +33,9 @@ from python_backends.contract.names import (
     INTRA_OP_THREADS,
     LIMITS,
     LOCAL_ENCODERS,
+    MAX_AUDIO_BYTES,
+    MAX_AUDIO_SECONDS,
+    MAX_AUDIOS,
     MAX_FRAMES,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -92,6 +97,7 @@ __all__ = [
     "default_of",
     "limit_defaults",
     "video_limit_defaults",
+    "audio_limit_defaults",
     "parameter",
     "parse_boolean",
     "parse_integer",
@@ -125,6 +131,11 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(MAX_VIDEO_SECONDS, 60.0, minimum=0.001),
         Parameter(MAX_FRAMES, 768, minimum=2),
         Parameter(VIDEO_CODECS, "vp8,vp9,mjpeg"),
+        # Defaults: python_backends.preprocess.audio.AudioLimits (kept equal by a test).
+        Parameter(MAX_AUDIOS, 0, minimum=0),  # 0: the model takes no audio (image checkpoints)
+        Parameter(MAX_AUDIO_BYTES, 25 << 20, minimum=1),
+        Parameter(MAX_AUDIO_SECONDS, 30.0, minimum=0.001),
+        Parameter(AUDIO_SAMPLING_RATE, 16_000, minimum=1),
         Parameter(IMAGE_EMBEDS_HIDDEN_SIZE, 0, minimum=1),  # 0: embeddings by value refused
         Parameter(SPATIAL_MERGE_SIZE, 2, minimum=1),
         Parameter(ENCODE_MODEL_KEY, ENCODE_MODEL),
@@ -187,6 +198,11 @@ def limit_defaults() -> dict[str, int]:
 def video_limit_defaults() -> dict[str, Any]:
     """``llm``'s video limits every target starts from."""
     return {key: default_of(key) for key in VIDEO_LIMITS}
+
+
+def audio_limit_defaults() -> dict[str, Any]:
+    """The audio limits of a model that takes audio (``max_audios`` 0: none)."""
+    return {key: default_of(key) for key in AUDIO_LIMITS}
 
 
 def _minimum(key: str, minimum: float | None) -> float:

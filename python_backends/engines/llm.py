@@ -96,8 +96,11 @@ class LlmEngine:
         images: list[Image.Image],
         request_id: str,
         videos: Sequence[LoadedVideo] = (),
+        audios: Sequence[tuple[Any, int]] = (),
     ) -> AsyncIterator[GenerationChunk]:
-        """``videos``: what vLLM's own loader returned (python_backends.engines.videos.load_videos)."""
+        """``videos``: what vLLM's own loader returned (python_backends.engines.videos.load_videos);
+        ``audios``: (mono float32 samples, their rate) per clip (python_backends.request.audios), at
+        the feature extractor's rate, so vLLM does not resample."""
         mm_data: dict[str, Any] = {}
         if request.image_embeds is not None:
             mm_data.update(request.image_embeds.multi_modal_data())
@@ -105,6 +108,8 @@ class LlmEngine:
             mm_data["image"] = images
         if videos:
             mm_data["video"] = list(videos)
+        if audios:
+            mm_data["audio"] = list(audios)
         async for chunk in self.generate_prompt(vllm_prompt(request.prompt, mm_data=mm_data), request, request_id):
             yield chunk
 

@@ -34,6 +34,9 @@ _MM_HASH = re.compile(rb"mm_hash:([0-9a-f]{64})")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+# Qwen2-Audio's, as its chat template writes it per clip (vLLM expands <|AUDIO|> to the clip's tokens).
+AUDIO_PAD = "<|AUDIO|>"
+AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class RequestLimits:
     # ``video`` items accepted (up to this many). Their header checks and decode are
     # python_backends.engines.videos's on ``llm``, the encoders' video preprocessing on ``epd``.
     max_videos: int = 0
+    # ``audio`` items accepted (up to this many; python_backends.request.audios decodes them).
+    max_audios: int = 0
 
 
 def request_limits(
@@ -55,6 +60,7 @@ def request_limits(
     image_embeds: EmbedsSpec | None = None,
     accept_mm_hash: bool = False,
     max_videos: int = 0,
+    max_audios: int = 0,
 ) -> RequestLimits:
     """The user-facing limits from a model's config.pbtxt parameters (llm, epd)."""
     return RequestLimits(
@@ -67,6 +73,7 @@ def request_limits(
         image_embeds=image_embeds,
         accept_mm_hash=accept_mm_hash,
         max_videos=max_videos,
+        max_audios=max_audios,
     )
 
 
@@ -91,6 +98,8 @@ class GenerateRequest:
     # their count; ``llm`` checks and loads them, ``epd`` takes raw bytes (raw_videos) and its
     # encoders check the containers.
     videos: list[bytes] = field(default_factory=list)
+    # Encoded audio clips as sent (raw or base64); ``llm`` decodes them (request/audios.py).
+    audios: list[bytes] = field(default_factory=list)
 
 
 def _scalar(inputs: Mapping[str, np.ndarray], name: str) -> Any | None:
@@ -142,14 +151,23 @@ def with_image_placeholders(text: str, num_images: int) -> str:
 
 def with_video_placeholders(text: str, num_videos: int) -> str:
     """As :func:`with_image_placeholders`, for ``<|video_pad|>``: the client's, or prepended."""
-    written = text.count(VIDEO_PAD)
-    if written == num_videos:
+    return _with_placeholders(text, num_videos, VIDEO_PAD, VIDEO_PLACEHOLDER, "videos")
+
+
+def with_audio_placeholders(text: str, num_audios: int) -> str:
+    """As :func:`with_image_placeholders`, for ``<|AUDIO|>``: the client's, or prepended."""
+    return _with_placeholders(text, num_audios, AUDIO_PAD, AUDIO_PLACEHOLDER, "audios")
+
+
+def _with_placeholders(text: str, count: int, pad: str, placeholder: str, what: str) -> str:
+    written = text.count(pad)
+    if written == count:
         return text
     if written == 0:
-        return VIDEO_PLACEHOLDER * num_videos + text
+        return placeholder * count + text
     raise invalid_arg(
-        f"text_input has {written} {VIDEO_PAD} placeholders but the request has "
-        f"{num_videos} videos; write one per video or none"
+        f"text_input has {written} {pad} placeholders but the request has {count} {what}; "
+        f"write one per {what[:-1]} or none"
     )
 
 
@@ -197,8 +215,9 @@ def parse_generate_request(
     images = [_image_item(item, i, limits) for i, item in enumerate(raw_images)]
     num_images = len(images) + (embeds.num_images if embeds is not None else 0)
     videos = _encoded_items(inputs, contract.VIDEO, "videos", limits.max_videos)
-    if not text and not num_images and not videos:
-        raise invalid_arg("text_input is empty and no image or video was given")
+    audios = _encoded_items(inputs, contract.AUDIO, "audios", limits.max_audios)
+    if not text and not num_images and not videos and not audios:
+        raise invalid_arg("text_input is empty and no image, video or audio was given")
 
     stream = bool(_bool(inputs, contract.STREAM))
     exclude = _bool(inputs, contract.EXCLUDE_INPUT_IN_OUTPUT)
@@ -214,13 +233,16 @@ def parse_generate_request(
     )
     return GenerateRequest(
         # Videos' placeholders go in first so that, prepended, images come before videos.
-        prompt=with_image_placeholders(with_video_placeholders(text, len(videos)), num_images),
+        prompt=with_image_placeholders(
+            with_video_placeholders(with_audio_placeholders(text, len(audios)), len(videos)), num_images
+        ),
         images=images,
         stream=stream,
         sampling=sampling,
         exclude_input_in_output=exclude,
         image_embeds=embeds,
         videos=videos,
+        audios=audios,
     )
 
 

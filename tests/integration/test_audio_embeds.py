@@ -103,8 +103,9 @@ def test_the_served_encode_chain_gives_vllms_tokens_on_the_same_samples(engine: 
     from vllm import SamplingParams
 
     from bench.audio_clips import encoded, wav
-    from python_backends.preprocess.audio import AudioLimits, DaliAudioFeatures, decode_audio
+    from python_backends.preprocess.audio import DaliAudioFeatures
     from python_backends.preprocess.audio_pipeline import AudioFeatureConfig
+    from python_backends.request.audios import AudioLimits, decode_audio
 
     data = {
         "wav": lambda: wav(clip(7.3, 660.0, seed=7)),

@@ -4,29 +4,19 @@ bad audio is one INVALID_ARG naming the problem, found in bounded memory."""
 
 from __future__ import annotations
 
-import struct
 import tracemalloc
 
 import numpy as np
 import pytest
 
-from bench.audio_clips import encoded, pcm16, tone, wav
+from bench.audio_clips import BAD_AUDIO, CLIP, TOO_MANY_BYTES_LIMIT, claims_hours, encoded, pcm16, tone, wav
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.preprocess.audio import AudioLimits, DaliAudioFeatures, decode_audio
+from python_backends.preprocess.audio import DaliAudioFeatures
 from python_backends.preprocess.audio_pipeline import AudioFeatureConfig
+from python_backends.request.audios import AudioLimits, decode_audio
 
 RATE = 16_000
 LIMITS = AudioLimits()
-CLIP = tone(3.0, 440.0, seed=11)
-
-
-def claims_hours(data: bytes) -> bytes:
-    """A WAV whose RIFF and data chunk sizes say ~37 hours."""
-    out = bytearray(data)
-    at = out.find(b"data")
-    out[at + 4 : at + 8] = struct.pack("<I", 0xFFFFFF00)
-    out[4:8] = struct.pack("<I", 0xFFFFFF00 + 36)
-    return bytes(out)
 
 
 GOOD = {
@@ -39,26 +29,11 @@ GOOD = {
     "wav 44.1 kHz": lambda: wav(tone(3.0, 440.0, seed=11, rate=44_100), rate=44_100),
 }
 
-BAD = {  # name: (bytes, what the message says)
-    "empty": (lambda: b"", "empty"),
-    "not audio": (lambda: b"\x00\x01nonsense" * 100, "not an audio file"),
-    "an image": (lambda: b"\x89PNG\r\n\x1a\n" + b"\0" * 100, "no audio stream"),
-    "header only": (lambda: wav(CLIP)[:44], "no audio samples"),
-    "truncated wav": (lambda: wav(CLIP)[: len(wav(CLIP)) // 3], "truncated: the header says 3.00 s"),
-    "truncated mp3": (lambda: encoded(CLIP, "mp3", "libmp3lame")[:2000], "truncated"),
-    "truncated flac": (lambda: encoded(CLIP, "flac", "flac")[:20000], "corrupt audio"),
-    "too long": (lambda: wav(tone(31.0, 440.0)), "31.0 s long, above the limit of 30 s (max_audio_seconds)"),
-    "header claims hours": (lambda: claims_hours(wav(CLIP)), "134217.7 s long, above the limit"),
-    # FFmpeg's Ogg demuxer says 3.9 s for this 31 s file: caught by counting samples as they decode
-    "longer than its header says": (lambda: encoded(tone(31.0, 440.0), "ogg", "libvorbis"), "longer than the limit"),
-    "too many bytes": (lambda: wav(tone(1.0, 440.0)), "above the limit of 1000 (max_audio_bytes)"),
-}
 
-
-@pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.parametrize("name", list(BAD_AUDIO))
 def test_bad_audio_is_invalid_arg_naming_the_problem(name: str) -> None:
-    make, says = BAD[name]
-    limits = AudioLimits(max_bytes=1000) if name == "too many bytes" else LIMITS
+    make, says = BAD_AUDIO[name]
+    limits = AudioLimits(max_bytes=TOO_MANY_BYTES_LIMIT) if name == "too many bytes" else LIMITS
     with pytest.raises(EpdError) as caught:
         decode_audio(make(), 2, limits, RATE)
     assert caught.value.code is ErrorCode.INVALID_ARG

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,8 +22,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from builders.default_model import build_default_model
-from builders.repository import TARGETS, write_repository
+from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
+from builders.repository import TARGETS, RepositoryBuildError, write_repository
 from python_backends import contract
 from python_backends.runtime.model_params import ModelParameters
 from tests.unit.repository_helpers import FACTS, fake_artifact_builds
@@ -305,3 +306,24 @@ out["t8"]; INPUT_NAMES = ("t9",); pb_utils.InferenceRequest(model_name="m1", req
 """
     found = {(kind, name) for kind, name, _ in literal_names(ast.parse(code))}
     assert found == {("tensor", f"t{i}") for i in range(1, 11)} | {("parameter", "p1"), ("model", "m1")}
+
+
+def test_an_audio_checkpoints_repository_is_llm_with_audio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audio checkpoint's repository, written over an image one: ``llm`` alone, declaring the
+    contract's audio interface, its limits and the checkpoint's sampling rate; the image models'
+    generated files are gone and its engine takes audio only."""
+    fake_artifact_builds(monkeypatch)
+    out = tmp_path / "repository"
+    write_repository("cpu", build_default_model(), out, tmp_path / "stamps")
+    audio_model = build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio")
+    write_repository("cpu", audio_model, out, tmp_path / "stamps")
+    configs = {c.name: c for c in generated_configs(out)}
+    assert set(configs) == {contract.LLM_MODEL}
+    assert declared_interface(configs[contract.LLM_MODEL]) == contract.AUDIO_LLM
+    values = {key: entry.string_value for key, entry in configs[contract.LLM_MODEL].parameters.items()}
+    assert values[contract.MAX_AUDIOS] == "2" and values[contract.AUDIO_SAMPLING_RATE] == "16000"
+    assert values[contract.MAX_IMAGES] == "0" and values[contract.MAX_VIDEOS] == "0"
+    engine_args = json.loads((out / "llm" / "1" / "engine_args.json").read_text())
+    assert engine_args["limit_mm_per_prompt"] == {"audio": 2} and engine_args["model"] == str(audio_model)
+    with pytest.raises(RepositoryBuildError, match="--role all"):
+        write_repository("cpu", audio_model, tmp_path / "encoder", tmp_path / "stamps", role="encoder")

@@ -10,7 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builders.default_model import ModelDirError, build_default_model, is_complete_build, main
+from builders.default_model import (
+    ModelDirError,
+    build_default_model,
+    is_audio_checkpoint,
+    is_complete_build,
+    main,
+    resolve_model,
+)
 from builders.tiny_audio import AUDIO_ENCODER_SHARD, AUDIO_TOKENS, LANGUAGE_SHARD, is_audio_encoder_key
 
 
@@ -49,6 +56,18 @@ def test_the_processor_gives_one_audio_token_per_40_ms(audio_dir: Path, seconds:
     assert out["input_features"].shape == (1, 128, 3000)  # Whisper's 30 s window
     audio_id = processor.tokenizer.convert_tokens_to_ids("<|AUDIO|>")
     assert int((out["input_ids"] == audio_id).sum()) == tokens
+
+
+def test_it_is_served_as_an_audio_checkpoint(audio_dir: Path, tmp_path: Path) -> None:
+    assert resolve_model(audio_dir) == audio_dir and is_audio_checkpoint(audio_dir)
+    assert not is_audio_checkpoint(build_default_model())
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    for path in audio_dir.iterdir():
+        if path.name != "preprocessor_config.json":
+            (lacking / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(ModelDirError, match="not a complete Qwen2-Audio checkpoint: no feature extractor config"):
+        resolve_model(lacking)
 
 
 def test_recipes_are_stamped_apart(audio_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
