@@ -210,8 +210,18 @@ def _write_audio_repository(target: Target, model_dir: Path, out: Path, role: Ro
             f"an audio checkpoint is served by one server (--role all), not --role {role}: "
             "its encode path does not run on encoder servers yet"
         )
+    if out.resolve() == DEFAULT_REPOSITORY.resolve():
+        raise RepositoryBuildError(
+            f"an audio checkpoint's repository goes in a folder of its own (e.g. --model-repository "
+            f"build/repo-audio): {DEFAULT_REPOSITORY.name}/ holds the image models' code"
+        )
     served = (contract.LLM_MODEL,)
-    _prune_other_models(served, out)
+    # Triton loads every folder of the repository: an image model's artefacts left behind (its
+    # model.onnx, model.dali) would be a model without a config, and the server would not start.
+    for model in sorted({m for t in TARGETS.values() for m in t.models} - set(served)):
+        shutil.rmtree(out / model, ignore_errors=True)
+    for folder in out.glob("encoder_*"):
+        shutil.rmtree(folder, ignore_errors=True)
     return _write_files(out, served, audio_llm_files(target, model_dir))
 
 

@@ -198,6 +198,13 @@ def _image_item(item: bytes, index: int, limits: RequestLimits) -> bytes | Cache
     return CachedImage(match.group(1).decode())
 
 
+def _media_taken(limits: RequestLimits) -> str:
+    """What a model takes besides text, in words: "image or video", "audio"."""
+    counts = (("image", limits.images.max_images), ("video", limits.max_videos), ("audio", limits.max_audios))
+    kinds = [kind for kind, count in counts if count] or ["media"]
+    return " or ".join(kinds) if len(kinds) < 3 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+
+
 def parse_generate_request(
     inputs: Mapping[str, np.ndarray], limits: RequestLimits
 ) -> GenerateRequest:
@@ -217,7 +224,7 @@ def parse_generate_request(
     videos = _encoded_items(inputs, contract.VIDEO, "videos", limits.max_videos)
     audios = _encoded_items(inputs, contract.AUDIO, "audios", limits.max_audios)
     if not text and not num_images and not videos and not audios:
-        raise invalid_arg("text_input is empty and no image, video or audio was given")
+        raise invalid_arg(f"text_input is empty and no {_media_taken(limits)} was given")
 
     stream = bool(_bool(inputs, contract.STREAM))
     exclude = _bool(inputs, contract.EXCLUDE_INPUT_IN_OUTPUT)

@@ -4,7 +4,6 @@ placed in the prompt, how raw or base64 bytes are read, and where the limits com
 from __future__ import annotations
 
 import base64
-import dataclasses
 
 import numpy as np
 import pytest
@@ -14,9 +13,10 @@ from python_backends import contract
 from python_backends.errors import EpdError
 from python_backends.request.audios import AudioInput, AudioLimits, audio_bytes
 from python_backends.request.generate import AUDIO_PLACEHOLDER, RequestLimits, parse_generate_request
+from python_backends.request.images import ImageLimits
 from python_backends.runtime.model_params import ModelParameters
 
-AUDIO_LIMITS = dataclasses.replace(RequestLimits(), max_audios=2)
+AUDIO_LIMITS = RequestLimits(images=ImageLimits(max_images=0), max_audios=2)  # an audio checkpoint's llm
 
 
 def request(text: str, clips: list[bytes], limits: RequestLimits = AUDIO_LIMITS):
@@ -41,6 +41,8 @@ def test_audio_is_counted_against_max_audios() -> None:
     with pytest.raises(EpdError, match="this model takes no audio"):
         request("x", [b"a"], RequestLimits())
     assert request("", [b"a"]).audios == [b"a"]  # a clip alone is a request
+    with pytest.raises(EpdError, match="text_input is empty and no audio was given"):
+        request("", [])
 
 
 def test_raw_and_base64_clips_decode_to_the_same_samples() -> None:

@@ -311,7 +311,7 @@ out["t8"]; INPUT_NAMES = ("t9",); pb_utils.InferenceRequest(model_name="m1", req
 def test_an_audio_checkpoints_repository_is_llm_with_audio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An audio checkpoint's repository, written over an image one: ``llm`` alone, declaring the
     contract's audio interface, its limits and the checkpoint's sampling rate; the image models'
-    generated files are gone and its engine takes audio only."""
+    folders are gone and its engine takes audio only; model_repository/ (the kept code) is refused."""
     fake_artifact_builds(monkeypatch)
     out = tmp_path / "repository"
     write_repository("cpu", build_default_model(), out, tmp_path / "stamps")
@@ -319,6 +319,8 @@ def test_an_audio_checkpoints_repository_is_llm_with_audio(tmp_path: Path, monke
     write_repository("cpu", audio_model, out, tmp_path / "stamps")
     configs = {c.name: c for c in generated_configs(out)}
     assert set(configs) == {contract.LLM_MODEL}
+    # Nothing else is left for Triton to find (an image model's artefacts would stop its start).
+    assert {p.name for p in out.iterdir()} == {contract.LLM_MODEL}
     assert declared_interface(configs[contract.LLM_MODEL]) == contract.AUDIO_LLM
     values = {key: entry.string_value for key, entry in configs[contract.LLM_MODEL].parameters.items()}
     assert values[contract.MAX_AUDIOS] == "2" and values[contract.AUDIO_SAMPLING_RATE] == "16000"
@@ -327,3 +329,5 @@ def test_an_audio_checkpoints_repository_is_llm_with_audio(tmp_path: Path, monke
     assert engine_args["limit_mm_per_prompt"] == {"audio": 2} and engine_args["model"] == str(audio_model)
     with pytest.raises(RepositoryBuildError, match="--role all"):
         write_repository("cpu", audio_model, tmp_path / "encoder", tmp_path / "stamps", role="encoder")
+    with pytest.raises(RepositoryBuildError, match="a folder of its own"):
+        write_repository("cpu", audio_model, REPO_ROOT / "model_repository", tmp_path / "stamps")
