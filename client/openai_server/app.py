@@ -2,7 +2,7 @@
 
 A chat is checked and rendered first (400 before anything reaches Triton), then forwarded.
 Streamed or not, the app waits for Triton's first response before it answers, so an error the
-model raises before its first token (a bad image or video, a parameter out of range) is an HTTP error
+model raises before its first token (a bad image, video or audio file, a parameter out of range) is an HTTP error
 with its status; a later one ends the SSE stream with an ``error`` event. Usage counts are
 Triton's ``num_input_tokens`` / ``num_output_tokens``.
 """
@@ -116,7 +116,14 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
         parameters = {"tenant": tenant} if tenant else None
         chunks = backend.generate(
             ChatRequest(
-                body.model, chat.prompt, chat.images, body.sampling_parameters(), request_id, parameters, chat.videos
+                body.model,
+                chat.prompt,
+                chat.images,
+                body.sampling_parameters(),
+                request_id,
+                parameters,
+                chat.videos,
+                chat.audios,
             )
         )
         first = await _first_chunk(chunks)

@@ -46,7 +46,31 @@ class VideoUrlPart(_Strict):
     video_url: VideoUrl
 
 
-ContentPart = Annotated[TextPart | ImageUrlPart | VideoUrlPart, Field(discriminator="type")]
+class AudioUrl(_Strict):
+    url: str
+
+
+class AudioUrlPart(_Strict):
+    """vLLM's extension: an encoded audio file (``data:`` URI or ``file://`` URL)."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioUrl
+
+
+class InputAudio(_Strict):
+    data: str = Field(description="the encoded audio file, base64")
+    format: str = Field(description="the file's format: wav, mp3, flac, ogg or opus")
+
+
+class InputAudioPart(_Strict):
+    """OpenAI's audio part: a base64 audio file and its format."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+MediaPart = ImageUrlPart | VideoUrlPart | AudioUrlPart | InputAudioPart
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
 
 
 class Message(_Strict):

@@ -20,7 +20,7 @@ from client.epd_client import build_inputs
 from client.grpc_streams import GRACE_S, InBandAbort, StreamEnds
 from client.openai_server.errors import OpenAIError, from_triton_message, not_ready
 
-# The user-facing models that take a chat prompt, images and videos (``ensemble`` takes exactly one image).
+# The user-facing models that take a chat prompt and media (``ensemble`` takes exactly one image).
 CHAT_MODELS = ("epd", "llm")
 log = logging.getLogger("openai_server")
 
@@ -28,8 +28,9 @@ log = logging.getLogger("openai_server")
 @dataclass(frozen=True)
 class ChatRequest:
     """One chat as Triton gets it: the model, the rendered prompt, the images in message order,
-    the sampling parameters, the request id, the Triton request parameters (the tenant) and the
-    videos in message order (the ``video`` input)."""
+    the sampling parameters, the request id, the Triton request parameters (the tenant), the
+    videos in message order (the ``video`` input) and the audio files in message order (the
+    ``audio`` input)."""
 
     model: str
     prompt: str
@@ -38,6 +39,7 @@ class ChatRequest:
     request_id: str
     parameters: dict[str, Any] | None = None
     videos: Sequence[bytes] = ()
+    audios: Sequence[bytes] = ()
 
 
 @dataclass
@@ -139,7 +141,14 @@ class TritonChatBackend:
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[Chunk]:
         inputs = build_inputs(
-            self._grpc, request.prompt, request.images, True, request.sampling, None, videos=request.videos
+            self._grpc,
+            request.prompt,
+            request.images,
+            True,
+            request.sampling,
+            None,
+            videos=request.videos,
+            audios=request.audios,
         )
         abort = None
         if await self.aborts.supported(request.model):

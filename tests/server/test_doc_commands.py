@@ -42,12 +42,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.audio_clips import tone, wav
 from bench.perf_analyzer_tool import locate
 from bench.server_stats import scrape_required
 from builders.launcher import SAMPLE_IMAGE, SAMPLE_PROMPT, prepare
 from builders.processes import ProcessGroup, StopReport, http_ok, log_lines_with, wait_until_ready
 from builders.tritonserver import PROBLEM_MARKERS, REPO_ROOT, Ports, TritonServer, find_tritonserver, free_port
-from client.epd_client import chat_prompt
+from client.epd_client import GrpcClient, chat_prompt
 from tests.doc_commands import (
     REGISTRY,
     Block,
@@ -62,6 +63,7 @@ from tests.doc_commands import (
 from tests.images import synthetic_image, with_note
 from tests.server.conftest import CACHE_POLICY, LOG_DIR, SLOT, TEST_EXIT_TIMEOUT_S, check_stop
 from tests.server.test_epd_acceptance import Answer, stream_generate
+from tests.server.test_llm_audio import audio_repository, audio_server  # noqa: F401  (fixtures: an audio server)
 from tests.server.test_openai import api_url  # noqa: F401  (a fixture: the OpenAI API in front of the session server)
 
 pytestmark = pytest.mark.server
@@ -394,6 +396,25 @@ def run_make_serve(block: Block, request: pytest.FixtureRequest, tmp_path: Path)
         answer_one(server.grpc_url)
 
 
+def answer_audio(grpc_url: str) -> None:
+    """One llm request with a clip, greedy: a real answer with all its tokens."""
+    client = GrpcClient(grpc_url, "llm")
+    try:
+        clip = wav(tone(3.0, 440.0, seed=11))
+        result = client.generate(chat_prompt("What is it?", 0, num_audios=1), sampling=SAMPLING, audios=[clip])
+    finally:
+        client.close()
+    assert result.num_output_tokens == SAMPLING["max_tokens"] and result.num_input_tokens > 75, result
+
+
+def run_serve_audio(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    # As written: `make serve-audio` takes no port or folder options (ports 8000-8002, build/repo-audio).
+    (command,) = commands(block.text)
+    require_free(*dataclasses.astuple(FIXED))
+    with served(block, [(command, FIXED)], doc_env()) as (server,):
+        answer_audio(server.grpc_url)
+
+
 def run_tritonserver(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """Triton run by hand on the repository the builders wrote (the block before), "with the
     backend dir and env of builders/tritonserver.py": a ``tritonserver`` first on PATH that is the
@@ -482,6 +503,17 @@ def run_client_cli(block: Block, request: pytest.FixtureRequest, tmp_path: Path)
                        re.MULTILINE)  # fmt: skip
     assert counts, output
     assert output[: counts.start()].strip(), f"no answer text:\n{output}"  # both answers come before the counts
+
+
+def run_client_audio(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Filled: clip.wav -> a 3 s WAV written here; the client's default port -> ``--url`` with the
+    audio server's (test_llm_audio's: the tiny Qwen2-Audio's repository)."""
+    server: TritonServer = request.getfixturevalue("audio_server")
+    (tmp_path / "clip.wav").write_bytes(wav(tone(3.0, 440.0, seed=11)))
+    (line,) = commands(block.text)
+    line = with_args(line.replace(" clip.wav", f" {tmp_path / 'clip.wav'}"), ["--url", server.grpc_url])
+    output = run_block(line, log_path(block), timeout_s=600)
+    assert re.search(r"^\[(\d{2,}) input tokens, [1-9]\d* output tokens", output, re.MULTILINE), output
 
 
 def run_openai_curl(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
@@ -643,6 +675,8 @@ RUNNERS: dict[str, Runner] = {
     "advise": run_advise,
     "bench-compare": run_bench_compare,
     "audio-parity": run_audio_parity,
+    "serve-audio": run_serve_audio,
+    "client-audio": run_client_audio,
     "serve-checkpoint": run_serve_checkpoint,
     "benchmark": run_benchmark,
     "aiperf": run_benchmark,

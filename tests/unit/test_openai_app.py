@@ -17,13 +17,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from builders.default_model import build_default_model
+from bench.audio_clips import tone, wav
+from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
 from client.epd_client import chat_prompt
 from client.openai_server.app import _sse, create_app
 from client.openai_server.errors import from_triton_message
 from client.openai_server.prompt import ChatRenderer, MediaPolicy
 from client.openai_server.triton_backend import ChatRequest, Chunk
-from python_backends.request.generate import VIDEO_PLACEHOLDER
+from python_backends.request.generate import AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDER
 from tests.images import synthetic_image
 from tests.videos import ClipSpec, make_clip
 
@@ -138,7 +139,28 @@ def test_a_video_part_reaches_triton_as_a_video(client: openai.OpenAI, backend: 
     assert (call.images, call.videos) == ([IMAGE], [CLIP])
 
 
-def test_the_triton_request_carries_the_videos_as_the_video_input():
+AUDIO = wav(tone(0.5, 440.0, seed=9))
+AUDIO_PART = {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}
+
+
+def test_audio_parts_reach_triton_as_audio(backend: FakeBackend):
+    renderer = ChatRenderer.from_checkpoint(
+        build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio"), MediaPolicy()
+    )
+    with TestClient(create_app(backend, renderer)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        url_part = {
+            "type": "audio_url",
+            "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(b"x" + AUDIO).decode()},
+        }
+        user = {"role": "user", "content": [AUDIO_PART, url_part, {"type": "text", "text": "What?"}]}
+        client.chat.completions.create(model="llm", messages=[user], max_tokens=3)  # type: ignore[list-item]
+    (call,) = backend.calls
+    assert call.prompt == chat_prompt("What?", 0, 2) and call.prompt.count(AUDIO_PLACEHOLDER) == 2
+    assert (call.images, call.videos, call.audios) == ([], [], [AUDIO, b"x" + AUDIO])
+
+
+def test_the_triton_request_carries_the_videos_and_audios_as_their_inputs():
     from client.openai_server.triton_backend import TritonChatBackend
 
     sent: list[dict[str, Any]] = []
@@ -161,16 +183,18 @@ def test_the_triton_request_carries_the_videos_as_the_video_input():
     async def run() -> None:
         backend = TritonChatBackend("unused:1")
         backend._client = FakeClient()
-        request = ChatRequest("llm", "p", [IMAGE], {}, "id", videos=[CLIP, b"second"])
+        request = ChatRequest("llm", "p", [IMAGE], {}, "id", videos=[CLIP, b"second"], audios=[AUDIO])
         assert [chunk async for chunk in backend.generate(request)] == []
         await backend._client.task
 
     asyncio.run(run())
     (request,) = sent
     inputs = {item.name(): item for item in request["inputs"]}
-    assert {"text_input", "image", "video"} <= set(inputs)
+    assert {"text_input", "image", "video", "audio"} <= set(inputs)
     assert inputs["video"].datatype() == "BYTES" and inputs["video"].shape() == [2]
     assert CLIP in bytes(inputs["video"]._raw_content) and IMAGE not in bytes(inputs["video"]._raw_content)
+    assert inputs["audio"].datatype() == "BYTES" and inputs["audio"].shape() == [1]
+    assert AUDIO in bytes(inputs["audio"]._raw_content) and CLIP not in bytes(inputs["audio"]._raw_content)
 
 
 def test_max_tokens_is_taken_too(client: openai.OpenAI, backend: FakeBackend):
@@ -269,6 +293,34 @@ def chat(**fields: Any) -> dict[str, Any]:
             "messages[0].content[1].video_url",
             "remote video URLs are not fetched",
         ),  # fmt: skip
+        (
+            chat(
+                messages=[
+                    {"role": "user", "content": [AUDIO_PART | {"input_audio": {"data": "AAAA", "format": "aac"}}]}
+                ]
+            ),
+            "messages[0].content[0].input_audio.format",
+            "not one of wav, mp3, flac, ogg, opus",
+        ),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}],
+                    }
+                ]
+            ),
+            "messages[0].content[0].input_audio",
+            "not valid base64",
+        ),
+        (
+            chat(
+                messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "http://x/a.wav"}}]}]
+            ),
+            "messages[0].content[0].audio_url",
+            "remote audio URLs are not fetched",
+        ),
     ],
 )
 def test_bad_requests_are_400_and_nothing_reaches_triton(http, backend, body, param, fragment):

@@ -1,7 +1,7 @@
-"""Chat messages -> prompt, images and videos: the same prompt ``vllm serve`` renders (checked
-against vLLM's own chat parsing and template code on the tiny checkpoint), images and videos in
+"""Chat messages -> prompt, images, videos and audio files: the same prompt ``vllm serve`` renders
+(checked against vLLM's own chat parsing and template code on the tiny checkpoints), media in
 message order, and the media policy (data URIs, file:// only under the media folder, never a
-network fetch, a byte limit per kind)."""
+network fetch, a byte limit per kind, input_audio's formats)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,21 @@ from pathlib import Path
 
 import pytest
 
+from bench.audio_clips import tone, wav
+from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
 from client.epd_client import chat_prompt
 from client.openai_server.errors import OpenAIError
-from client.openai_server.prompt import ChatRenderer, MediaPolicy, template_takes_parts
-from client.openai_server.schemas import ChatCompletionRequest, Message
-from python_backends.request.generate import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from client.openai_server.prompt import AUDIO_FORMATS, ChatRenderer, MediaPolicy, template_takes_parts
+from client.openai_server.schemas import AudioUrlPart, ChatCompletionRequest, InputAudioPart, Message
+from python_backends import contract
+from python_backends.request.generate import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from python_backends.request.videos import VideoLimits
 from tests.images import synthetic_image
 from tests.videos import ClipSpec, make_clip
 
 IMAGES = [synthetic_image(32 + 8 * i, 32, i) for i in range(3)]
 CLIPS = [make_clip(ClipSpec("vp8", 64, 48, 5, 1.0, seed=30 + i)) for i in range(2)]
+AUDIOS = [wav(tone(0.5 + 0.25 * i, 440.0, seed=40 + i)) for i in range(3)]
 
 
 def data_uri(data: bytes, mime: str = "image/jpeg") -> str:
@@ -35,6 +39,14 @@ def video_part(data: bytes) -> dict:
     return {"type": "video_url", "video_url": {"url": data_uri(data, "video/webm")}}
 
 
+def input_audio_part(data: bytes, format: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode("ascii"), "format": format}}
+
+
+def audio_url_part(data: bytes) -> dict:
+    return {"type": "audio_url", "audio_url": {"url": data_uri(data, "audio/wav")}}
+
+
 def messages(raw: list[dict]) -> list[Message]:
     return ChatCompletionRequest(model="llm", messages=raw).messages
 
@@ -42,6 +54,17 @@ def messages(raw: list[dict]) -> list[Message]:
 @pytest.fixture(scope="module")
 def renderer(model_dir: Path) -> ChatRenderer:
     return ChatRenderer.from_checkpoint(model_dir, MediaPolicy())
+
+
+@pytest.fixture(scope="module")
+def audio_dir() -> Path:
+    """The tiny Qwen2-Audio checkpoint (its chat template: builders/tiny_audio.py)."""
+    return build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio")
+
+
+@pytest.fixture(scope="module")
+def audio_renderer(audio_dir: Path) -> ChatRenderer:
+    return ChatRenderer.from_checkpoint(audio_dir, MediaPolicy())
 
 
 CHATS = {
@@ -93,6 +116,28 @@ CHATS = {
 }
 
 
+AUDIO_CHATS = {
+    "one audio": [{"role": "user", "content": [input_audio_part(AUDIOS[0]), {"type": "text", "text": "What?"}]}],
+    "both audio parts between texts": [
+        {"role": "system", "content": "Listen."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "First"},
+                audio_url_part(AUDIOS[0]),
+                {"type": "text", "text": "then"},
+                input_audio_part(AUDIOS[1]),
+            ],
+        },
+    ],
+    "audios across turns": [
+        {"role": "user", "content": [audio_url_part(AUDIOS[2])]},
+        {"role": "assistant", "content": "A tone."},
+        {"role": "user", "content": [input_audio_part(AUDIOS[0]), {"type": "text", "text": "Same?"}]},
+    ],
+}
+
+
 def vllm_prompt(model_dir: Path, raw: list[dict]) -> str:
     """What `vllm serve` renders for these messages: vLLM's own parsing and template code."""
     from vllm.config import ModelConfig
@@ -112,6 +157,11 @@ def vllm_prompt(model_dir: Path, raw: list[dict]) -> str:
 def test_prompts_are_the_ones_vllm_serve_renders(renderer: ChatRenderer, model_dir: Path):
     for name, raw in CHATS.items():
         assert renderer.render(messages(raw)).prompt == vllm_prompt(model_dir, raw), name
+
+
+def test_audio_prompts_are_the_ones_vllm_serve_renders(audio_renderer: ChatRenderer, audio_dir: Path):
+    for name, raw in AUDIO_CHATS.items():
+        assert audio_renderer.render(messages(raw)).prompt == vllm_prompt(audio_dir, raw), name
 
 
 def test_a_one_turn_chat_is_the_clients_chat_prompt(renderer: ChatRenderer):
@@ -203,7 +253,11 @@ def test_file_urls_read_only_under_the_media_folder(model_dir: Path, tmp_path: P
     assert "cannot read" in _refusal(renderer, (media / "missing.jpg").as_uri()).message
 
 
-@pytest.mark.parametrize("part", [image_part(IMAGES[0]), video_part(CLIPS[0])], ids=["image", "video"])
+@pytest.mark.parametrize(
+    "part",
+    [image_part(IMAGES[0]), video_part(CLIPS[0]), input_audio_part(AUDIOS[0]), audio_url_part(AUDIOS[0])],
+    ids=["image", "video", "input_audio", "audio_url"],
+)
 def test_media_only_in_user_messages(renderer: ChatRenderer, part: dict):
     raw = [{"role": "assistant", "content": [part]}]
     with pytest.raises(OpenAIError) as info:
@@ -284,3 +338,114 @@ def test_video_file_urls_read_only_under_the_media_folder_within_the_limit(model
     assert _video_refusal(renderer, escape).code == "invalid_video_url"
     small = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media, max_video_bytes=len(CLIPS[0]) - 1))
     assert _video_refusal(small, url).code == "video_too_large"
+
+
+def test_the_schema_takes_input_audio_and_audio_url_parts():
+    raw = [{"role": "user", "content": [input_audio_part(AUDIOS[0], "mp3"), audio_url_part(AUDIOS[1])]}]
+    first, second = messages(raw)[0].content  # type: ignore[misc]
+    assert isinstance(first, InputAudioPart) and first.input_audio.format == "mp3"
+    assert base64.b64decode(first.input_audio.data) == AUDIOS[0]
+    assert isinstance(second, AudioUrlPart) and second.audio_url.url == data_uri(AUDIOS[1], "audio/wav")
+    for extra in ({**input_audio_part(AUDIOS[0]), "url": "x"}, {"type": "input_audio", "input_audio": {"data": ""}}):
+        with pytest.raises(ValueError):
+            messages([{"role": "user", "content": [extra]}])
+
+
+def test_audio_parts_are_the_audio_placeholder_and_come_in_message_order(audio_renderer: ChatRenderer):
+    rendered = audio_renderer.render(messages(AUDIO_CHATS["audios across turns"]))
+    assert rendered.audios == [AUDIOS[2], AUDIOS[0]]  # bytes as sent, both part kinds, in message order
+    assert (rendered.images, rendered.videos) == ([], [])
+    assert rendered.prompt.count(AUDIO_PLACEHOLDER) == 2
+    assert (
+        f"Audio 1: {AUDIO_PLACEHOLDER}\n" in rendered.prompt
+        and f"Audio 2: {AUDIO_PLACEHOLDER}\nSame?" in rendered.prompt
+    )
+    # The prompt client.epd_client.chat_prompt builds for audio is the chat's.
+    raw = [{"role": "user", "content": [input_audio_part(AUDIOS[0]), audio_url_part(AUDIOS[1]),
+                                        {"type": "text", "text": "What?"}]}]  # fmt: skip
+    assert audio_renderer.render(messages(raw)).prompt == chat_prompt("What?", 0, 2)
+
+
+def test_audio_comes_apart_from_images_and_videos(renderer: ChatRenderer):
+    raw = [{"role": "user", "content": [image_part(IMAGES[0]), input_audio_part(AUDIOS[1]), video_part(CLIPS[0]),
+                                        audio_url_part(AUDIOS[0])]}]  # fmt: skip
+    rendered = renderer.render(messages(raw))
+    assert (rendered.images, rendered.videos, rendered.audios) == ([IMAGES[0]], [CLIPS[0]], [AUDIOS[1], AUDIOS[0]])
+
+
+def _audio_refusal(renderer: ChatRenderer, part: dict) -> OpenAIError:
+    raw = [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]
+    with pytest.raises(OpenAIError) as info:
+        renderer.render(messages(raw))
+    assert info.value.status == 400 and info.value.param.startswith(f"messages[0].content[1].{part['type']}")
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "part, fragment, code",
+    [
+        (input_audio_part(AUDIOS[0], "aac"), "not one of wav, mp3, flac, ogg, opus", "invalid_audio_format"),
+        (input_audio_part(AUDIOS[0], "WAV"), "not one of", "invalid_audio_format"),
+        ({"type": "input_audio", "input_audio": {"data": "@@not base64@@", "format": "wav"}}, "not valid base64",
+         "invalid_input_audio"),
+        ({"type": "input_audio", "input_audio": {"data": "data:audio/wav;base64,AAAA", "format": "wav"}},
+         "not valid base64", "invalid_input_audio"),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "mp3"}}, "holds no data", "invalid_input_audio"),
+        ({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,@@"}}, "not valid base64",
+         "invalid_audio_url"),
+        ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "remote audio URLs are not fetched",
+         "invalid_audio_url"),
+        ({"type": "audio_url", "audio_url": {"url": "file:///etc/hostname"}}, "file:// audio URLs are off", None),
+    ],
+)  # fmt: skip
+def test_bad_audio_parts_are_400_naming_the_part(renderer: ChatRenderer, part: dict, fragment: str, code: str | None):
+    error = _audio_refusal(renderer, part)
+    assert fragment in error.message and error.code == code, error.body()
+
+
+def test_a_wrong_input_audio_format_names_the_format_field(renderer: ChatRenderer):
+    error = _audio_refusal(renderer, input_audio_part(AUDIOS[0], "webm"))
+    assert error.param == "messages[0].content[1].input_audio.format"
+    assert all(name in error.message for name in AUDIO_FORMATS)
+
+
+@pytest.mark.parametrize("make_part", [input_audio_part, audio_url_part], ids=["input_audio", "audio_url"])
+def test_audio_over_its_byte_limit_is_refused_before_decoding(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              make_part) -> None:  # fmt: skip
+    clip = AUDIOS[2]
+    exact = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(max_audio_bytes=len(clip)))
+    assert exact.render(messages([{"role": "user", "content": [make_part(clip)]}])).audios == [clip]
+    tight = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(max_audio_bytes=len(clip) - 1))
+    error = _audio_refusal(tight, make_part(clip))
+    assert error.code == "audio_too_large" and f"has {len(clip)} bytes" in error.message
+    import client.openai_server.prompt as prompt
+
+    payload, real_decode = base64.b64encode(clip).decode(), base64.b64decode
+
+    def decode_but_not_the_audio(data, *args, **kwargs):
+        assert data != payload, "decoded an audio file over the limit"
+        return real_decode(data, *args, **kwargs)
+
+    monkeypatch.setattr(prompt.base64, "b64decode", decode_but_not_the_audio)
+    limited = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(max_audio_bytes=len(clip) // 2))
+    assert _audio_refusal(limited, make_part(clip)).code == "audio_too_large"
+
+
+def test_the_audio_limit_defaults_to_the_models_limit():
+    assert MediaPolicy().max_audio_bytes == contract.default_of(contract.MAX_AUDIO_BYTES) == 25 << 20
+
+
+def test_audio_file_urls_read_only_under_the_media_folder_within_the_limit(model_dir: Path, tmp_path: Path):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "a.wav").write_bytes(AUDIOS[0])
+    (tmp_path / "outside.wav").write_bytes(AUDIOS[1])
+    renderer = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media))
+    url = (media / "a.wav").as_uri()
+    assert renderer.render(
+        messages([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}])
+    ).audios == [AUDIOS[0]]
+    escape = {"type": "audio_url", "audio_url": {"url": f"file://{media}/../outside.wav"}}
+    assert _audio_refusal(renderer, escape).code == "invalid_audio_url"
+    small = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media, max_audio_bytes=len(AUDIOS[0]) - 1))
+    assert _audio_refusal(small, {"type": "audio_url", "audio_url": {"url": url}}).code == "audio_too_large"

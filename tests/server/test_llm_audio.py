@@ -1,0 +1,208 @@
+"""``llm`` of an audio checkpoint over the wire (issue 34): the tiny Qwen2-Audio served from its own
+generated repository, clips of 1-30 s in four containers giving offline vLLM's greedy tokens on
+the same samples, every kind of bad audio refused with INVALID_ARG naming the problem in bounded
+memory, and the server serving on afterwards.
+
+The repository holds ``llm`` only (an audio checkpoint has no image models), so this module costs
+one engine start, plus one offline engine for the reference tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.audio_clips import BAD_AUDIO, CLIP, encoded, tone, wav
+from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
+from builders.launcher import prepare
+from builders.processes import ProcessGroup, http_ok, wait_until_ready
+from builders.stage_watch import find_role, peak_rss
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer, free_port
+from client.epd_client import ClientError, GrpcClient, HttpClient, chat_prompt
+from python_backends import contract
+from python_backends.request.generate import AUDIO_PLACEHOLDER
+from tests.server.conftest import LOG_DIR, SERVER_REPOSITORY, TEST_EXIT_TIMEOUT_S, serving
+
+pytestmark = pytest.mark.server
+
+GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+CHAT = "<|im_start|>user\nAudio 1: " + AUDIO_PLACEHOLDER + "\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
+
+# Eight clips of 1-30 s in four containers (WAV, FLAC, MP3, Ogg Opus/Vorbis), mono and stereo, at
+# 16, 44.1 and 48 kHz: name -> (the file, the prompt).
+CLIPS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "wav 1 s": (lambda: wav(tone(1.0, 300.0, seed=1)), "What is it?"),
+    "wav stereo 7.5 s": (lambda: wav(tone(7.5, 520.0, seed=2), channels=2), CHAT),
+    "wav 44.1 kHz 4 s": (lambda: wav(tone(4.0, 660.0, seed=3, rate=44_100), rate=44_100), "Describe the sound."),
+    "flac 3.5 s": (lambda: encoded(tone(3.5, 880.0, seed=4), "flac", "flac"), CHAT),
+    "flac 30 s": (lambda: encoded(tone(30.0, 250.0, seed=5), "flac", "flac"), "What is it?"),
+    "mp3 10 s": (lambda: encoded(tone(10.0, 440.0, seed=6), "mp3", "libmp3lame"), CHAT),
+    "ogg opus 48 kHz 12 s": (
+        lambda: encoded(tone(12.0, 1000.0, seed=7, rate=48_000), "ogg", "libopus", 48_000), "What is it?"
+    ),
+    "ogg vorbis 20 s": (lambda: encoded(tone(20.0, 150.0, seed=8), "ogg", "libvorbis"), CHAT),
+}
+
+
+def seconds_of(name: str) -> float:
+    return float(name.split()[-2])
+
+
+AUDIO_REPOSITORY = SERVER_REPOSITORY.with_name(SERVER_REPOSITORY.name.replace("repository", "audio-repository"))
+
+
+@pytest.fixture(scope="module")
+def audio_repository() -> Path:
+    prepare("cpu", build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio"), AUDIO_REPOSITORY)
+    return AUDIO_REPOSITORY
+
+
+@pytest.fixture(scope="module")
+def audio_server(audio_repository: Path) -> Iterator[TritonServer]:
+    options = ServerOptions(audio_repository, Ports.free(), exit_timeout_s=TEST_EXIT_TIMEOUT_S)
+    with serving(options, LOG_DIR / "llm-audio.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def clip_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("clips")
+    files = {}
+    for i, (name, (make, _)) in enumerate(CLIPS.items()):
+        files[name] = folder / f"clip{i}"
+        files[name].write_bytes(make())
+    return files
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(
+    clip_files: dict[str, Path], audio_repository: Path, audio_server: TritonServer
+) -> dict[str, list[int]]:
+    """vLLM's own tokens for each clip, decoded as ``llm`` decodes (after the server: one vLLM
+    start at a time), and for the two-clip case."""
+    cases = [{"prompt": CLIPS[name][1], "audios": [str(path)], "sampling": GREEDY} for name, path in clip_files.items()]
+    cases.append({"prompt": "Compare them.", "audios": [str(clip_files["wav 1 s"]), str(clip_files["mp3 10 s"])],
+                  "sampling": GREEDY})  # fmt: skip
+    folder = clip_files["wav 1 s"].parent
+    cases_path, out_path = folder / "cases.json", folder / "out.json"
+    cases_path.write_text(json.dumps(cases))
+    engine_args = audio_repository / contract.LLM_MODEL / "1" / "engine_args.json"
+    script = Path(__file__).with_name("offline_vllm.py")
+    subprocess.run([sys.executable, str(script), str(cases_path), str(out_path), str(engine_args)],
+                   check=True, cwd=REPO_ROOT, timeout=900)  # fmt: skip
+    tokens = json.loads(out_path.read_text())
+    return {**dict(zip(CLIPS, tokens, strict=False)), "two clips": tokens[-1]}
+
+
+@pytest.fixture
+def llm(audio_server: TritonServer) -> Iterator[GrpcClient]:
+    client = GrpcClient(audio_server.grpc_url, contract.LLM_MODEL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def http_llm(audio_server: TritonServer) -> Iterator[HttpClient]:
+    client = HttpClient(audio_server.http_url, contract.LLM_MODEL)
+    yield client
+    client.close()
+
+
+def test_clips_in_four_containers_give_offline_vllms_tokens(
+    llm: GrpcClient, clip_files: dict[str, Path], offline_tokens: dict[str, list[int]]
+) -> None:
+    for name, path in clip_files.items():
+        result = llm.generate(CLIPS[name][1], sampling=GREEDY, audios=[path.read_bytes()])
+        assert result.token_ids == offline_tokens[name], name
+        # The clip's audio tokens are in the prompt: 25 a second (Whisper's 100 frames, halved twice).
+        assert result.num_input_tokens >= 25 * seconds_of(name), name
+    two = [clip_files["wav 1 s"].read_bytes(), clip_files["mp3 10 s"].read_bytes()]
+    assert llm.generate("Compare them.", sampling=GREEDY, audios=two).token_ids == offline_tokens["two clips"]
+    # Not one answer for everything: the clips steer the tokens.
+    assert len({tuple(tokens) for tokens in offline_tokens.values()}) >= 6
+
+
+def test_http_with_base64_audio_gives_the_same_tokens(
+    http_llm: HttpClient, clip_files: dict[str, Path], offline_tokens: dict[str, list[int]]
+) -> None:
+    for name in ("flac 3.5 s", "ogg opus 48 kHz 12 s"):
+        result = http_llm.generate(CLIPS[name][1], sampling=GREEDY, audios=[clip_files[name].read_bytes()])
+        assert result.token_ids == offline_tokens[name], name
+
+
+def test_the_model_declares_audio_and_no_image_input(audio_server: TritonServer, http_llm: HttpClient) -> None:
+    import tritonclient.grpc as grpcclient
+
+    metadata = grpcclient.InferenceServerClient(audio_server.grpc_url).get_model_metadata(contract.LLM_MODEL)
+    inputs = {tensor.name for tensor in metadata.inputs}
+    assert contract.AUDIO in inputs and not inputs & {contract.IMAGE, contract.VIDEO, contract.IMAGE_EMBEDS}
+    with pytest.raises(ClientError) as caught:
+        http_llm.generate("What is it?", audios=[wav(CLIP)] * 3, sampling=GREEDY)
+    assert caught.value.status == "400"
+    assert "request has 3 audios, above the limit of 2 (max_audios)" in str(caught.value)
+
+
+def test_bad_audio_is_invalid_arg_in_bounded_memory_and_the_server_serves_on(
+    audio_server: TritonServer, http_llm: HttpClient, llm: GrpcClient, offline_tokens: dict[str, list[int]],
+    clip_files: dict[str, Path],
+) -> None:
+    stub = find_role(audio_server.process.pid, f"stub:{contract.LLM_MODEL}")  # where clips are decoded
+    peak_before = peak_rss(stub)
+    bad = {name: case for name, case in BAD_AUDIO.items() if name != "too many bytes"}
+    bad["above max_audio_bytes"] = (lambda: b"RIFF" + bytes(25 << 20), "above the limit of 26214400 (max_audio_bytes)")
+    for name, (make, says) in bad.items():
+        with pytest.raises(ClientError) as caught:
+            http_llm.generate("What is it?", audios=[wav(CLIP), make()], sampling=GREEDY)
+        assert caught.value.status == "400", name
+        message = str(caught.value)
+        assert message.startswith("audio[1]: ") and says in message, (name, message)
+    # Nothing was decoded at length: the stub's peak resident memory barely moved (the 37-hour
+    # header alone would have been 8.6 GB of samples; the 25 MiB file is held as bytes a few times).
+    assert peak_before is not None and (peak_rss(stub) or 0) - peak_before < 256 << 20
+    result = llm.generate(CLIPS["mp3 10 s"][1], sampling=GREEDY, audios=[clip_files["mp3 10 s"].read_bytes()])
+    assert result.token_ids == offline_tokens["mp3 10 s"]
+
+
+@pytest.fixture(scope="module")
+def api_url(audio_server: TritonServer) -> Iterator[str]:
+    """Our OpenAI API in front of the audio server, rendering chats with the checkpoint's template."""
+    port = free_port()
+    command = [sys.executable, "-m", "client.openai_server", "--triton-grpc-url", audio_server.grpc_url,
+               "--model-dir", str(DEFAULT_AUDIO_MODEL_DIR), "--port", str(port)]  # fmt: skip
+    app = ProcessGroup("openai-server", command, log_path=LOG_DIR / "openai-audio.log").start()
+    try:
+        wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [app], 120, "the OpenAI server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        report = app.stop(timeout_s=30)
+        assert report is not None and not report.killed, report and report.describe()
+
+
+def test_the_openai_package_sends_input_audio_and_gets_llms_tokens(
+    api_url: str, llm: GrpcClient, clip_files: dict[str, Path]
+) -> None:
+    import openai
+
+    clip = clip_files["mp3 10 s"].read_bytes()
+    data = base64.b64encode(clip).decode()
+    expected = llm.generate(chat_prompt("What is it?", 0, num_audios=1), sampling=GREEDY, audios=[clip])
+    parts = {
+        "input_audio": {"type": "input_audio", "input_audio": {"data": data, "format": "mp3"}},
+        "audio_url": {"type": "audio_url", "audio_url": {"url": f"data:audio/mpeg;base64,{data}"}},
+    }
+    with openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=300) as api:
+        for kind, part in parts.items():
+            answer = api.chat.completions.create(
+                model=contract.LLM_MODEL,
+                messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],  # type: ignore[list-item, misc]
+                max_tokens=GREEDY["max_tokens"], temperature=0.0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert answer.choices[0].message.content == expected.text, kind
+            assert answer.usage is not None and answer.usage.completion_tokens == len(expected.token_ids), kind
+            assert answer.usage.prompt_tokens == expected.num_input_tokens, kind
