@@ -80,7 +80,7 @@ def measure() -> list[dict[str, object]]:
     from python_backends.preprocess.audio import DaliAudioFeatures
     from python_backends.request.audios import AudioLimits, decode_audio
 
-    ours = DaliAudioFeatures(config, max_batch_size=1, num_threads=1)
+    ours = DaliAudioFeatures.of_config(config, max_batch_size=1, num_threads=1)
     rows: list[dict[str, object]] = []
     for name, make in cases().items():
         data = make()

@@ -311,3 +311,54 @@ def build_plan_artifact(
 
     _, built = ensure_artifact(version_dir, "plan", inputs, build, stamp_dir)
     return built
+
+
+# ONNX Runtime against torch on the audio encoder: measured within 2e-5 (docs/benchmarks/audio-parity.md).
+AUDIO_ONNX_TOLERANCE = 1e-4
+
+
+def build_audio_artifacts(model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS) -> dict[str, Any]:
+    """An audio checkpoint's ``audio_encoder/1``: ``model.onnx`` (encoder + projector with vLLM's
+    padding mask, from the encoder shard only; checked against torch) and ``audio.dali`` (the
+    Whisper features pipeline from the checkpoint's feature extractor config). Returns the ONNX
+    build's report."""
+    from python_backends.preprocess.audio_pipeline import AudioFeatureConfig, serialize_audio_pipeline
+
+    config = AudioFeatureConfig.from_dict(json.loads((model_dir / "preprocessor_config.json").read_text()))
+    dali_inputs = {
+        "features": asdict(config),
+        "dali": _dali_version(),
+        "source": _source_digest("python_backends/preprocess/audio_pipeline.py"),
+    }
+
+    def build_dali(scratch: Path) -> dict[str, Any]:
+        path = scratch / contract.AUDIO_DALI_FILE
+        path.write_bytes(serialize_audio_pipeline(config, decode=False))
+        return {"bytes": path.stat().st_size}
+
+    ensure_artifact(version_dir, "dali-audio", dali_inputs, build_dali, stamp_dir)
+    onnx_inputs = {
+        "checkpoint": checkpoint_fingerprint(model_dir),
+        "source": _source_digest("builders/audio_encoder.py", "builders/tiny_audio.py"),
+        "versions": {p: _version(p) for p in ("torch", "onnx", "onnxscript", "transformers", "onnxruntime")},
+    }
+
+    def build_onnx(scratch: Path) -> dict[str, Any]:
+        import numpy as np
+
+        from builders.audio_encoder import export_onnx, max_abs_difference
+
+        path = export_onnx(model_dir, scratch)
+        rng = np.random.default_rng(0)
+        features = rng.standard_normal((3, config.feature_size, config.frames)).astype(np.float32)
+        lengths = np.array([config.frames, config.frames // 3, 101], dtype=np.int64)
+        difference = max_abs_difference(model_dir, path, features, lengths)
+        if difference > AUDIO_ONNX_TOLERANCE:
+            raise RepositoryBuildError(
+                f"the audio encoder under ONNX Runtime differs from torch by {difference:.2e} on {model_dir}"
+            )
+        LOGGER.info("exported the audio encoder; ONNX Runtime vs torch max-abs %.1e", difference)
+        return {"parity_max_abs": difference}
+
+    report, _ = ensure_artifact(version_dir, "onnx-audio", onnx_inputs, build_onnx, stamp_dir)
+    return report

@@ -43,6 +43,7 @@ from python_backends.contract import ModelInterface
 from python_backends.runtime.cpus import parse_cpu_list
 
 POSITIONS_MODEL_TEMPLATE = "vit_positions_model.py"
+AUDIO_ENCODER_MODEL_TEMPLATE = "audio_encoder_model.py"
 # Every encoder_<i> serves the kept model.py of encoder_0 (the one always there: encoders >= 1).
 ENCODER_MODEL_SOURCE = Path(__file__).resolve().parents[1] / "model_repository" / "encoder_0" / "1" / "model.py"
 
@@ -94,12 +95,23 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
 
 
+def _audio_limits(target: Target, model_dir: Path) -> dict[str, Any]:
+    """The audio limits of the models that take audio, with the feature extractor's rate."""
+    rate = json.loads((model_dir / "preprocessor_config.json").read_text())["sampling_rate"]
+    return {**contract.audio_limit_defaults(), **target.audio_limits, contract.AUDIO_SAMPLING_RATE: int(rate)}
+
+
+def audio_repository_files(target: Target, model_dir: Path) -> dict[str, str]:
+    """Every generated text file of an audio checkpoint's repository: ``llm``, ``audio_encoder``
+    and the ``encoder_<i>`` models."""
+    return {**audio_llm_files(target, model_dir), **audio_encoder_files(target), **audio_encoders(target, model_dir)}
+
+
 def audio_llm_files(target: Target, model_dir: Path) -> dict[str, str]:
     """``llm`` of an audio checkpoint (Qwen2-Audio): ``audio`` in, decoded by FFmpeg to the
     feature extractor's rate (python_backends/request/audios.py), the samples to vLLM. No image
     or video input: the model takes neither."""
-    rate = json.loads((model_dir / "preprocessor_config.json").read_text())["sampling_rate"]
-    audio = {**contract.audio_limit_defaults(), **target.audio_limits, contract.AUDIO_SAMPLING_RATE: int(rate)}
+    audio = _audio_limits(target, model_dir)
     parameters = {
         **target.limits, contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio,
         **target.role_environment(contract.LLM_MODEL), **target.test_parameters(contract.LLM_MODEL),
@@ -118,6 +130,48 @@ def audio_llm_files(target: Target, model_dir: Path) -> dict[str, str]:
     role_args["limit_mm_per_prompt"] = {"audio": audio[contract.MAX_AUDIOS]}
     engine_args = {"model": str(model_dir.resolve()), **role_args}
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
+
+
+def audio_encoder_files(target: Target) -> dict[str, str]:
+    """``audio_encoder``: ONNX Runtime on ``audio_encoder/1/model.onnx`` (cpu; its model.py from
+    builders/templates, as the repository of an audio checkpoint is never model_repository/)."""
+    interface = contract.AUDIO_ENCODER
+    parameters = {
+        contract.ONNX_FILE_KEY: contract.ONNX_FILE, contract.INTRA_OP_THREADS: target.encode.ort_intra_op_threads
+    }
+    config = render_template(
+        "audio_encoder.pbtxt",
+        {
+            "target": target.name,
+            "instances": target.encode.encoder_instances,
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "parameters": render_parameters(target.placed(contract.AUDIO_ENCODER_MODEL, parameters)),
+        },
+    )
+    model_py = (TEMPLATES / AUDIO_ENCODER_MODEL_TEMPLATE).read_text()
+    name = contract.AUDIO_ENCODER_MODEL
+    return {f"{name}/config.pbtxt": config, f"{name}/1/model.py": model_py}
+
+
+def audio_encoders(target: Target, model_dir: Path) -> dict[str, str]:
+    """``encoder_<i>`` of an audio checkpoint: audio in (FFmpeg decode, DALI features,
+    ``audio_encoder``), store write, references out; keyed by the feature extractor's config and
+    the audio encoder's ONNX file."""
+    parameters = {
+        **target.cache.to_parameters(),
+        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
+        contract.ENCODER_FILE: f"{contract.AUDIO_ENCODER_MODEL}/1/{contract.ONNX_FILE}",
+        **_audio_limits(target, model_dir),
+        contract.DALI_NUM_THREADS: target.encode.dali_threads,
+    }
+    model_py = ENCODER_MODEL_SOURCE.read_text()
+    files: dict[str, str] = {}
+    for name in target.cache.encoder_models:
+        files[f"{name}/config.pbtxt"] = _python_model_config(target, name, contract.AUDIO_ENCODER_INSTANCE, parameters)
+        if name != contract.encoder_model_names(1)[0]:  # encoder_0's is the kept source, copied
+            files[f"{name}/1/model.py"] = model_py
+    return files
 
 
 def _max_videos(video_limits: dict[str, Any]) -> int:
@@ -320,7 +374,7 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
         **epd_video_limits(target),
         contract.DALI_NUM_THREADS: target.encode.dali_threads,
     }
-    interface = contract.ENCODER.taking_videos(_max_videos(epd_video_limits(target)))
+    interface = contract.ENCODER.taking_videos(_max_videos(epd_video_limits(target))).taking_audios(0)
     files: dict[str, str] = {}
     for name in target.cache.encoder_models:
         files[f"{name}/config.pbtxt"] = _python_model_config(target, name, interface, parameters)

@@ -31,6 +31,7 @@ from builders.artifacts import (
     DEFAULT_STAMPS,
     REPO_ROOT,
     EncoderFacts,
+    build_audio_artifacts,
     build_dali_artifact,
     build_onnx_artifact,
     build_plan_artifact,
@@ -39,7 +40,7 @@ from builders.artifacts import (
     safetensors_tensor_bytes,
 )
 from builders.default_model import is_audio_checkpoint
-from builders.model_configs import audio_llm_files, repository_files
+from builders.model_configs import audio_repository_files, repository_files
 from builders.pbtxt import TEMPLATES, render_template
 from builders.roles import ROLES, Role, add_cpus_argument, model_cpu_sets, role_models
 from builders.targets import (
@@ -180,7 +181,7 @@ def write_repository(
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     if is_audio_checkpoint(model_dir):
-        return _write_audio_repository(target, model_dir, out, role)
+        return _write_audio_repository(target, model_dir, out, role, stamp_dir)
     _prune_other_models(target.models, out)
 
     _, dali_built = build_dali_artifact(target, model_dir, out / "preprocess" / "1", stamp_dir)
@@ -202,9 +203,12 @@ def write_repository(
     return written + _write_files(out, role_models(target, role), repository_files(target, model_dir, facts))
 
 
-def _write_audio_repository(target: Target, model_dir: Path, out: Path, role: Role) -> list[Path]:
-    """An audio checkpoint's repository: ``llm`` with the ``audio`` input. The image models
-    (their artefacts are the vision tower's) are not written, and their generated files go."""
+def _write_audio_repository(
+    target: Target, model_dir: Path, out: Path, role: Role, stamp_dir: Path = DEFAULT_STAMPS
+) -> list[Path]:
+    """An audio checkpoint's repository: ``llm`` with the ``audio`` input, ``audio_encoder`` and
+    the ``encoder_<i>`` models that write clips' embeddings to the store. The image models (their
+    artefacts are the vision tower's) are not written, and their folders go."""
     if role != "all":
         raise RepositoryBuildError(
             f"an audio checkpoint is served by one server (--role all), not --role {role}: "
@@ -215,14 +219,18 @@ def _write_audio_repository(target: Target, model_dir: Path, out: Path, role: Ro
             f"an audio checkpoint's repository goes in a folder of its own (e.g. --model-repository "
             f"build/repo-audio): {DEFAULT_REPOSITORY.name}/ holds the image models' code"
         )
-    served = (contract.LLM_MODEL,)
+    served = (contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *target.cache.encoder_models)
     # Triton loads every folder of the repository: an image model's artefacts left behind (its
     # model.onnx, model.dali) would be a model without a config, and the server would not start.
-    for model in sorted({m for t in TARGETS.values() for m in t.models} - set(served)):
+    image_models = {m for t in TARGETS.values() for m in t.models} | {p.name for p in out.glob("encoder_*")}
+    for model in sorted(image_models - set(served)):
         shutil.rmtree(out / model, ignore_errors=True)
-    for folder in out.glob("encoder_*"):
-        shutil.rmtree(folder, ignore_errors=True)
-    return _write_files(out, served, audio_llm_files(target, model_dir))
+    if target.encode.device == "gpu":
+        raise RepositoryBuildError("an audio checkpoint is served on the cpu target only (no TensorRT audio encoder)")
+    artefacts = out / contract.AUDIO_ENCODER_MODEL / "1"
+    build_audio_artifacts(model_dir, artefacts, stamp_dir)
+    written = [artefacts / contract.ONNX_FILE, artefacts / contract.AUDIO_DALI_FILE]
+    return written + _write_files(out, served, audio_repository_files(target, model_dir))
 
 
 def _write_files(out: Path, served: Sequence[str], files: dict[str, str]) -> list[Path]:

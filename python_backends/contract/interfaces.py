@@ -15,6 +15,8 @@ from python_backends.contract import names as n
 from python_backends.contract.names import ContractError
 
 __all__ = [
+    "AUDIO_ENCODER",
+    "AUDIO_ENCODER_INSTANCE",
     "AUDIO_LLM",
     "DECODE",
     "ENCODE",
@@ -273,6 +275,7 @@ ENCODER = ModelInterface(
     (
         _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True),
         _ENCODED_VIDEOS,
+        _ENCODED_AUDIOS,
         _tensor(n.LEASE_OWNER, "TYPE_INT64", 1, optional=True),
         _ERRORS_AS_OUTPUTS,
     ),
@@ -293,8 +296,18 @@ ENCODER = ModelInterface(
         n.MAX_IMAGE_BYTES,
         n.MAX_IMAGES_PER_REQUEST,
         *n.VIDEO_LIMITS,
+        *n.AUDIO_LIMITS,
         n.DALI_NUM_THREADS,
     ),
+)
+# ``encoder_<i>`` of an audio checkpoint: audio files in, references out.
+AUDIO_ENCODER_INSTANCE = ENCODER.without(n.IMAGE, n.VIDEO)
+# ``audio_encoder``: the ONNX audio encoder (ONNX Runtime), features in, embeddings by value.
+AUDIO_ENCODER = ModelInterface(
+    n.AUDIO_ENCODER_MODEL,
+    (_tensor(n.INPUT_FEATURES, "TYPE_FP32", -1, -1, -1), _tensor(n.FEATURE_LENGTHS, "TYPE_INT64", -1)),
+    (_tensor(n.AUDIO_EMBEDS, "TYPE_FP32", -1, -1, -1), _tensor(n.AUDIO_TOKENS, "TYPE_INT64", -1)),
+    (n.ONNX_FILE_KEY, n.INTRA_OP_THREADS),
 )
 # ``prefill``: vLLM KV producer; prompt + references in, first token + KV transfer parameters out.
 PREFILL = ModelInterface(
@@ -341,13 +354,15 @@ INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
     n.ENCODE_MODEL: (ENCODE, ENCODE_ONE_IMAGE),
     n.PREFILL_MODEL: (PREFILL,),
     n.DECODE_MODEL: (DECODE,),
+    n.AUDIO_ENCODER_MODEL: (AUDIO_ENCODER,),
 }
 
 
 def interfaces_of(model: str) -> tuple[ModelInterface, ...]:
     """The interfaces a model of this name may have (``encoder_<i>``: the encoder's)."""
     if model.startswith(n.ENCODER_MODEL_PREFIX) and model[len(n.ENCODER_MODEL_PREFIX) :].isdigit():
-        return (ENCODER, ENCODER.taking_videos(0))
+        images = ENCODER.taking_audios(0)
+        return (images, images.taking_videos(0), AUDIO_ENCODER_INSTANCE)
     try:
         return INTERFACES[model]
     except KeyError:

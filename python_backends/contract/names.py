@@ -19,6 +19,7 @@ PREPROCESS_MODEL = "preprocess"
 VIT_ENCODER_MODEL = "vit_encoder"
 VIT_POSITIONS_MODEL = "vit_positions"
 ENCODE_MODEL = "encode"
+AUDIO_ENCODER_MODEL = "audio_encoder"  # an audio checkpoint's encoder (ONNX Runtime), called by encoder_<i>
 PREFILL_MODEL = "prefill"
 DECODE_MODEL = "decode"
 ENCODER_MODEL_PREFIX = "encoder_"  # encoder_0 .. encoder_<n-1>, one per encoder of the cache policy
@@ -59,6 +60,11 @@ IMAGE_GRID_THW = "image_grid_thw"
 ROTARY_POS_IDS = "rotary_pos_ids"
 CU_SEQLENS = "cu_seqlens"
 IMAGE_EMBEDS = "image_embeds"
+# The audio encode path (encoder_<i>: FFmpeg decode, DALI features -> audio_encoder), by value.
+INPUT_FEATURES = "input_features"  # Whisper log-mel features, [clips, mel bins, frames]
+FEATURE_LENGTHS = "feature_lengths"  # the frames each clip fills
+AUDIO_EMBEDS = "audio_embeds"  # [clips, padded tokens, hidden]
+AUDIO_TOKENS = "audio_tokens"  # the tokens of each clip: its embeddings are audio_embeds[i, :audio_tokens[i]]
 
 # Stages that epd calls over BLS (encoder_<i>, prefill, decode).
 REFERENCES = "references"  # one signed reference per image, never media
@@ -205,5 +211,7 @@ PROFILE_MAX_IMAGES = "profile_max_images"
 DALI_FILE = "model.dali"
 # The video pipeline (python_backends/preprocess/video_pipeline.py), beside the image one in preprocess/1.
 VIDEO_DALI_FILE = "video.dali"
+# The audio features pipeline (python_backends/preprocess/audio_pipeline.py), beside audio_encoder's model.onnx.
+AUDIO_DALI_FILE = "audio.dali"
 ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"

@@ -36,6 +36,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from python_backends import contract
 from python_backends.errors import EpdError, invalid_arg, item_renamed
+from python_backends.request.audios import audio_bytes
 from python_backends.request.images import image_bytes
 from python_backends.request.tenants import key_space
 from python_backends.request.videos import VideoLimits, sized_video_bytes
@@ -47,7 +48,7 @@ class EncodedImage:
     """What the ``encode`` ensemble returns for one image."""
 
     embeds: np.ndarray | Any  # [tokens, hidden]; a CUDA tensor on the gpu target
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None  # None: audio (no grid; its tokens are the rows)
 
 
 class Outcome(str, Enum):
@@ -94,6 +95,19 @@ def parse_encoder_videos(inputs: Mapping[str, np.ndarray], limits: VideoLimits |
         sized_video_bytes(bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"", i, limits)
         for i, item in enumerate(array.reshape(-1))
     ]
+
+
+def parse_encoder_audios(inputs: Mapping[str, np.ndarray], max_audios: int) -> list[bytes]:
+    """An audio checkpoint's encoder request: ``audio`` (BYTES, one or more encoded audio files,
+    raw or base64), at most ``max_audios``. The decode checks are the encode's, on a miss only: a
+    hit's bytes are the bytes of an entry that passed them (content keys). Keys are taken over the
+    raw bytes, as ``epd`` takes them, so a clip sent either way is one entry."""
+    array = inputs.get(contract.AUDIO)
+    if array is None or array.size == 0 or array.dtype != np.object_:
+        raise invalid_arg("input 'audio' needs at least one encoded audio file (BYTES)")
+    if array.size > max_audios:
+        raise invalid_arg(f"request has {array.size} audios, above the limit of {max_audios} (max_audios)")
+    return [audio_bytes(bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"") for item in array.reshape(-1)]
 
 
 def parse_encoder_inputs(
@@ -150,9 +164,11 @@ class CachedEncoder:
         full_store_wait_s: float = 30.0,
         run_blocking: Callable[..., Awaitable[Any]] | None = None,
         encode_video: EncodeFn | None = None,
+        encode_audio: EncodeFn | None = None,
     ) -> None:
         """``encode``: one image -> its embeddings; ``encode_video``: one video -> its
-        embeddings (the same vision tower over its frames), None when this encoder takes none."""
+        embeddings (the same vision tower over its frames), None when this encoder takes none;
+        ``encode_audio``: one audio file -> its embeddings (an audio checkpoint's encoder)."""
         self.store = store
         self.keys = keys
         self.namespace = namespace
@@ -161,6 +177,8 @@ class CachedEncoder:
         self._encoders: dict[str, EncodeFn] = {"image": encode}
         if encode_video is not None:
             self._encoders["video"] = encode_video
+        if encode_audio is not None:
+            self._encoders["audio"] = encode_audio
         self._full_store_wait_s = full_store_wait_s
         # Waiting for another process's encode polls LMDB: off the event loop.
         self._run_blocking = run_blocking or (lambda fn, *args, **kwargs: asyncio.to_thread(fn, *args, **kwargs))

@@ -9,6 +9,7 @@ another node: it verifies what crossed the network, ``encode/digest.py``).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ from typing import Any
 import numpy as np
 
 from python_backends import contract
+from python_backends.encode.audios import AudioEncode
 from python_backends.encode.cached import (
     CachedEncoder,
     EncoderAnswer,
     cache_namespace,
+    parse_encoder_audios,
     parse_encoder_inputs,
     parse_encoder_videos,
     parse_lease_owner,
@@ -30,8 +33,11 @@ from python_backends.encode.digest import by_value_answer
 from python_backends.encode.videos import VideoEncode
 from python_backends.engines.videos import VideoInputLimits
 from python_backends.errors import invalid_arg
+from python_backends.preprocess.audio import DaliAudioFeatures
+from python_backends.preprocess.audio_pipeline import AudioFeatureConfig
 from python_backends.preprocess.video_pipeline import VideoTransformConfig
 from python_backends.preprocess.videos import DaliVideoPreprocessor
+from python_backends.request.audios import AudioInput
 from python_backends.request.parameters import RequestParameters
 from python_backends.runtime.model_params import ModelParameters
 from python_backends.store import EmbeddingStore
@@ -39,8 +45,8 @@ from python_backends.store import EmbeddingStore
 
 @dataclass(frozen=True)
 class EncoderRequest:
-    items: list[bytes]  # encoded images, or videos
-    modality: str  # contract.IMAGE or contract.VIDEO (modalities are named as their inputs)
+    items: list[bytes]  # encoded images, videos or audio files
+    modality: str  # contract.IMAGE, VIDEO or AUDIO (modalities are named as their inputs)
     lease_owner: int | None
     parameters: RequestParameters
 
@@ -52,11 +58,16 @@ class EncoderServer:
     max_images: int
     max_image_bytes: int
     videos: VideoInputLimits | None  # None: no video (max_videos 0)
+    audio: AudioInput | None = None  # an audio checkpoint's encoder: audio only
 
     @classmethod
     def build(cls, params: ModelParameters, repository: Path, model_name: str, stages: Any) -> EncoderServer:
         """``stages``: the BLS client of the ``encode`` ensemble (``triton_edge.bls.BlsEncode``): a
-        call encodes one image; ``encode_pixels`` runs a video's pixels through ``vit_encoder``."""
+        call encodes one image; ``encode_pixels`` runs a video's pixels through ``vit_encoder``,
+        ``encode_audio_features`` a clip's features through ``audio_encoder``."""
+        audio = AudioInput.from_params(params)
+        if audio is not None:
+            return cls._build_audio(params, repository, model_name, stages, audio)
         store = EmbeddingStore(params.store_config())
         videos = VideoInputLimits.from_params(params)
         keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
@@ -79,14 +90,39 @@ class EncoderServer:
         limits = params.integer(contract.MAX_IMAGES_PER_REQUEST), params.integer(contract.MAX_IMAGE_BYTES)
         return cls(encoder, store, *limits, videos)
 
+    @classmethod
+    def _build_audio(
+        cls, params: ModelParameters, repository: Path, model_name: str, stages: Any, audio: AudioInput
+    ) -> EncoderServer:
+        """An audio checkpoint's encoder: FFmpeg + the DALI features pipeline + ``audio_encoder``."""
+        store = EmbeddingStore(params.store_config())
+        config_file = Path(params.string(contract.PREPROCESSOR_CONFIG))
+        features = DaliAudioFeatures.from_file(
+            repository / contract.AUDIO_ENCODER_MODEL / "1" / contract.AUDIO_DALI_FILE,
+            AudioFeatureConfig.from_dict(json.loads(config_file.read_text())),
+            max_batch_size=1,
+            num_threads=params.integer(contract.DALI_NUM_THREADS),
+        )
+        policy = params.cache_policy()
+        encoder = CachedEncoder(
+            store, params.key_config(repository, None), _no_images, namespace=cache_namespace(policy.scope, model_name),
+            tenant_policy=policy.tenants, encode_audio=AudioEncode(audio, features, stages.encode_audio_features),
+        )  # fmt: skip
+        return cls(encoder, store, 0, 0, None, audio)
+
     def parse(self, inputs: Mapping[str, np.ndarray], raw_parameters: str | None) -> EncoderRequest:
         """A request's media and parameters, checked (an ``EpdError`` is the client's)."""
+        parameters = RequestParameters.parse(raw_parameters)
+        if self.audio is not None:
+            items = parse_encoder_audios(inputs, self.audio.max_audios)
+            if parameters.by_value:
+                raise invalid_arg(f"'{contract.BY_VALUE}' takes one image; this encoder takes audio")
+            return EncoderRequest(items, contract.AUDIO, parse_lease_owner(inputs), parameters)
         videos = parse_encoder_videos(inputs, self.videos.limits if self.videos else None)
         if videos is None:
             items, lease_owner = parse_encoder_inputs(inputs, self.max_images, self.max_image_bytes)
         else:
             items, lease_owner = videos, parse_lease_owner(inputs)
-        parameters = RequestParameters.parse(raw_parameters)
         if parameters.by_value and (len(items) != 1 or lease_owner is not None or videos is not None):
             raise invalid_arg(f"'{contract.BY_VALUE}' takes one image and no lease_owner")
         return EncoderRequest(items, contract.IMAGE if videos is None else contract.VIDEO, lease_owner, parameters)
@@ -97,3 +133,8 @@ class EncoderServer:
         owner = os.getpid() if by_value else request.lease_owner  # by value: released once read here
         answers = await self.encoder.references(request.items, owner, request.parameters.tenant, request.modality)
         return answers, by_value_answer(self.store, answers[0].reference) if by_value else None
+
+
+async def _no_images(image: bytes) -> Any:
+    """An audio checkpoint's encoder has no vision tower (its ``image`` input is not declared)."""
+    raise invalid_arg("this encoder takes audio, not images")

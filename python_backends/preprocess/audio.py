@@ -36,17 +36,27 @@ class AudioFeatures:
 
 
 class DaliAudioFeatures(DaliCpuRunner):
-    """The features pipeline (from samples) on the CPU, in batches of at most ``max_batch_size``."""
+    """The features pipeline (from samples) on the CPU, in batches of at most ``max_batch_size``:
+    a serialized one (``audio.dali``, :meth:`from_file`) or one serialized for ``config``
+    (:meth:`of_config`)."""
 
     def __init__(
         self,
+        serialized_pipeline: bytes,
         config: AudioFeatureConfig,
         max_batch_size: int = DEFAULT_AUDIO_BATCH_SIZE,
         num_threads: int = DEFAULT_NUM_THREADS,
     ) -> None:
         self.config = config
-        super().__init__(serialize_audio_pipeline(config, max_batch_size, num_threads, decode=False),
-                         max_batch_size, num_threads)  # fmt: skip
+        super().__init__(serialized_pipeline, max_batch_size, num_threads)
+
+    @classmethod
+    def of_config(
+        cls, config: AudioFeatureConfig, max_batch_size: int = DEFAULT_AUDIO_BATCH_SIZE,
+        num_threads: int = DEFAULT_NUM_THREADS,
+    ) -> DaliAudioFeatures:
+        pipeline = serialize_audio_pipeline(config, max_batch_size, num_threads, decode=False)
+        return cls(pipeline, config, max_batch_size, num_threads)
 
     def features(self, clips: Sequence[np.ndarray]) -> list[AudioFeatures]:
         out: list[AudioFeatures] = []

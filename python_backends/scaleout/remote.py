@@ -100,6 +100,8 @@ def verify_answer(result: Any, encoded: EncodedImage, key: str) -> None:
     sent = result.as_numpy(contract.EMBEDDING_DIGEST)
     if sent is None:
         raise ValueError("the answer carries no embedding digest")
+    if encoded.grid_thw is None:  # by value is for images (an image's answer has its grid)
+        raise ValueError("the answer carries no image grid")
     if str(sent.reshape(-1)[0], "utf-8") != embedding_digest(encoded.embeds, encoded.grid_thw):
         raise ValueError("the embedding's digest does not match what arrived")
 

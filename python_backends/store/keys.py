@@ -75,7 +75,7 @@ def _canonical_config(config: Mapping[str, Any]) -> bytes:
         raise invalid_arg(f"preprocessing config must be plain JSON data to be part of a key: {exc}") from None
 
 
-MODALITIES = ("image", "video")
+MODALITIES = ("image", "video", "audio")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,9 @@ class KeyConfig:
     A video's key also covers the video processor's config (``video_preprocessor_config.json``
     beside the image one, when there is one) and the frame sampling (``video_sampling``: fps,
     frame bounds, as :class:`python_backends.request.videos.VideoSamplingConfig` gives them): other
-    frames or another frame size are other embeddings. Image keys are what they always were."""
+    frames or another frame size are other embeddings. An audio clip's key covers the feature
+    extractor's config (an audio checkpoint's ``preprocessor_config.json``). Image keys are what
+    they always were."""
 
     preprocess_config: Mapping[str, Any]
     encoder_version: str
@@ -119,6 +121,8 @@ class KeyConfig:
                 "video": self.video_config,
                 "sampling": self.video_sampling,
             }
+        if modality == "audio":  # an audio checkpoint's preprocessor_config.json: its feature extractor's
+            return {"modality": "audio", "features": self.preprocess_config}
         raise invalid_arg(f"no content key for modality {modality!r}; one of {', '.join(MODALITIES)}")
 
     def key(self, media: bytes, namespace: str = "", modality: str = "image") -> str:

@@ -260,6 +260,21 @@ class BlsEncode(BlsCaller):
         return np.asarray(out[contract.IMAGE_EMBEDS])
 
 
+    async def encode_audio_features(self, features: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A clip's features (``[1, mel bins, frames]``, lengths ``[1]``) through ``audio_encoder``:
+        embeddings ``[1, padded tokens, hidden]`` and the clip's tokens ``[1]``, by value."""
+        request = pb_utils.InferenceRequest(
+            model_name=contract.AUDIO_ENCODER_MODEL,
+            inputs=[
+                pb_utils.Tensor(contract.INPUT_FEATURES, np.ascontiguousarray(features, dtype=np.float32)),
+                pb_utils.Tensor(contract.FEATURE_LENGTHS, np.ascontiguousarray(lengths, dtype=np.int64)),
+            ],
+            requested_output_names=[contract.AUDIO_EMBEDS, contract.AUDIO_TOKENS],
+        )
+        out = _outputs(await self._call(request.exec))
+        return np.asarray(out[contract.AUDIO_EMBEDS]), np.asarray(out[contract.AUDIO_TOKENS])
+
+
 # The request being served (its asyncio task) reads decode as one stream: the old pattern, kept
 # only to measure what the polls cost (request parameter ``decode_reads``, contract.DECODE_READS).
 # A context variable, so that the measurement switch does not run through every path's signature.

@@ -114,7 +114,7 @@ def test_the_served_encode_chain_gives_vllms_tokens_on_the_same_samples(engine: 
         "ogg opus 48 kHz": lambda: encoded(clip(7.3, 660.0, seed=7, rate=48_000), "ogg", "libopus", 48_000),
     }[container]()
     samples = decode_audio(data, 0, AudioLimits(), SAMPLING_RATE)
-    features = DaliAudioFeatures(AudioFeatureConfig(), max_batch_size=1, num_threads=1).features([samples])[0]
+    features = DaliAudioFeatures.of_config(AudioFeatureConfig(), max_batch_size=1, num_threads=1).features([samples])[0]
     lengths = np.array([features.length], dtype=np.int64)
     embeds = onnx_embeddings(engine.session, features.features[None], lengths)[0]
 

@@ -63,7 +63,7 @@ from tests.doc_commands import (
 from tests.images import synthetic_image, with_note
 from tests.server.conftest import CACHE_POLICY, LOG_DIR, SLOT, TEST_EXIT_TIMEOUT_S, check_stop
 from tests.server.test_epd_acceptance import Answer, stream_generate
-from tests.server.test_llm_audio import audio_repository, audio_server  # noqa: F401  (fixtures: an audio server)
+from tests.server.test_llm_audio import audio_repository, audio_server, audio_store  # noqa: F401  (fixtures: an audio server)
 from tests.server.test_openai import api_url  # noqa: F401  (a fixture: the OpenAI API in front of the session server)
 
 pytestmark = pytest.mark.server

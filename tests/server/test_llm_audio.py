@@ -1,21 +1,26 @@
-"""``llm`` of an audio checkpoint over the wire (issue 34): the tiny Qwen2-Audio served from its own
-generated repository, clips of 1-30 s in four containers giving offline vLLM's greedy tokens on
-the same samples, every kind of bad audio refused with INVALID_ARG naming the problem in bounded
-memory, and the server serving on afterwards.
+"""An audio checkpoint over the wire (issue 34): the tiny Qwen2-Audio served from its own generated
+repository. ``llm``: clips of 1-30 s in four containers give offline vLLM's greedy tokens on the
+same samples, every kind of bad audio is refused with INVALID_ARG naming the problem in bounded
+memory, and the server serves on afterwards. The encoders (``encoder_<i>`` -> ``audio_encoder``):
+each clip's embeddings in the node store by reference, equal to the ONNX encoder's on
+transformers' features of the same samples, a hit for every encoder after the first encode.
 
-The repository holds ``llm`` only (an audio checkpoint has no image models), so this module costs
-one engine start, plus one offline engine for the reference tokens.
+The repository holds ``llm``, ``audio_encoder`` and the encoders (an audio checkpoint has no image
+models), so this module costs one engine start, plus one offline engine for the reference tokens.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
+import queue
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.audio_clips import BAD_AUDIO, CLIP, encoded, tone, wav
@@ -26,8 +31,10 @@ from builders.stage_watch import find_role, peak_rss
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer, free_port
 from client.epd_client import ClientError, GrpcClient, HttpClient, chat_prompt
 from python_backends import contract
+from python_backends.request.audios import AudioLimits, decode_audio
 from python_backends.request.generate import AUDIO_PLACEHOLDER
-from tests.server.conftest import LOG_DIR, SERVER_REPOSITORY, TEST_EXIT_TIMEOUT_S, serving
+from python_backends.store import EmbeddingStore, StoreConfig
+from tests.server.conftest import CACHE_POLICY, LOG_DIR, SERVER_REPOSITORY, TEST_EXIT_TIMEOUT_S, serving
 
 pytestmark = pytest.mark.server
 
@@ -58,8 +65,15 @@ AUDIO_REPOSITORY = SERVER_REPOSITORY.with_name(SERVER_REPOSITORY.name.replace("r
 
 
 @pytest.fixture(scope="module")
-def audio_repository() -> Path:
-    prepare("cpu", build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio"), AUDIO_REPOSITORY)
+def audio_store(node_dir: Path) -> Path:
+    """The audio server's node store: in the slot's folder, apart from the session server's."""
+    return node_dir / "audio-embeddings"
+
+
+@pytest.fixture(scope="module")
+def audio_repository(audio_store: Path) -> Path:
+    model_dir = build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio")
+    prepare("cpu", model_dir, AUDIO_REPOSITORY, cache=dataclasses.replace(CACHE_POLICY, path=str(audio_store)))
     return AUDIO_REPOSITORY
 
 
@@ -206,3 +220,70 @@ def test_the_openai_package_sends_input_audio_and_gets_llms_tokens(
             assert answer.choices[0].message.content == expected.text, kind
             assert answer.usage is not None and answer.usage.completion_tokens == len(expected.token_ids), kind
             assert answer.usage.prompt_tokens == expected.num_input_tokens, kind
+
+
+def encode(server: TritonServer, clips: list[bytes], model: str) -> tuple[list[bytes], list[bool]]:
+    """An encoder model's references and cache hits for ``clips`` (no lease), or ClientError."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        audio = grpcclient.InferInput(contract.AUDIO, [len(clips)], "BYTES")
+        audio.set_data_from_numpy(np.array(clips, dtype=np.object_))
+        client.async_stream_infer(model, [audio])
+        result, error = answers.get(timeout=300)
+        if error is not None:
+            raise ClientError(error.message())
+        hits = [bool(hit) for hit in result.as_numpy(contract.CACHE_HIT).reshape(-1)]
+        return [bytes(r) for r in result.as_numpy(contract.REFERENCES).reshape(-1)], hits
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_encoders_store_each_clips_embeddings_by_reference(
+    audio_server: TritonServer, audio_repository: Path, audio_store: Path, clip_files: dict[str, Path]
+) -> None:
+    """A clip through encoder_0: a reference (audio, its 25 tokens a second) to embeddings equal to
+    the ONNX encoder's on transformers' features of the same samples; the same clip as base64 to
+    encoder_1: the same entry, a hit."""
+    import onnxruntime as ort
+    from transformers import WhisperFeatureExtractor
+
+    from builders.audio_encoder import onnx_embeddings
+
+    names = ["flac 3.5 s", "mp3 10 s"]
+    clips = [clip_files[name].read_bytes() for name in names]
+    references, hits = encode(audio_server, clips, "encoder_0")
+    assert hits == [False, False]
+    again, hits = encode(audio_server, [base64.b64encode(clip) for clip in clips], "encoder_1")
+    assert again == references and hits == [True, True]
+
+    extractor = WhisperFeatureExtractor.from_pretrained(DEFAULT_AUDIO_MODEL_DIR)
+    session = ort.InferenceSession(str(audio_repository / "audio_encoder" / "1" / "model.onnx"))
+    store = EmbeddingStore(StoreConfig(path=str(audio_store), capacity_bytes=CACHE_POLICY.capacity_bytes))
+    for name, clip, raw in zip(names, clips, references, strict=True):
+        reference = store.parse_reference(raw)
+        assert reference.modality == "audio" and reference.grid_thw is None, name
+        assert reference.num_placeholders == int(25 * seconds_of(name)), name
+        samples = decode_audio(clip, 0, AudioLimits(), 16_000)
+        features = extractor(samples, sampling_rate=16_000, padding="max_length", return_attention_mask=True)
+        lengths = features["attention_mask"].sum(-1).astype(np.int64)
+        (expected,) = onnx_embeddings(session, features["input_features"].astype(np.float32), lengths)
+        with store.open_view(reference) as stored:
+            assert stored.shape == expected.shape, name
+            assert float(np.abs(np.asarray(stored) - expected).max()) < 1e-4, name
+
+
+def test_an_encoder_refuses_bad_audio_naming_the_clip_and_serves_on(
+    audio_server: TritonServer, clip_files: dict[str, Path]
+) -> None:
+    good = clip_files["wav 1 s"].read_bytes()
+    for name in ("not audio", "truncated wav", "header claims hours"):
+        make, says = BAD_AUDIO[name]
+        with pytest.raises(ClientError) as caught:
+            encode(audio_server, [good, make()], "encoder_0")
+        assert str(caught.value).startswith("audio[1]: ") and says in str(caught.value), (name, caught.value)
+    assert len(encode(audio_server, [good], "encoder_0")[0]) == 1

@@ -35,8 +35,18 @@ def fake_onnx_build(model_dir: Path, version_dir: Path, stamp_dir: Path) -> tupl
     return FACTS, {"parity_max_abs": 0.0}, built
 
 
+def fake_audio_build(model_dir: Path, version_dir: Path, stamp_dir: Path) -> dict:
+    """Stands in for ``repository.build_audio_artifacts``: placeholder model.onnx and audio.dali."""
+    version_dir.mkdir(parents=True, exist_ok=True)
+    for name in (contract.ONNX_FILE, contract.AUDIO_DALI_FILE):
+        (version_dir / name).write_bytes(b"placeholder")
+    return {"parity_max_abs": 0.0}
+
+
 def fake_artifact_builds(patch: pytest.MonkeyPatch) -> None:
-    """The ONNX export (seconds; tested in test_encoder_export.py and by the server session) and
-    the TensorRT build replaced; the rest of ``write_repository`` is the real build."""
+    """The ONNX exports (seconds; tested in test_encoder_export.py, test_tiny_audio.py and by the
+    server sessions) and the TensorRT build replaced; the rest of ``write_repository`` is the real
+    build."""
     patch.setattr(repository, "build_onnx_artifact", fake_onnx_build)
+    patch.setattr(repository, "build_audio_artifacts", fake_audio_build)
     patch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)

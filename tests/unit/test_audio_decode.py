@@ -66,7 +66,7 @@ def test_every_container_gives_whispers_features_on_the_same_samples() -> None:
     extractor = WhisperFeatureExtractor(feature_size=config.feature_size)
     clips = [decode_audio(make(), i, LIMITS, RATE) for i, make in enumerate(GOOD.values())]
     assert all(abs(c.size - CLIP.size) <= 1200 for c in clips), [c.size for c in clips]  # codec padding at most
-    got = DaliAudioFeatures(config, max_batch_size=4, num_threads=1).features(clips)  # two batches
+    got = DaliAudioFeatures.of_config(config, max_batch_size=4, num_threads=1).features(clips)  # two batches
     for name, samples, features in zip(GOOD, clips, got, strict=True):
         expected = extractor(samples, sampling_rate=RATE, padding="max_length", return_attention_mask=True)
         assert np.abs(features.features - expected["input_features"][0]).max() < 1e-4, name

@@ -308,20 +308,32 @@ out["t8"]; INPUT_NAMES = ("t9",); pb_utils.InferenceRequest(model_name="m1", req
     assert found == {("tensor", f"t{i}") for i in range(1, 11)} | {("parameter", "p1"), ("model", "m1")}
 
 
-def test_an_audio_checkpoints_repository_is_llm_with_audio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An audio checkpoint's repository, written over an image one: ``llm`` alone, declaring the
-    contract's audio interface, its limits and the checkpoint's sampling rate; the image models'
-    folders are gone and its engine takes audio only; model_repository/ (the kept code) is refused."""
+def test_an_audio_checkpoints_repository_is_llm_and_the_audio_encoders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audio checkpoint's repository, written over an image one: ``llm`` declaring the
+    contract's audio interface, ``audio_encoder`` and the ``encoder_<i>`` models taking audio, with
+    the limits and the checkpoint's sampling rate; the image models' folders are gone, its engine
+    takes audio only, and model_repository/ (the kept code) is refused."""
     fake_artifact_builds(monkeypatch)
     out = tmp_path / "repository"
     write_repository("cpu", build_default_model(), out, tmp_path / "stamps")
     audio_model = build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio")
     write_repository("cpu", audio_model, out, tmp_path / "stamps")
     configs = {c.name: c for c in generated_configs(out)}
-    assert set(configs) == {contract.LLM_MODEL}
+    encoders = TARGETS["cpu"].cache.encoder_models
+    assert set(configs) == {contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *encoders}
     # Nothing else is left for Triton to find (an image model's artefacts would stop its start).
-    assert {p.name for p in out.iterdir()} == {contract.LLM_MODEL}
+    assert {p.name for p in out.iterdir()} == set(configs)
     assert declared_interface(configs[contract.LLM_MODEL]) == contract.AUDIO_LLM
+    assert declared_interface(configs[contract.AUDIO_ENCODER_MODEL]) == contract.AUDIO_ENCODER
+    encoder_source = (REPO_ROOT / "model_repository" / "encoder_0" / "1" / "model.py").read_text()
+    for name in encoders:
+        assert declared_interface(configs[name]) == contract.AUDIO_ENCODER_INSTANCE
+        assert (out / name / "1" / "model.py").read_text() == encoder_source
+        values = {key: entry.string_value for key, entry in configs[name].parameters.items()}
+        assert values[contract.ENCODER_FILE] == "audio_encoder/1/model.onnx"
+        assert values[contract.PREPROCESSOR_CONFIG] == str(audio_model / "preprocessor_config.json")
     values = {key: entry.string_value for key, entry in configs[contract.LLM_MODEL].parameters.items()}
     assert values[contract.MAX_AUDIOS] == "2" and values[contract.AUDIO_SAMPLING_RATE] == "16000"
     assert values[contract.MAX_IMAGES] == "0" and values[contract.MAX_VIDEOS] == "0"
