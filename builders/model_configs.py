@@ -30,7 +30,9 @@ target (names are a contract, docs/architecture.md):
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +106,11 @@ def _audio_limits(target: Target, model_dir: Path) -> dict[str, Any]:
 def audio_repository_files(target: Target, model_dir: Path) -> dict[str, str]:
     """Every generated text file of an audio checkpoint's repository: ``llm``, ``audio_encoder``
     and the ``encoder_<i>`` models."""
-    return {**audio_llm_files(target, model_dir), **audio_encoder_files(target), **audio_encoders(target, model_dir)}
+    media = audio_media(target, model_dir)
+    return {
+        **audio_llm_files(target, model_dir), **audio_encoder_files(target), **audio_encoders(target, model_dir),
+        **kv_stage_files(target, model_dir, media), **epd_files(target, model_dir, media),
+    }  # fmt: skip
 
 
 def audio_llm_files(target: Target, model_dir: Path) -> dict[str, str]:
@@ -160,8 +166,7 @@ def audio_encoders(target: Target, model_dir: Path) -> dict[str, str]:
     the audio encoder's ONNX file."""
     parameters = {
         **target.cache.to_parameters(),
-        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
-        contract.ENCODER_FILE: f"{contract.AUDIO_ENCODER_MODEL}/1/{contract.ONNX_FILE}",
+        **_audio_keys(model_dir),
         **_audio_limits(target, model_dir),
         contract.DALI_NUM_THREADS: target.encode.dali_threads,
     }
@@ -383,24 +388,80 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
     return files
 
 
-def kv_stage_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+@dataclass(frozen=True)
+class PipelineMedia:
+    """What the pipeline's models (``epd``, ``prefill``, ``decode``, ``epd``'s colocated engine)
+    take besides text: the limits in their configs, vLLM's ``limit_mm_per_prompt``, ``epd``'s
+    interface, what content keys cover, and the merge size references are checked with. Images
+    and video (a Qwen2-VL checkpoint: :func:`image_media`) or audio (:func:`audio_media`)."""
+
+    limits: dict[str, Any]
+    per_prompt: dict[str, int]
+    epd: ModelInterface
+    keys: dict[str, Any]
+    merge_size: int
+    # prefill's: an audio checkpoint's declares ``audio`` (measurement only, contract.FORWARD_MEDIA).
+    prefill: ModelInterface = contract.PREFILL
+    prefill_limits: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def engine_args(self, target: Target, model_dir: Path, role: str) -> dict[str, Any]:
+        """A pipeline engine's args: the target's for ``role``, the checkpoint, these media."""
+        role_args = target.engine_args_for(role, checkpoint_positions(model_dir))
+        return {"model": str(model_dir.resolve()), **role_args, "limit_mm_per_prompt": self.per_prompt}
+
+    def store_parameters(self, target: Target) -> dict[str, Any]:
+        return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: self.merge_size}
+
+
+def image_media(target: Target, model_dir: Path, facts: EncoderFacts) -> PipelineMedia:
+    limits = epd_video_limits(target)
+    per_prompt = _with_video(dict(target.engine_args), limits).get("limit_mm_per_prompt", {})
+    epd = contract.EPD.taking_videos(_max_videos(limits)).taking_audios(0)
+    return PipelineMedia(limits, per_prompt, epd, _key_parameters(target, model_dir), facts.merge_size)
+
+
+def audio_media(target: Target, model_dir: Path) -> PipelineMedia:
+    """An audio checkpoint's: clips only; keys cover the feature extractor's config and the audio
+    encoder's ONNX file. Its epd serves the disaggregated path only (its colocated engine would
+    take raw audio or stored embeddings: not built yet, issue 34)."""
+    audio = _audio_limits(target, model_dir)
+    limits = {
+        contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio, contract.PATH_POLICY: contract.DISAGGREGATED_PATH
+    }
+    per_prompt = {"audio": int(audio[contract.MAX_AUDIOS])}
+    merge_size = int(contract.default_of(contract.SPATIAL_MERGE_SIZE))  # no grid to check
+    keys = _audio_keys(model_dir)
+    prefill_limits = {**audio, contract.PREPROCESSOR_CONFIG: keys[contract.PREPROCESSOR_CONFIG]}
+    return PipelineMedia(
+        limits, per_prompt, contract.AUDIO_EPD, keys, merge_size, contract.AUDIO_PREFILL, prefill_limits
+    )
+
+
+def _audio_keys(model_dir: Path) -> dict[str, Any]:
+    """What an audio clip's content key covers besides its bytes (epd and the encoders alike)."""
+    return {
+        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
+        contract.ENCODER_FILE: f"{contract.AUDIO_ENCODER_MODEL}/1/{contract.ONNX_FILE}",
+    }
+
+
+def kv_stage_files(target: Target, model_dir: Path, media: PipelineMedia) -> dict[str, str]:
     """``prefill`` and ``decode`` (vLLM KV producer / consumer): configs and engine args."""
     # Light: the engine-args helper does not import vLLM.
     from python_backends.pd.engine_args import pd_engine_args
 
-    positions = checkpoint_positions(model_dir)
     files: dict[str, str] = {}
-    for interface in (contract.PREFILL, contract.DECODE):
+    for interface in (media.prefill, contract.DECODE):
         role = interface.name
         parameters = {
             contract.MAX_TOKENS_LIMIT: target.limits[contract.MAX_TOKENS_LIMIT],
             **({contract.STREAM_INTERVAL: target.pd.stream_interval} if role == contract.DECODE_MODEL else {}),
+            **(media.prefill_limits if role == contract.PREFILL_MODEL else {}),
             **target.role_environment(role),
-            **_store_parameters(target, facts),
+            **media.store_parameters(target),
         }
         files[f"{role}/config.pbtxt"] = _python_model_config(target, role, interface, parameters)
-        role_args = _with_video(target.engine_args_for(role, positions), epd_video_limits(target))
-        base = {"model": str(model_dir.resolve()), **role_args}
+        base = media.engine_args(target, model_dir, role)
         args = pd_engine_args(base, role, target.pd.kv_store_path, target.pd.kv_connector)  # type: ignore[arg-type]
         files[f"{role}/1/engine_args.json"] = _json(args)
     return files
@@ -417,14 +478,11 @@ def _engines_apart(target: Target) -> bool:
     return all(sets.values()) and not sets[contract.EPD_MODEL] & engines
 
 
-def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
+def epd_files(target: Target, model_dir: Path, media: PipelineMedia) -> dict[str, str]:
     """``epd``: the entry point's config (its model.py is kept in model_repository/epd/1/) and the
     engine args of its colocated path's engine (llm's: same model, same embeddings input)."""
     parameters = {
         **target.limits,
-        **epd_video_limits(target),
-        **_store_parameters(target, facts),
-        **_key_parameters(target, model_dir),
         contract.ENCODER_MODELS_KEY: ",".join(target.cache.encoder_models),
         contract.PREFILL_MODEL_KEY: contract.PREFILL_MODEL,
         contract.DECODE_MODEL_KEY: contract.DECODE_MODEL,
@@ -434,13 +492,13 @@ def epd_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
         contract.COLOCATED_ENCODES: target.pd.colocated_encodes,
         contract.SHARED_COMPUTE: not _engines_apart(target),
         **target.role_environment(contract.EPD_MODEL),
+        **media.limits,
+        **media.store_parameters(target),
+        **media.keys,
     }
-    positions = checkpoint_positions(model_dir)
-    role_args = _with_video(target.engine_args_for(contract.EPD_MODEL, positions), epd_video_limits(target))
-    engine_args = {"model": str(model_dir.resolve()), **role_args, "enable_mm_embeds": True}
-    interface = contract.EPD.taking_videos(_max_videos(epd_video_limits(target)))
+    engine_args = {**media.engine_args(target, model_dir, contract.EPD_MODEL), "enable_mm_embeds": True}
     return {
-        "epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, interface, parameters),
+        "epd/config.pbtxt": _python_model_config(target, contract.EPD_MODEL, media.epd, parameters),
         "epd/1/engine_args.json": _json(engine_args),
     }
 
@@ -455,6 +513,7 @@ def repository_files(target: Target, model_dir: Path, facts: EncoderFacts) -> di
     files.update(encode_files(target, facts))
     files.update(ensemble_files(target, facts))
     files.update(encoder_files(target, model_dir, facts))
-    files.update(kv_stage_files(target, model_dir, facts))
-    files.update(epd_files(target, model_dir, facts))
+    media = image_media(target, model_dir, facts)
+    files.update(kv_stage_files(target, model_dir, media))
+    files.update(epd_files(target, model_dir, media))
     return files

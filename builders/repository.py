@@ -44,6 +44,7 @@ from builders.model_configs import audio_repository_files, repository_files
 from builders.pbtxt import TEMPLATES, render_template
 from builders.roles import ROLES, Role, add_cpus_argument, model_cpu_sets, role_models
 from builders.targets import (
+    PD_MODELS,
     TARGETS,
     EncodeServing,
     PdServing,
@@ -206,9 +207,10 @@ def write_repository(
 def _write_audio_repository(
     target: Target, model_dir: Path, out: Path, role: Role, stamp_dir: Path = DEFAULT_STAMPS
 ) -> list[Path]:
-    """An audio checkpoint's repository: ``llm`` with the ``audio`` input, ``audio_encoder`` and
-    the ``encoder_<i>`` models that write clips' embeddings to the store. The image models (their
-    artefacts are the vision tower's) are not written, and their folders go."""
+    """An audio checkpoint's repository: ``llm`` with the ``audio`` input, ``audio_encoder``, the
+    ``encoder_<i>`` models that write clips' embeddings to the store, and ``epd`` with ``prefill``
+    and ``decode`` serving from their references. The image models (their artefacts are the
+    vision tower's) are not written, and their folders go."""
     if role != "all":
         raise RepositoryBuildError(
             f"an audio checkpoint is served by one server (--role all), not --role {role}: "
@@ -219,7 +221,7 @@ def _write_audio_repository(
             f"an audio checkpoint's repository goes in a folder of its own (e.g. --model-repository "
             f"build/repo-audio): {DEFAULT_REPOSITORY.name}/ holds the image models' code"
         )
-    served = (contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *target.cache.encoder_models)
+    served = (contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *target.cache.encoder_models, *PD_MODELS)
     # Triton loads every folder of the repository: an image model's artefacts left behind (its
     # model.onnx, model.dali) would be a model without a config, and the server would not start.
     image_models = {m for t in TARGETS.values() for m in t.models} | {p.name for p in out.glob("encoder_*")}

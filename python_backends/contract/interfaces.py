@@ -17,6 +17,8 @@ from python_backends.contract.names import ContractError
 __all__ = [
     "AUDIO_ENCODER",
     "AUDIO_ENCODER_INSTANCE",
+    "AUDIO_EPD",
+    "AUDIO_PREFILL",
     "AUDIO_LLM",
     "DECODE",
     "ENCODE",
@@ -190,7 +192,7 @@ ENSEMBLE = ModelInterface(
 # client that wants the code asks for the error in the ``error`` output (JSON code + message).
 EPD = ModelInterface(
     n.EPD_MODEL,
-    (_PROMPT, _ENCODED_IMAGES, _ENCODED_VIDEOS, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS, *_CLIENT_ABORT),
+    (_PROMPT, _ENCODED_IMAGES, _ENCODED_VIDEOS, _ENCODED_AUDIOS, *GENERATE_OPTIONS, _ERRORS_AS_OUTPUTS, *_CLIENT_ABORT),
     (
         *GENERATE_OUTPUTS,
         *(_tensor(n.timing_output(stage), "TYPE_FP32", 1) for stage in n.TIMING_STAGES),
@@ -201,6 +203,7 @@ EPD = ModelInterface(
     (
         *n.LIMITS,
         *n.VIDEO_LIMITS,
+        *n.AUDIO_LIMITS,
         *_STORE_USER,
         *_CONTENT_KEYS,
         n.ENCODER_MODELS_KEY,
@@ -215,6 +218,8 @@ EPD = ModelInterface(
     ),
     vllm_env=True,
 )
+# ``epd`` of an audio checkpoint: audio in (its encoders, prefill and decode take audio references).
+AUDIO_EPD = EPD.without(n.IMAGE, n.VIDEO)
 # ``preprocess``: the file's bytes, one image per batch row; rows of different requests differ in
 # length, hence ragged (the DALI backend's input convention). Output order is the pipeline's.
 PREPROCESS = ModelInterface(
@@ -324,6 +329,15 @@ PREFILL = ModelInterface(
     (n.MAX_TOKENS_LIMIT, *_STORE_USER),
     vllm_env=True,
 )
+# ``prefill`` of an audio checkpoint: ``audio`` (measurement only) takes the clips themselves too,
+# decoded and re-extracted there (contract.FORWARD_MEDIA: the baseline of metadata-only forwarding).
+AUDIO_PREFILL = ModelInterface(
+    n.PREFILL_MODEL,
+    (*PREFILL.inputs, _ENCODED_AUDIOS),
+    PREFILL.outputs,
+    (*PREFILL.parameters, *n.AUDIO_LIMITS, n.PREPROCESSOR_CONFIG),
+    vllm_env=True,
+)
 # ``decode``: vLLM KV consumer, streams tokens 2..N. ``abort`` = true: a control request.
 DECODE = ModelInterface(
     n.DECODE_MODEL,
@@ -347,12 +361,12 @@ DECODE = ModelInterface(
 INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
     n.LLM_MODEL: (LLM.taking_audios(0), LLM.taking_audios(0).taking_videos(0), AUDIO_LLM),
     n.ENSEMBLE_MODEL: (ENSEMBLE,),
-    n.EPD_MODEL: (EPD, EPD.taking_videos(0)),
+    n.EPD_MODEL: (EPD.taking_audios(0), EPD.taking_audios(0).taking_videos(0), AUDIO_EPD),
     n.PREPROCESS_MODEL: (PREPROCESS,),
     n.VIT_ENCODER_MODEL: (VIT_ENCODER, VIT_ENCODER_TENSORRT),
     n.VIT_POSITIONS_MODEL: (VIT_POSITIONS,),
     n.ENCODE_MODEL: (ENCODE, ENCODE_ONE_IMAGE),
-    n.PREFILL_MODEL: (PREFILL,),
+    n.PREFILL_MODEL: (PREFILL, AUDIO_PREFILL),
     n.DECODE_MODEL: (DECODE,),
     n.AUDIO_ENCODER_MODEL: (AUDIO_ENCODER,),
 }

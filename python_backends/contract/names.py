@@ -183,6 +183,13 @@ ENCODER_REQUEST_PARAMETER = "encoder"  # epd: the encoder model a request pins
 DECODE_READS_REQUEST_PARAMETER = "decode_reads"
 DECODE_READS = ("poll", "stream")
 ALLOW_STREAMED_DECODE_ENV = "TRITON_EPD_ALLOW_STREAMED_DECODE"
+# epd of an audio checkpoint, measurement only (the article's audio experiment, bench.audio_forwarding):
+# "raw" also sends each clip to prefill, which decodes and re-extracts its features there, as a
+# downstream stage does that is not given the structure (the baseline of metadata-only forwarding).
+# Refused unless the server's environment has ALLOW_RAW_FORWARDING_ENV=1.
+FORWARD_MEDIA_REQUEST_PARAMETER = "forward_media"
+FORWARD_MEDIA = ("metadata", "raw")
+ALLOW_RAW_FORWARDING_ENV = "TRITON_EPD_ALLOW_RAW_FORWARDING"
 EMBEDDING_DIGEST = "embedding_digest"
 # preprocess (cpu): the serialized DALI pipeline.
 PIPELINE_FILE = "pipeline_file"

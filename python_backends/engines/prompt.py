@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 class ImageEmbeds:
     """One image's (or video's) precomputed embeddings, as the encoder produced them."""
 
-    embeds: torch.Tensor  # [num_tokens, hidden] (num_tokens = t*h*w / merge**2)
-    grid_thw: tuple[int, int, int]
+    embeds: torch.Tensor  # [num_tokens, hidden] (num_tokens = t*h*w / merge**2; audio: the clip's tokens)
+    grid_thw: tuple[int, int, int] | tuple[()]  # () for audio
     # A stable identity of these embeddings (the store's content key), given to vLLM as
     # ``multi_modal_uuids``. Needed across processes: vLLM 0.32 hashes an embeddings item
     # as a dict whose key order follows a set (Python's per-process hash seed), so the
@@ -41,7 +41,7 @@ class ImageEmbeds:
     # the connector then refuses the transfer ("multimodal inputs differ"). Measured: 2 of
     # 4 server starts. Empty: let vLLM hash (fine within one process).
     uuid: str = ""
-    # "image" or "video" (a video's embeddings: its frames' tokens, grid t = frames / 2).
+    # "image", "video" (a video's embeddings: its frames' tokens, grid t = frames / 2) or "audio".
     modality: str = "image"
 
 
@@ -55,13 +55,17 @@ def _by_modality(items: Sequence[ImageEmbeds]) -> dict[str, list[ImageEmbeds]]:
 def multi_modal_data(items: Sequence[ImageEmbeds]) -> dict[str, Any] | None:
     """vLLM's ``enable_mm_embeds`` input per modality: embeddings concatenated, grids stacked
     (``image_embeds`` + ``image_grid_thw``, ``video_embeds`` + ``video_grid_thw``), each
-    modality's items in their prompt order."""
+    modality's items in their prompt order; audio (Qwen2-Audio): ``audio_embeds``, one
+    ``[tokens, hidden]`` tensor per clip (clips differ in length, and there is no grid)."""
     if not items:
         return None
     import torch
 
     data: dict[str, Any] = {}
     for modality, group in _by_modality(items).items():
+        if modality == "audio":
+            data[modality] = {"audio_embeds": [item.embeds for item in group]}
+            continue
         embeds = torch.cat([item.embeds for item in group], dim=0)
         grids = torch.tensor([list(item.grid_thw) for item in group], dtype=torch.int64)
         data[modality] = {f"{modality}_embeds": embeds, f"{modality}_grid_thw": grids}

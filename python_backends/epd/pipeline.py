@@ -138,7 +138,7 @@ class EpdPipeline:
             if encoder is not None:
                 self.references.checked_pin(encoder)  # an unknown name fails before any work
             start = time.perf_counter()
-            self.references.lookup(request.images, leased, timings, tenant, request.videos)
+            self.references.lookup(request.images, leased, timings, tenant, request.videos, request.audios)
             shape = self.shape(request, leased)
             if path is None and encoder is not None:  # only the disaggregated path calls encoders
                 decision = Decision(contract.DISAGGREGATED_PATH, "encoder pinned")

@@ -52,14 +52,15 @@ EncodeReference = Callable[[str | None, bytes, int, str | None, str], Awaitable[
 
 @dataclass
 class LeasedReferences:
-    """One request's images and videos: keys (images first, then videos, each in request
-    order), what the store held (``found``), what it lacks (``missing``: key -> media), each
-    key's modality, the references in key order once complete, and the leases the request must
-    give back."""
+    """One request's images, videos and audio clips: keys (images first, then videos, then
+    clips, each in request order), what the store held (``found``), what it lacks (``missing``:
+    key -> media), each key's modality, the references in key order once complete, and the leases
+    the request must give back."""
 
     keys: list[str] = field(default_factory=list)
-    modalities: dict[str, str] = field(default_factory=dict)  # key -> "image" | "video"
+    modalities: dict[str, str] = field(default_factory=dict)  # key -> "image" | "video" | "audio"
     num_images: int = 0
+    num_videos: int = 0
     tenant: str | None = None  # the request's tenant, passed on to the encoders
     found: dict[str, Reference] = field(default_factory=dict)
     missing: dict[str, bytes] = field(default_factory=dict)
@@ -129,24 +130,28 @@ class ImageReferences:
         timings: dict[str, float],
         tenant: str | None = None,
         videos: Sequence[bytes] = (),
+        audios: Sequence[bytes] = (),
     ) -> None:
         """Steps 1 and 2: keys (in ``tenant``'s key space under the ``isolated`` policy), and a
-        leased reference for every image and video the store holds. A video's key covers its
-        bytes, the video processor's config, the frame sampling and the encoder version
-        (``KeyConfig``): a stored one skips decode and encode entirely."""
+        leased reference for every image, video and audio clip the store holds. A video's key
+        covers its bytes, the video processor's config, the frame sampling and the encoder version
+        (``KeyConfig``), a clip's the feature extractor's config and the encoder version: a stored
+        one skips decode and encode entirely."""
         start = time.perf_counter()
         space = key_space(tenant, self.tenant_policy)
         leased.tenant = tenant
-        leased.num_images = len(images)
+        leased.num_images, leased.num_videos = len(images), len(videos)
         leased.keys = [
             tenant_key(im.mm_hash if isinstance(im, CachedImage) else self.keys.key(im), space) for im in images
         ]
-        video_keys = [tenant_key(self.keys.key(video, modality="video"), space) for video in videos]
-        leased.modalities = {**dict.fromkeys(leased.keys, "image"), **dict.fromkeys(video_keys, "video")}
-        leased.keys += video_keys
+        leased.modalities = dict.fromkeys(leased.keys, "image")
+        for modality, media in (("video", videos), ("audio", audios)):
+            keys = [tenant_key(self.keys.key(item, modality=modality), space) for item in media]
+            leased.modalities.update(dict.fromkeys(keys, modality))
+            leased.keys += keys
         timings["hash"] = ms_since(start)
         start = time.perf_counter()
-        items: list[bytes | CachedImage] = [*images, *videos]
+        items: list[bytes | CachedImage] = [*images, *videos, *audios]
         try:
             for index, (key, image) in enumerate(zip(leased.keys, items, strict=True)):
                 if key in leased.found or key in leased.missing:
@@ -196,7 +201,8 @@ class ImageReferences:
                 encoder = self.pick(key, pinned, modality)
                 wire, cache_hit = await self.encode_reference(encoder, image, owner, leased.tenant, modality)
             except EpdError as exc:  # the encoder saw one item: name it as the client did
-                index = indices[key] - (leased.num_images if modality == "video" else 0)
+                first = {"video": leased.num_images, "audio": leased.num_images + leased.num_videos}
+                index = indices[key] - first.get(modality, 0)
                 raise item_renamed(exc, modality, index) from None
             ref = self.store.parse_reference(wire)
             leased.leases.append(ref)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from python_backends.epd.disaggregated import StageClient
 from python_backends.epd.path_cost import PathCostModel
 from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import invalid_arg
+from python_backends.request.audios import AudioInput
 from python_backends.request.generate import (
     GenerateRequest,
     RequestLimits,
@@ -40,10 +41,13 @@ class EpdServer:
     store: EmbeddingStore
     limits: RequestLimits
     videos: VideoInputLimits | None  # None: no video (max_videos 0)
+    audio: AudioInput | None  # None: no audio (an image checkpoint's epd)
     remote: RemoteEncoders | None  # a ``pd`` server's remote encoder servers
     colocated: ColocatedEngine | None  # the colocated path's engine, unless the policy is disaggregated
     # Requests may ask for the old streamed decode read (measurement only: contract.DECODE_READS).
     allow_streamed_decode: bool = False
+    # Requests may send their clips on to prefill (measurement only: contract.FORWARD_MEDIA).
+    allow_raw_forwarding: bool = False
 
     @classmethod
     def build(
@@ -54,7 +58,11 @@ class EpdServer:
         start_colocated: Callable[[], ColocatedEngine],
     ) -> EpdServer:
         videos = VideoInputLimits.from_params(params)
-        limits = request_limits(params, accept_mm_hash=True, max_videos=videos.limits.max_videos if videos else 0)
+        audio = AudioInput.from_params(params)  # an audio checkpoint's epd
+        limits = request_limits(
+            params, accept_mm_hash=True, max_videos=videos.limits.max_videos if videos else 0,
+            max_audios=audio.max_audios if audio else 0,
+        )  # fmt: skip
         store = EmbeddingStore(params.store_config())
         keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
         cache = params.cache_policy()
@@ -71,7 +79,10 @@ class EpdServer:
             cost_model=PathCostModel(shared_compute=params.boolean(contract.SHARED_COMPUTE)),
         )  # fmt: skip
         allow_streamed_decode = os.environ.get(contract.ALLOW_STREAMED_DECODE_ENV) == "1"
-        return cls(pipeline, store, limits, videos, remote, colocated, allow_streamed_decode)
+        allow_raw_forwarding = os.environ.get(contract.ALLOW_RAW_FORWARDING_ENV) == "1"
+        return cls(
+            pipeline, store, limits, videos, audio, remote, colocated, allow_streamed_decode, allow_raw_forwarding
+        )
 
     def parse(self, inputs: Mapping[str, Any], raw_parameters: str | None) -> tuple[GenerateRequest, RequestParameters]:
         """A request's inputs and Triton parameters, checked (an ``EpdError`` is the client's)."""
@@ -79,11 +90,19 @@ class EpdServer:
         check_image_headers(request, self.limits)
         if self.videos is not None:  # raw bytes, as the encoders key them; their containers are checked there
             request = raw_videos(request, self.videos.limits)
+        if self.audio is not None:  # raw bytes too; the encoders decode and check them
+            request = replace(request, audios=self.audio.raw(request.audios))
         parameters = RequestParameters.parse(raw_parameters)
         if parameters.streamed_decode and not self.allow_streamed_decode:
             raise invalid_arg(
                 f"request parameter '{contract.DECODE_READS_REQUEST_PARAMETER}' = 'stream' reads decode as a "
                 "stream, which deadlocks Triton 2.51's python backend under load; a server allows it only "
                 f"to measure what the polls cost, started with {contract.ALLOW_STREAMED_DECODE_ENV}=1"
+            )
+        if parameters.raw_forwarding and not (self.allow_raw_forwarding and self.audio is not None):
+            raise invalid_arg(
+                f"request parameter '{contract.FORWARD_MEDIA_REQUEST_PARAMETER}' = 'raw' sends audio clips on to "
+                "prefill, the baseline of an experiment: an audio checkpoint's server allows it only when started "
+                f"with {contract.ALLOW_RAW_FORWARDING_ENV}=1"
             )
         return request, parameters

@@ -93,8 +93,8 @@ def resolve_images(store: EmbeddingStore, references: list[bytes]) -> tuple[list
     refs: list[Reference] = []
     for index, raw in enumerate(references):
         ref = store.parse_reference(raw)
-        if ref.modality not in ("image", "video") or ref.grid_thw is None:
-            raise invalid_arg(f"reference {index} is not an image or video embedding with a grid")
+        if (ref.modality == "audio") != (ref.grid_thw is None):  # audio has no grid, images and videos one
+            raise invalid_arg(f"reference {index} is not an image or video embedding with a grid, nor an audio one")
         # One copy out of the store; the content key is the item's identity for vLLM (see ImageEmbeds.uuid).
         images.append(stored_embeds(store, ref))
         refs.append(ref)

@@ -66,6 +66,19 @@ class AudioInput:
         """Every clip of a request, decoded (raw or base64 bytes)."""
         return [decode_audio(audio_bytes(item), i, self.limits, self.sampling_rate) for i, item in enumerate(items)]
 
+    def raw(self, items: Sequence[bytes]) -> list[bytes]:
+        """Every clip of a request as file bytes (base64 decoded), empty or oversized ones refused
+        (``epd``: content keys are taken over these bytes; its encoders decode them)."""
+        clips = [audio_bytes(item) for item in items]
+        for index, clip in enumerate(clips):
+            if not clip:
+                raise invalid_arg(f"audio[{index}]: empty")
+            if len(clip) > self.limits.max_bytes:
+                raise invalid_arg(
+                    f"audio[{index}]: {len(clip)} bytes, above the limit of {self.limits.max_bytes} (max_audio_bytes)"
+                )
+        return clips
+
 
 def audio_bytes(item: bytes) -> bytes:
     """The encoded audio in ``item``: base64 decoded when it is base64 (an audio file's bytes

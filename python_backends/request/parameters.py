@@ -9,7 +9,9 @@ them here, once per request, into one :class:`RequestParameters`:
 - ``encoder``: the encoder model ``epd`` sends the request's misses to;
 - ``by_value``: an encoder also answers the stored embedding (a PD server on another node asks);
 - ``decode_reads``: ``stream`` makes ``epd`` read ``decode`` as one BLS stream (measurement only:
-  ``EpdServer`` refuses it unless its server allows it).
+  ``EpdServer`` refuses it unless its server allows it);
+- ``forward_media``: ``raw`` makes ``epd`` send each audio clip on to ``prefill`` too, which
+  decodes and re-extracts it (measurement only, the same rule).
 
 Unknown parameters are ignored, as Triton's own backends ignore them; a known one with a wrong
 type or value is INVALID_ARG naming it.
@@ -67,6 +69,15 @@ def _streamed_decode(value: Any) -> bool:
     return value == "stream"
 
 
+def _raw_forwarding(value: Any) -> bool:
+    if value is not None and value not in contract.FORWARD_MEDIA:
+        raise invalid_arg(
+            f"request parameter '{contract.FORWARD_MEDIA_REQUEST_PARAMETER}' must be one of "
+            f"{', '.join(contract.FORWARD_MEDIA)}, got {value!r}"
+        )
+    return value == "raw"
+
+
 @dataclass(frozen=True)
 class RequestParameters:
     tenant: str | None = None
@@ -74,6 +85,7 @@ class RequestParameters:
     encoder: str | None = None
     by_value: bool = False
     streamed_decode: bool = False
+    raw_forwarding: bool = False
 
     @classmethod
     def parse(cls, raw: str | None) -> RequestParameters:
@@ -86,4 +98,5 @@ class RequestParameters:
             encoder=_encoder(values.get(contract.ENCODER_REQUEST_PARAMETER)),
             by_value=values.get(contract.BY_VALUE) is True,
             streamed_decode=_streamed_decode(values.get(contract.DECODE_READS_REQUEST_PARAMETER)),
+            raw_forwarding=_raw_forwarding(values.get(contract.FORWARD_MEDIA_REQUEST_PARAMETER)),
         )

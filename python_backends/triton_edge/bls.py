@@ -279,6 +279,9 @@ class BlsEncode(BlsCaller):
 # only to measure what the polls cost (request parameter ``decode_reads``, contract.DECODE_READS).
 # A context variable, so that the measurement switch does not run through every path's signature.
 _STREAMED_DECODE: contextvars.ContextVar[bool] = contextvars.ContextVar("streamed_decode", default=False)
+# The request's audio clips, sent on to prefill as well (request parameter ``forward_media`` = raw:
+# the baseline of the article's experiment, measurement only). Empty: references only.
+_FORWARDED_AUDIO: contextvars.ContextVar[tuple[bytes, ...]] = contextvars.ContextVar("forwarded_audio", default=())
 
 
 class BlsStages(BlsCaller):
@@ -289,6 +292,12 @@ class BlsStages(BlsCaller):
         """Read ``decode`` as a stream for the rest of the calling task (measurement only)."""
         _STREAMED_DECODE.set(True)
 
+    @staticmethod
+    def forward_audio_in_this_request(clips: Sequence[bytes]) -> None:
+        """Send ``clips`` to prefill with the references, for the rest of the calling task
+        (measurement only: prefill decodes and re-extracts them)."""
+        _FORWARDED_AUDIO.set(tuple(clips))
+
     def __init__(self, prefill_model: str, decode_model: str, max_threads: int = 256) -> None:
         super().__init__(max_threads)
         self.prefill_model = prefill_model
@@ -297,8 +306,8 @@ class BlsStages(BlsCaller):
     async def encode_reference(
         self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = contract.IMAGE
     ) -> tuple[bytes, bool]:
-        media = contract.VIDEO if modality == contract.VIDEO else contract.IMAGE  # the modality's input
-        inputs = [bytes_tensor(media, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
+        # Modalities are named as the encoders' inputs: image, video, audio.
+        inputs = [bytes_tensor(modality, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
         out = await self._last(encoder, inputs, None if tenant is None else {contract.TENANT: tenant})
         return bytes(out[contract.REFERENCES].reshape(-1)[0]), bool(out[contract.CACHE_HIT].reshape(-1)[0])
 
@@ -309,6 +318,8 @@ class BlsStages(BlsCaller):
         ]
         if references:
             inputs.append(bytes_tensor(contract.REFERENCES, list(references)))
+        if clips := _FORWARDED_AUDIO.get():
+            inputs.append(bytes_tensor(contract.AUDIO, list(clips)))
         return chunk_from_outputs(await self._last(self.prefill_model, inputs))
 
     async def decode(

@@ -1,12 +1,15 @@
 """An audio checkpoint over the wire (issue 34): the tiny Qwen2-Audio served from its own generated
 repository. ``llm``: clips of 1-30 s in four containers give offline vLLM's greedy tokens on the
-same samples, every kind of bad audio is refused with INVALID_ARG naming the problem in bounded
-memory, and the server serves on afterwards. The encoders (``encoder_<i>`` -> ``audio_encoder``):
-each clip's embeddings in the node store by reference, equal to the ONNX encoder's on
-transformers' features of the same samples, a hit for every encoder after the first encode.
+same samples; ``epd`` (disaggregated: the clip stops at the encoders, prefill and decode get
+references) gives the same tokens, encoded and from the store; every kind of bad audio is
+refused with INVALID_ARG naming the problem in bounded memory, and the server serves on. The
+encoders (``encoder_<i>`` -> ``audio_encoder``): each clip's embeddings in the node store by
+reference, equal to the ONNX encoder's on transformers' features of the same samples, a hit for
+every encoder after the first encode.
 
-The repository holds ``llm``, ``audio_encoder`` and the encoders (an audio checkpoint has no image
-models), so this module costs one engine start, plus one offline engine for the reference tokens.
+The repository holds ``llm``, ``epd``, ``prefill``, ``decode``, ``audio_encoder`` and the encoders
+(an audio checkpoint has no image models): three engine starts, plus one offline engine for the
+reference tokens.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ def audio_repository(audio_store: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def audio_server(audio_repository: Path) -> Iterator[TritonServer]:
-    options = ServerOptions(audio_repository, Ports.free(), exit_timeout_s=TEST_EXIT_TIMEOUT_S)
+    # The forwarding experiment's baseline allowed (test_the_raw_forwarding_baseline_...).
+    options = ServerOptions(audio_repository, Ports.free(), exit_timeout_s=TEST_EXIT_TIMEOUT_S,
+                            extra_env={contract.ALLOW_RAW_FORWARDING_ENV: "1"})  # fmt: skip
     with serving(options, LOG_DIR / "llm-audio.log") as running:
         yield running
 
@@ -142,6 +147,50 @@ def test_clips_in_four_containers_give_offline_vllms_tokens(
     assert len({tuple(tokens) for tokens in offline_tokens.values()}) >= 6
 
 
+@pytest.fixture
+def epd(audio_server: TritonServer) -> Iterator[GrpcClient]:
+    client = GrpcClient(audio_server.grpc_url, contract.EPD_MODEL)
+    yield client
+    client.close()
+
+
+def test_epd_gives_llms_tokens_on_every_clip_encoded_and_from_the_store(
+    epd: GrpcClient, clip_files: dict[str, Path], offline_tokens: dict[str, list[int]]
+) -> None:
+    """``epd`` (encoders -> store -> prefill -> decode, the clip never past the encoders) answers
+    every clip with vLLM's tokens from the raw clip (``llm``'s): first encoded, then from the store
+    (sent as base64 the second time: the same entry)."""
+    for name, path in clip_files.items():
+        clip = path.read_bytes()
+        first = epd.generate(CLIPS[name][1], sampling=GREEDY, audios=[clip])
+        assert first.token_ids == offline_tokens[name] and first.cache_hits == 0, name
+        assert "encode" in first.timings_ms, name
+        again = epd.generate(CLIPS[name][1], sampling=GREEDY, audios=[base64.b64encode(clip)])
+        assert again.token_ids == offline_tokens[name] and again.cache_hits == 1, name
+        assert "encode" not in again.timings_ms, name
+    two = [clip_files["wav 1 s"].read_bytes(), clip_files["mp3 10 s"].read_bytes()]
+    assert epd.generate("Compare them.", sampling=GREEDY, audios=two).token_ids == offline_tokens["two clips"]
+
+
+def test_the_raw_forwarding_baseline_reprocesses_each_clip_on_prefill_for_the_same_tokens(
+    audio_server: TritonServer, epd: GrpcClient, clip_files: dict[str, Path], offline_tokens: dict[str, list[int]]
+) -> None:
+    """The article's baseline (request parameter forward_media=raw): the clip goes on to prefill,
+    which decodes and re-extracts it (the reference's token count checked there); same tokens."""
+    from bench.server_stats import scrape_required
+
+    def media_bytes() -> float:
+        metrics = scrape_required(f"http://127.0.0.1:{audio_server.options.ports.metrics}/metrics")
+        return sum(v for (name, labels), v in metrics.counters.items()
+                   if name == "epd_prefill_input_bytes" and ("kind", "media") in labels)  # fmt: skip
+
+    before = media_bytes()
+    clip = clip_files["ogg vorbis 20 s"].read_bytes()
+    raw = epd.generate(CLIPS["ogg vorbis 20 s"][1], sampling=GREEDY, audios=[clip], parameters={"forward_media": "raw"})
+    assert raw.token_ids == offline_tokens["ogg vorbis 20 s"]
+    assert media_bytes() - before == len(clip)  # the clip itself crossed into prefill
+
+
 def test_http_with_base64_audio_gives_the_same_tokens(
     http_llm: HttpClient, clip_files: dict[str, Path], offline_tokens: dict[str, list[int]]
 ) -> None:
@@ -170,12 +219,17 @@ def test_bad_audio_is_invalid_arg_in_bounded_memory_and_the_server_serves_on(
     peak_before = peak_rss(stub)
     bad = {name: case for name, case in BAD_AUDIO.items() if name != "too many bytes"}
     bad["above max_audio_bytes"] = (lambda: b"RIFF" + bytes(25 << 20), "above the limit of 26214400 (max_audio_bytes)")
+    http_epd = HttpClient(audio_server.http_url, contract.EPD_MODEL)
     for name, (make, says) in bad.items():
         with pytest.raises(ClientError) as caught:
             http_llm.generate("What is it?", audios=[wav(CLIP), make()], sampling=GREEDY)
         assert caught.value.status == "400", name
         message = str(caught.value)
         assert message.startswith("audio[1]: ") and says in message, (name, message)
+        with pytest.raises(ClientError) as caught:  # epd: refused at its edge or by its encoder
+            http_epd.generate("What is it?", audios=[wav(CLIP), make()], sampling=GREEDY)
+        assert caught.value.status == "400" and "audio[1]: " in str(caught.value) and says in str(caught.value), name
+    http_epd.close()
     # Nothing was decoded at length: the stub's peak resident memory barely moved (the 37-hour
     # header alone would have been 8.6 GB of samples; the 25 MiB file is held as bytes a few times).
     assert peak_before is not None and (peak_rss(stub) or 0) - peak_before < 256 << 20
@@ -244,7 +298,7 @@ def encode(server: TritonServer, clips: list[bytes], model: str) -> tuple[list[b
 
 
 def test_encoders_store_each_clips_embeddings_by_reference(
-    audio_server: TritonServer, audio_repository: Path, audio_store: Path, clip_files: dict[str, Path]
+    audio_server: TritonServer, audio_repository: Path, audio_store: Path
 ) -> None:
     """A clip through encoder_0: a reference (audio, its 25 tokens a second) to embeddings equal to
     the ONNX encoder's on transformers' features of the same samples; the same clip as base64 to
@@ -254,8 +308,12 @@ def test_encoders_store_each_clips_embeddings_by_reference(
 
     from builders.audio_encoder import onnx_embeddings
 
-    names = ["flac 3.5 s", "mp3 10 s"]
-    clips = [clip_files[name].read_bytes() for name in names]
+    # Clips no other test sent (epd's test stored every clip of CLIPS).
+    made = {
+        "flac 6.0 s": encoded(tone(6.0, 520.0, seed=21), "flac", "flac"),
+        "mp3 10.0 s": encoded(tone(10.0, 360.0, seed=22), "mp3", "libmp3lame"),
+    }
+    names, clips = list(made), list(made.values())
     references, hits = encode(audio_server, clips, "encoder_0")
     assert hits == [False, False]
     again, hits = encode(audio_server, [base64.b64encode(clip) for clip in clips], "encoder_1")

@@ -54,6 +54,16 @@ def test_raw_and_base64_clips_decode_to_the_same_samples() -> None:
     np.testing.assert_array_equal(encoded, raw)
 
 
+def test_epd_keys_the_file_bytes_and_refuses_empty_or_oversized_clips_first() -> None:
+    data = wav(CLIP)
+    audio = AudioInput(2, AudioLimits(max_bytes=len(data)), 16_000)
+    assert audio.raw([data, base64.b64encode(data)]) == [data, data]
+    with pytest.raises(EpdError, match=r"audio\[1\]: empty"):
+        audio.raw([data, b""])
+    with pytest.raises(EpdError, match=rf"audio\[0\]: {len(data) + 1} bytes, above the limit of {len(data)}"):
+        audio.raw([data + b"x"])
+
+
 def test_limits_come_from_the_config_and_default_to_the_contracts() -> None:
     assert AudioInput.from_params(ModelParameters("llm", {})) is None  # max_audios 0: image checkpoints
     params = ModelParameters("llm", {contract.MAX_AUDIOS: "3", contract.MAX_AUDIO_SECONDS: "12.5",

@@ -308,13 +308,14 @@ out["t8"]; INPUT_NAMES = ("t9",); pb_utils.InferenceRequest(model_name="m1", req
     assert found == {("tensor", f"t{i}") for i in range(1, 11)} | {("parameter", "p1"), ("model", "m1")}
 
 
-def test_an_audio_checkpoints_repository_is_llm_and_the_audio_encoders(
+def test_an_audio_checkpoints_repository_serves_audio_on_llm_and_epd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An audio checkpoint's repository, written over an image one: ``llm`` declaring the
     contract's audio interface, ``audio_encoder`` and the ``encoder_<i>`` models taking audio, with
-    the limits and the checkpoint's sampling rate; the image models' folders are gone, its engine
-    takes audio only, and model_repository/ (the kept code) is refused."""
+    the limits and the checkpoint's sampling rate, ``epd`` (disaggregated) with ``prefill`` and
+    ``decode`` taking audio embeddings; the image models' folders are gone, the engines take audio
+    only, and model_repository/ (the kept code) is refused."""
     fake_artifact_builds(monkeypatch)
     out = tmp_path / "repository"
     write_repository("cpu", build_default_model(), out, tmp_path / "stamps")
@@ -322,7 +323,14 @@ def test_an_audio_checkpoints_repository_is_llm_and_the_audio_encoders(
     write_repository("cpu", audio_model, out, tmp_path / "stamps")
     configs = {c.name: c for c in generated_configs(out)}
     encoders = TARGETS["cpu"].cache.encoder_models
-    assert set(configs) == {contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *encoders}
+    assert set(configs) == {contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *encoders, "epd", "prefill", "decode"}
+    assert declared_interface(configs[contract.EPD_MODEL]) == contract.AUDIO_EPD
+    epd_values = {key: entry.string_value for key, entry in configs[contract.EPD_MODEL].parameters.items()}
+    assert epd_values[contract.PATH_POLICY] == contract.DISAGGREGATED_PATH  # no colocated engine for audio yet
+    assert epd_values[contract.ENCODER_FILE] == "audio_encoder/1/model.onnx"
+    for role in ("prefill", "decode"):
+        role_args = json.loads((out / role / "1" / "engine_args.json").read_text())
+        assert role_args["limit_mm_per_prompt"] == {"audio": 2} and role_args["enable_mm_embeds"], role
     # Nothing else is left for Triton to find (an image model's artefacts would stop its start).
     assert {p.name for p in out.iterdir()} == set(configs)
     assert declared_interface(configs[contract.LLM_MODEL]) == contract.AUDIO_LLM

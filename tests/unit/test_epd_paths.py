@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -227,6 +228,30 @@ def test_the_decode_reads_request_parameter():
         RequestParameters.parse(json.dumps({"decode_reads": True}))
     assert info.value.code == ErrorCode.INVALID_ARG
     assert "'decode_reads' must be one of poll, stream" in info.value.message
+
+
+def test_the_forward_media_request_parameter_and_who_may_use_it():
+    """``raw`` (the forwarding experiment's baseline) only on an audio epd whose server allows it."""
+    from python_backends.epd.server import EpdServer
+    from python_backends.request.audios import AudioInput, AudioLimits
+    from python_backends.request.generate import RequestLimits
+
+    raw = json.dumps({"forward_media": "raw"})
+    assert RequestParameters.parse(raw).raw_forwarding
+    assert not RequestParameters.parse(json.dumps({"forward_media": "metadata"})).raw_forwarding
+    with pytest.raises(EpdError, match="'forward_media' must be one of metadata, raw"):
+        RequestParameters.parse(json.dumps({"forward_media": "bytes"}))
+
+    def server(allowed: bool) -> EpdServer:
+        audio = AudioInput(2, AudioLimits(), 16_000)
+        limits = RequestLimits(max_audios=2)
+        return EpdServer(None, None, limits, None, audio, None, None, allow_raw_forwarding=allowed)  # type: ignore[arg-type]
+
+    inputs = {"text_input": np.array([b"hi"], dtype=np.object_), "audio": np.array([b"RIFF-clip"], dtype=np.object_)}
+    request, parameters = server(True).parse(inputs, raw)
+    assert parameters.raw_forwarding and request.audios == [b"RIFF-clip"]
+    with pytest.raises(EpdError, match="only when started with TRITON_EPD_ALLOW_RAW_FORWARDING=1"):
+        server(False).parse(inputs, raw)
 
 
 def test_fixed_policies(store):

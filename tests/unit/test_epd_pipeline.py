@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -47,13 +48,15 @@ class FakeStages:
     routed: list[str] = field(default_factory=list)
     encoders: dict[str, CachedEncoder] = field(default_factory=dict)
     encoded_videos: list[bytes] = field(default_factory=list)
+    encoded_audios: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ENCODERS:
             namespace = cache_namespace(self.scope, name)
             self.encoders[name] = CachedEncoder(
-                self.store, KEYS, self.encode, namespace=namespace, encode_video=self.encode_video
-            )
+                self.store, KEYS, self.encode, namespace=namespace, encode_video=self.encode_video,
+                encode_audio=self.encode_audio,
+            )  # fmt: skip
 
     async def encode_reference(
         self, encoder: str, image: bytes, lease_owner: int, tenant: str | None = None, modality: str = "image"
@@ -78,6 +81,14 @@ class FakeStages:
             raise EpdError("video[0] uses codec h264, which this target does not decode", ErrorCode.INVALID_ARG)
         seed = int.from_bytes(video[:4].ljust(4, b"\0"), "little")
         return EncodedImage(np.random.default_rng(seed).standard_normal((8, HIDDEN)).astype(np.float32), (2, 4, 4))
+
+    async def encode_audio(self, clip: bytes) -> EncodedImage:
+        """A clip: 6 rows, no grid; "bad-clip" fails as the decode does."""
+        self.encoded_audios.append(clip)
+        if clip == b"bad-clip":
+            raise EpdError("audio[0]: not an audio file FFmpeg can read", ErrorCode.INVALID_ARG)
+        seed = int.from_bytes(clip[:4].ljust(4, b"\0"), "little")
+        return EncodedImage(np.random.default_rng(seed).standard_normal((6, HIDDEN)).astype(np.float32), None)
 
     async def prefill(self, prompt, references, sampling) -> GenerationChunk:
         self.prefill_refs.append(list(references))
@@ -386,4 +397,35 @@ def test_a_bad_video_is_named_by_its_index_and_leaks_nothing(store):
         collect(make_pipeline(stages), video_request([b"img-a"], [b"vid-1", b"bad-video"]))
     assert info.value.code is ErrorCode.INVALID_ARG
     assert "video[1] uses codec h264" in info.value.message, info.value.message
+    assert store.metrics()["active_leases"] == 0
+
+
+def audio_request(videos: list[bytes], audios: list[bytes]) -> GenerateRequest:
+    return dataclasses.replace(video_request([], videos), prompt="<|AUDIO|>" * len(audios) + "hi", audios=audios)
+
+
+def test_audio_clips_are_encoded_stored_and_referenced_like_images(store):
+    """Clips (an audio checkpoint's epd): each through its encoder as audio, references with no grid
+    and the clip's rows as placeholders, after the request's videos; from the store the second time."""
+    stages = FakeStages(store)
+    pipeline = make_pipeline(stages)
+    req = audio_request([b"vid-1"], [b"clip-1", b"clip-2"])
+    first = collect(pipeline, req)
+    assert first[-1].finished and sorted(stages.encoded_audios) == [b"clip-1", b"clip-2"]
+    refs = [parse_reference(r) for r in stages.prefill_refs[0]]
+    assert [(r.modality, r.grid_thw) for r in refs] == [("video", (2, 4, 4)), ("audio", None), ("audio", None)]
+    assert [r.num_placeholders for r in refs[1:]] == [6, 6]
+    assert stages.decode_refs[0] == stages.prefill_refs[0]
+    second = collect(pipeline, req, "r2")
+    assert len(stages.encoded_audios) == 2 and second[-1].cache_hits == 3
+    assert KEYS.key(b"clip-1", modality="audio") not in (KEYS.key(b"clip-1"), KEYS.key(b"clip-1", modality="video"))
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_a_bad_clip_is_named_by_its_index_among_the_clips(store):
+    stages = FakeStages(store)
+    with pytest.raises(EpdError) as info:
+        collect(make_pipeline(stages), audio_request([b"vid-1"], [b"clip-1", b"bad-clip"]))
+    assert info.value.code is ErrorCode.INVALID_ARG
+    assert info.value.message == "encode: audio[1]: not an audio file FFmpeg can read", info.value.message
     assert store.metrics()["active_leases"] == 0

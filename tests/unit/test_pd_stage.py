@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from python_backends.engines.prompt import ImageEmbeds, multi_modal_uuids, owned_float32
+from python_backends.engines.prompt import ImageEmbeds, multi_modal_data, multi_modal_uuids, owned_float32
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
@@ -67,6 +67,24 @@ def test_resolve_images_reads_the_entry_and_refuses_bad_references(store):
     with pytest.raises(EpdError) as info:
         resolve_images(store, [ref.to_bytes()])
     assert info.value.code == ErrorCode.NOT_FOUND
+
+
+def test_audio_references_become_one_audio_embeds_tensor_per_clip(store):
+    """Clips (no grid, different lengths): vLLM's Qwen2-Audio takes a list of [tokens, hidden]."""
+    clips = [np.full((n, 8), n, dtype=np.float32) for n in (25, 75)]
+    refs = [
+        store.put(content_key(bytes([n]), {}, "v1"), clip, EntryMeta(modality="audio"), lease=False)
+        for n, clip in zip((1, 2), clips, strict=True)
+    ]
+    items, _ = resolve_images(store, [ref.to_bytes() for ref in refs])
+    data = multi_modal_data(items)
+    assert data is not None and list(data) == ["audio"] and list(data["audio"]) == ["audio_embeds"]
+    assert [tuple(t.shape) for t in data["audio"]["audio_embeds"]] == [(25, 8), (75, 8)]
+    assert multi_modal_uuids(items) == {"audio": [ref.key for ref in refs]}
+    image = store.put(content_key(b"img", {}, "v1"), clips[0], EntryMeta(modality="audio", grid_thw=(1, 10, 10)),
+                      lease=False)  # fmt: skip
+    with pytest.raises(EpdError, match="not an image or video embedding with a grid, nor an audio one"):
+        resolve_images(store, [image.to_bytes()])
 
 
 def test_bfloat16_entries_are_read_as_bfloat16_bit_patterns(store):

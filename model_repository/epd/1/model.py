@@ -44,6 +44,8 @@ class TritonPythonModel(DecoupledModel):
         request, parameters = parsed
         if parameters.streamed_decode:  # measurement only (EpdServer.parse allowed it)
             self.engine.stream_decode_in_this_request()
+        if parameters.raw_forwarding:  # measurement only (EpdServer.parse allowed it)
+            self.engine.forward_audio_in_this_request(request.audios)
         run = self.pipeline.run(
             request, request_id, parameters.encoder, parameters.tenant, parameters.path, self.path_metrics.record
         )
