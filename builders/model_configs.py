@@ -422,12 +422,10 @@ def image_media(target: Target, model_dir: Path, facts: EncoderFacts) -> Pipelin
 
 def audio_media(target: Target, model_dir: Path) -> PipelineMedia:
     """An audio checkpoint's: clips only; keys cover the feature extractor's config and the audio
-    encoder's ONNX file. Its epd serves the disaggregated path only (its colocated engine would
-    take raw audio or stored embeddings: not built yet, issue 34)."""
+    encoder's ONNX file. Both of epd's paths take a clip's embeddings from the store (its encoders
+    make them), as for video."""
     audio = _audio_limits(target, model_dir)
-    limits = {
-        contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio, contract.PATH_POLICY: contract.DISAGGREGATED_PATH
-    }
+    limits = {contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio}
     per_prompt = {"audio": int(audio[contract.MAX_AUDIOS])}
     merge_size = int(contract.default_of(contract.SPATIAL_MERGE_SIZE))  # no grid to check
     keys = _audio_keys(model_dir)

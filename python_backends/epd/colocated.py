@@ -21,9 +21,9 @@ Images, after the shared hash and lookup (``epd/references.py``):
   the encoder models, new or not: the engine never encodes, as vLLM's 1E+1PD, so the encoders
   can run on processors of their own (docs/benchmarks/epd-pays.md).
 
-Videos always go through the encoder models and the store (and then every item of the request
-goes in as embeddings): the engine's own video loading is ``llm``'s baseline, and a stored video
-must skip decode and encode on every path.
+Videos and audio clips always go through the encoder models and the store (and then every item
+of the request goes in as embeddings): the engine's own video loading and audio decoding are
+``llm``'s baseline, and a stored video or clip must skip decode and encode on every path.
 
 Timings (on the last chunk): ``prefill`` is the time to the first token (the engine's own
 encode included), ``decode`` the rest.
@@ -81,9 +81,10 @@ class ColocatedPath:
     ) -> tuple[dict[str, Any], bool]:
         """vLLM's input for the request, and whether an item went as None (``engine_held``: the
         media the engine holds go as None)."""
-        if not request.images and not request.videos:
+        if not request.images and not request.videos and not request.audios:
             return vllm_prompt(request.prompt), False
-        if not leased.found and not request.videos and not self.encoders_encode:  # the engine encodes the media
+        engine_encodes = not (leased.found or request.videos or request.audios or self.encoders_encode)
+        if engine_encodes:  # the engine encodes the media
             keys = leased.keys[: leased.num_images]
             held = {key for key in keys if engine_held and self.engine.holds_media(key)}
             to_decode = [leased.missing[key] for key in keys if key not in held]

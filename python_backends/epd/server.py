@@ -105,4 +105,9 @@ class EpdServer:
                 "prefill, the baseline of an experiment: an audio checkpoint's server allows it only when started "
                 f"with {contract.ALLOW_RAW_FORWARDING_ENV}=1"
             )
+        if parameters.raw_forwarding and parameters.path != contract.DISAGGREGATED_PATH:
+            raise invalid_arg(
+                f"request parameter '{contract.FORWARD_MEDIA_REQUEST_PARAMETER}' = 'raw' forwards to prefill: "
+                f"send it with '{contract.PATH_REQUEST_PARAMETER}' = '{contract.DISAGGREGATED_PATH}'"
+            )
         return request, parameters

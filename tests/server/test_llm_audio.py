@@ -154,19 +154,23 @@ def epd(audio_server: TritonServer) -> Iterator[GrpcClient]:
     client.close()
 
 
-def test_epd_gives_llms_tokens_on_every_clip_encoded_and_from_the_store(
+def test_epd_gives_llms_tokens_on_every_clip_on_both_paths_encoded_and_from_the_store(
     epd: GrpcClient, clip_files: dict[str, Path], offline_tokens: dict[str, list[int]]
 ) -> None:
-    """``epd`` (encoders -> store -> prefill -> decode, the clip never past the encoders) answers
-    every clip with vLLM's tokens from the raw clip (``llm``'s): first encoded, then from the store
-    (sent as base64 the second time: the same entry)."""
-    for name, path in clip_files.items():
+    """``epd`` answers every clip with vLLM's tokens from the raw clip (``llm``'s), on both paths
+    (disaggregated: encoders -> store -> prefill -> decode, the clip never past the encoders;
+    colocated: encoders -> store -> epd's own engine), each first encoded and then from the store
+    (sent as base64 the second time: the same entry): half the clips first on each path."""
+    paths = ("disaggregated", "colocated")
+    for index, (name, path) in enumerate(clip_files.items()):
         clip = path.read_bytes()
-        first = epd.generate(CLIPS[name][1], sampling=GREEDY, audios=[clip])
-        assert first.token_ids == offline_tokens[name] and first.cache_hits == 0, name
+        first_path, then_path = paths if index % 2 == 0 else paths[::-1]
+        first = epd.generate(CLIPS[name][1], sampling=GREEDY, audios=[clip], parameters={"path": first_path})
+        assert first.token_ids == offline_tokens[name] and first.cache_hits == 0, (name, first_path)
         assert "encode" in first.timings_ms, name
-        again = epd.generate(CLIPS[name][1], sampling=GREEDY, audios=[base64.b64encode(clip)])
-        assert again.token_ids == offline_tokens[name] and again.cache_hits == 1, name
+        again = epd.generate(CLIPS[name][1], sampling=GREEDY, audios=[base64.b64encode(clip)],
+                             parameters={"path": then_path})  # fmt: skip
+        assert again.token_ids == offline_tokens[name] and again.cache_hits == 1, (name, then_path)
         assert "encode" not in again.timings_ms, name
     two = [clip_files["wav 1 s"].read_bytes(), clip_files["mp3 10 s"].read_bytes()]
     assert epd.generate("Compare them.", sampling=GREEDY, audios=two).token_ids == offline_tokens["two clips"]
@@ -186,7 +190,8 @@ def test_the_raw_forwarding_baseline_reprocesses_each_clip_on_prefill_for_the_sa
 
     before = media_bytes()
     clip = clip_files["ogg vorbis 20 s"].read_bytes()
-    raw = epd.generate(CLIPS["ogg vorbis 20 s"][1], sampling=GREEDY, audios=[clip], parameters={"forward_media": "raw"})
+    raw = epd.generate(CLIPS["ogg vorbis 20 s"][1], sampling=GREEDY, audios=[clip],
+                       parameters={"forward_media": "raw", "path": "disaggregated"})  # fmt: skip
     assert raw.token_ids == offline_tokens["ogg vorbis 20 s"]
     assert media_bytes() - before == len(clip)  # the clip itself crossed into prefill
 

@@ -326,9 +326,8 @@ def test_an_audio_checkpoints_repository_serves_audio_on_llm_and_epd(
     assert set(configs) == {contract.LLM_MODEL, contract.AUDIO_ENCODER_MODEL, *encoders, "epd", "prefill", "decode"}
     assert declared_interface(configs[contract.EPD_MODEL]) == contract.AUDIO_EPD
     epd_values = {key: entry.string_value for key, entry in configs[contract.EPD_MODEL].parameters.items()}
-    assert epd_values[contract.PATH_POLICY] == contract.DISAGGREGATED_PATH  # no colocated engine for audio yet
     assert epd_values[contract.ENCODER_FILE] == "audio_encoder/1/model.onnx"
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "epd"):  # epd's: its colocated engine's
         role_args = json.loads((out / role / "1" / "engine_args.json").read_text())
         assert role_args["limit_mm_per_prompt"] == {"audio": 2} and role_args["enable_mm_embeds"], role
     # Nothing else is left for Triton to find (an image model's artefacts would stop its start).

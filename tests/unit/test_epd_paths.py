@@ -236,7 +236,7 @@ def test_the_forward_media_request_parameter_and_who_may_use_it():
     from python_backends.request.audios import AudioInput, AudioLimits
     from python_backends.request.generate import RequestLimits
 
-    raw = json.dumps({"forward_media": "raw"})
+    raw = json.dumps({"forward_media": "raw", "path": "disaggregated"})
     assert RequestParameters.parse(raw).raw_forwarding
     assert not RequestParameters.parse(json.dumps({"forward_media": "metadata"})).raw_forwarding
     with pytest.raises(EpdError, match="'forward_media' must be one of metadata, raw"):
@@ -252,6 +252,8 @@ def test_the_forward_media_request_parameter_and_who_may_use_it():
     assert parameters.raw_forwarding and request.audios == [b"RIFF-clip"]
     with pytest.raises(EpdError, match="only when started with TRITON_EPD_ALLOW_RAW_FORWARDING=1"):
         server(False).parse(inputs, raw)
+    with pytest.raises(EpdError, match="send it with 'path' = 'disaggregated'"):  # prefill is on that path only
+        server(True).parse(inputs, json.dumps({"forward_media": "raw"}))
 
 
 def test_fixed_policies(store):
@@ -340,6 +342,22 @@ def test_colocated_takes_videos_as_embeddings_from_the_store(store):
     assert len(stages.encoded) == 1 and len(stages.encoded_videos) == 2
     assert torch.equal(engine.prompts[1]["multi_modal_data"]["video"]["video_embeds"], data["video"]["video_embeds"])
     assert store.metrics()["active_leases"] == 0
+
+
+def test_colocated_takes_audio_clips_as_embeddings_from_the_store(store):
+    """Clips, like videos: through the encoders into the store, to the engine as ``audio_embeds``
+    (one tensor per clip, no grid); again: 0 encodes."""
+    from tests.unit.test_epd_pipeline import audio_request
+
+    stages, engine = FakeStages(store), FakeEngine()
+    p = pipeline(stages, engine)
+    req = audio_request([], [b"clip-1", b"clip-2"])
+    assert run(p, req, path=COLOCATED_PATH)[-1].serving_path == COLOCATED_PATH
+    data = engine.prompts[0]["multi_modal_data"]
+    assert list(data) == ["audio"] and [tuple(t.shape) for t in data["audio"]["audio_embeds"]] == [(6, 8), (6, 8)]
+    assert len(engine.prompts[0]["multi_modal_uuids"]["audio"]) == 2
+    run(p, req, path=COLOCATED_PATH, request_id="r2")
+    assert len(stages.encoded_audios) == 2 and store.metrics()["active_leases"] == 0
 
 
 @pytest.mark.parametrize("path", [COLOCATED_PATH, DISAGGREGATED_PATH])
