@@ -189,6 +189,7 @@ def write_plot(result: dict[str, Any], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
     for arm in ARMS:
@@ -199,6 +200,7 @@ def write_plot(result: dict[str, Any], path: Path) -> Path:
     left.set(xlabel="round", ylabel="req/s", title="throughput")
     right.set(xlabel="round", ylabel="mean latency (s)", title="latency")
     for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     left.legend()

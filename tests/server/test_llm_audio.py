@@ -220,8 +220,9 @@ def test_bad_audio_is_invalid_arg_in_bounded_memory_and_the_server_serves_on(
     audio_server: TritonServer, http_llm: HttpClient, llm: GrpcClient, offline_tokens: dict[str, list[int]],
     clip_files: dict[str, Path],
 ) -> None:
-    stub = find_role(audio_server.process.pid, f"stub:{contract.LLM_MODEL}")  # where clips are decoded
-    peak_before = peak_rss(stub)
+    # Where clips are decoded: llm's stub, and the encoders' for epd.
+    stubs = {name: find_role(audio_server.process.pid, f"stub:{name}") for name in ("llm", "encoder_0", "encoder_1")}
+    peaks_before = {name: peak_rss(pid) for name, pid in stubs.items()}
     bad = {name: case for name, case in BAD_AUDIO.items() if name != "too many bytes"}
     bad["above max_audio_bytes"] = (lambda: b"RIFF" + bytes(25 << 20), "above the limit of 26214400 (max_audio_bytes)")
     http_epd = HttpClient(audio_server.http_url, contract.EPD_MODEL)
@@ -235,9 +236,11 @@ def test_bad_audio_is_invalid_arg_in_bounded_memory_and_the_server_serves_on(
             http_epd.generate("What is it?", audios=[wav(CLIP), make()], sampling=GREEDY)
         assert caught.value.status == "400" and "audio[1]: " in str(caught.value) and says in str(caught.value), name
     http_epd.close()
-    # Nothing was decoded at length: the stub's peak resident memory barely moved (the 37-hour
-    # header alone would have been 8.6 GB of samples; the 25 MiB file is held as bytes a few times).
-    assert peak_before is not None and (peak_rss(stub) or 0) - peak_before < 256 << 20
+    # Nothing was decoded at length: no stub's peak resident memory moved much (the 37-hour header
+    # alone would have been 8.6 GB of samples; the 25 MiB file is held as bytes a few times).
+    for name, pid in stubs.items():
+        before = peaks_before[name]
+        assert before is not None and (peak_rss(pid) or 0) - before < 256 << 20, name
     result = llm.generate(CLIPS["mp3 10 s"][1], sampling=GREEDY, audios=[clip_files["mp3 10 s"].read_bytes()])
     assert result.token_ids == offline_tokens["mp3 10 s"]
 
