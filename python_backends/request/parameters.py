@@ -60,22 +60,12 @@ def _encoder(value: Any) -> str | None:
     return value
 
 
-def _streamed_decode(value: Any) -> bool:
-    if value is not None and value not in contract.DECODE_READS:
-        raise invalid_arg(
-            f"request parameter '{contract.DECODE_READS_REQUEST_PARAMETER}' must be one of "
-            f"{', '.join(contract.DECODE_READS)}, got {value!r}"
-        )
-    return value == "stream"
-
-
-def _raw_forwarding(value: Any) -> bool:
-    if value is not None and value not in contract.FORWARD_MEDIA:
-        raise invalid_arg(
-            f"request parameter '{contract.FORWARD_MEDIA_REQUEST_PARAMETER}' must be one of "
-            f"{', '.join(contract.FORWARD_MEDIA)}, got {value!r}"
-        )
-    return value == "raw"
+def _is(values: Mapping[str, Any], key: str, choices: tuple[str, ...], chosen: str) -> bool:
+    """Whether parameter ``key``, one of ``choices`` or absent, is ``chosen``."""
+    value = values.get(key)
+    if value is not None and value not in choices:
+        raise invalid_arg(f"request parameter '{key}' must be one of {', '.join(choices)}, got {value!r}")
+    return value == chosen
 
 
 @dataclass(frozen=True)
@@ -97,6 +87,6 @@ class RequestParameters:
             path=_path(values.get(contract.PATH_REQUEST_PARAMETER)),
             encoder=_encoder(values.get(contract.ENCODER_REQUEST_PARAMETER)),
             by_value=values.get(contract.BY_VALUE) is True,
-            streamed_decode=_streamed_decode(values.get(contract.DECODE_READS_REQUEST_PARAMETER)),
-            raw_forwarding=_raw_forwarding(values.get(contract.FORWARD_MEDIA_REQUEST_PARAMETER)),
+            streamed_decode=_is(values, contract.DECODE_READS_REQUEST_PARAMETER, contract.DECODE_READS, "stream"),
+            raw_forwarding=_is(values, contract.FORWARD_MEDIA_REQUEST_PARAMETER, contract.FORWARD_MEDIA, "raw"),
         )
