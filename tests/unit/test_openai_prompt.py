@@ -6,6 +6,7 @@ network fetch, a byte limit per kind, input_audio's formats)."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,21 @@ def test_media_only_in_user_messages(renderer: ChatRenderer, part: dict):
     assert info.value.param == f"messages[0].content[0].{part['type']}"
 
 
+def refused_undecoded(monkeypatch: pytest.MonkeyPatch, media: bytes, refusal: Callable[[], OpenAIError]) -> OpenAIError:
+    """``refusal()``'s error, asserting that base64 never decoded ``media``'s payload on the way
+    (over the limit by its length alone)."""
+    import client.openai_server.prompt as prompt
+
+    payload, real_decode = base64.b64encode(media).decode(), base64.b64decode
+
+    def decode_but_not_the_media(data, *args, **kwargs):
+        assert data != payload, "decoded media over the limit"
+        return real_decode(data, *args, **kwargs)
+
+    monkeypatch.setattr(prompt.base64, "b64decode", decode_but_not_the_media)
+    return refusal()
+
+
 def _video_refusal(renderer: ChatRenderer, url: str) -> OpenAIError:
     raw = [
         {"role": "system", "content": "sys"},
@@ -308,17 +324,9 @@ def test_a_video_over_its_byte_limit_is_refused_before_decoding(model_dir: Path,
     error = _video_refusal(tight, data_uri(clip, "video/webm"))
     assert error.code == "video_too_large" and f"has {len(clip)} bytes" in error.message
     # Far over: refused from the payload's length, base64 never decodes it.
-    import client.openai_server.prompt as prompt
-
-    payload, real_decode = base64.b64encode(clip).decode(), base64.b64decode
-
-    def decode_but_not_the_video(data, *args, **kwargs):
-        assert data != payload, "decoded a video over the limit"
-        return real_decode(data, *args, **kwargs)
-
-    monkeypatch.setattr(prompt.base64, "b64decode", decode_but_not_the_video)
     limited = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(max_video_bytes=len(clip) // 2))
-    assert _video_refusal(limited, data_uri(clip, "video/webm")).code == "video_too_large"
+    refusal = refused_undecoded(monkeypatch, clip, lambda: _video_refusal(limited, data_uri(clip, "video/webm")))
+    assert refusal.code == "video_too_large"
 
 
 def test_the_video_limit_defaults_to_the_models_limit():
@@ -418,17 +426,9 @@ def test_audio_over_its_byte_limit_is_refused_before_decoding(model_dir: Path, m
     tight = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(max_audio_bytes=len(clip) - 1))
     error = _audio_refusal(tight, make_part(clip))
     assert error.code == "audio_too_large" and f"has {len(clip)} bytes" in error.message
-    import client.openai_server.prompt as prompt
-
-    payload, real_decode = base64.b64encode(clip).decode(), base64.b64decode
-
-    def decode_but_not_the_audio(data, *args, **kwargs):
-        assert data != payload, "decoded an audio file over the limit"
-        return real_decode(data, *args, **kwargs)
-
-    monkeypatch.setattr(prompt.base64, "b64decode", decode_but_not_the_audio)
     limited = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(max_audio_bytes=len(clip) // 2))
-    assert _audio_refusal(limited, make_part(clip)).code == "audio_too_large"
+    refusal = refused_undecoded(monkeypatch, clip, lambda: _audio_refusal(limited, make_part(clip)))
+    assert refusal.code == "audio_too_large"
 
 
 def test_the_audio_limit_defaults_to_the_models_limit():
