@@ -340,8 +340,9 @@ def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
     return {"ensemble/config.pbtxt": config}
 
 
-def _store_parameters(target: Target, facts: EncoderFacts) -> dict[str, Any]:
-    return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: facts.merge_size}
+def _store_parameters(target: Target, merge_size: int) -> dict[str, Any]:
+    """What every store user's config carries: the cache policy and the merge size references are checked with."""
+    return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: merge_size}
 
 
 def _key_parameters(target: Target, model_dir: Path) -> dict[str, Any]:
@@ -372,7 +373,7 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
     """``encoder_<i>``: media in, store write, references out (one model per encoder)."""
     model_py = ENCODER_MODEL_SOURCE.read_text()
     parameters = {
-        **_store_parameters(target, facts),
+        **_store_parameters(target, facts.merge_size),
         **_key_parameters(target, model_dir),
         contract.ENCODE_MODEL_KEY: contract.ENCODE_MODEL,
         contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
@@ -408,9 +409,6 @@ class PipelineMedia:
         """A pipeline engine's args: the target's for ``role``, the checkpoint, these media."""
         role_args = target.engine_args_for(role, checkpoint_positions(model_dir))
         return {"model": str(model_dir.resolve()), **role_args, "limit_mm_per_prompt": self.per_prompt}
-
-    def store_parameters(self, target: Target) -> dict[str, Any]:
-        return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: self.merge_size}
 
 
 def image_media(target: Target, model_dir: Path, facts: EncoderFacts) -> PipelineMedia:
@@ -456,7 +454,7 @@ def kv_stage_files(target: Target, model_dir: Path, media: PipelineMedia) -> dic
             **({contract.STREAM_INTERVAL: target.pd.stream_interval} if role == contract.DECODE_MODEL else {}),
             **(media.prefill_limits if role == contract.PREFILL_MODEL else {}),
             **target.role_environment(role),
-            **media.store_parameters(target),
+            **_store_parameters(target, media.merge_size),
         }
         files[f"{role}/config.pbtxt"] = _python_model_config(target, role, interface, parameters)
         base = media.engine_args(target, model_dir, role)
@@ -491,7 +489,7 @@ def epd_files(target: Target, model_dir: Path, media: PipelineMedia) -> dict[str
         contract.SHARED_COMPUTE: not _engines_apart(target),
         **target.role_environment(contract.EPD_MODEL),
         **media.limits,
-        **media.store_parameters(target),
+        **_store_parameters(target, media.merge_size),
         **media.keys,
     }
     engine_args = {**media.engine_args(target, model_dir, contract.EPD_MODEL), "enable_mm_embeds": True}

@@ -65,50 +65,20 @@ class EncoderServer:
         """``stages``: the BLS client of the ``encode`` ensemble (``triton_edge.bls.BlsEncode``): a
         call encodes one image; ``encode_pixels`` runs a video's pixels through ``vit_encoder``,
         ``encode_audio_features`` a clip's features through ``audio_encoder``."""
-        audio = AudioInput.from_params(params)
-        if audio is not None:
-            return cls._build_audio(params, repository, model_name, stages, audio)
         store = EmbeddingStore(params.store_config())
-        videos = VideoInputLimits.from_params(params)
+        audio = AudioInput.from_params(params)  # an audio checkpoint's encoder takes audio only
+        videos = None if audio else VideoInputLimits.from_params(params)
         keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)
-        encode_video = None
-        if videos is not None:
-            pipeline = DaliVideoPreprocessor.from_file(
-                repository / contract.PREPROCESS_MODEL / "1" / contract.VIDEO_DALI_FILE,
-                VideoTransformConfig.from_file(Path(params.string(contract.PREPROCESSOR_CONFIG)).parent),
-                sampling=videos.sampling,
-                limits=videos.limits,
-                max_batch_size=1,
-                num_threads=params.integer(contract.DALI_NUM_THREADS),
-            )
-            encode_video = VideoEncode(pipeline, stages.encode_pixels)
         policy = params.cache_policy()
         encoder = CachedEncoder(
-            store, keys, stages, namespace=cache_namespace(policy.scope, model_name),
-            tenant_policy=policy.tenants, encode_video=encode_video,
+            store, keys, _no_images if audio else stages, namespace=cache_namespace(policy.scope, model_name),
+            tenant_policy=policy.tenants, encode_video=_video_encode(params, repository, videos, stages),
+            encode_audio=_audio_encode(params, repository, audio, stages),
         )  # fmt: skip
+        if audio is not None:
+            return cls(encoder, store, 0, 0, None, audio)
         limits = params.integer(contract.MAX_IMAGES_PER_REQUEST), params.integer(contract.MAX_IMAGE_BYTES)
         return cls(encoder, store, *limits, videos)
-
-    @classmethod
-    def _build_audio(
-        cls, params: ModelParameters, repository: Path, model_name: str, stages: Any, audio: AudioInput
-    ) -> EncoderServer:
-        """An audio checkpoint's encoder: FFmpeg + the DALI features pipeline + ``audio_encoder``."""
-        store = EmbeddingStore(params.store_config())
-        config_file = Path(params.string(contract.PREPROCESSOR_CONFIG))
-        features = DaliAudioFeatures.from_file(
-            repository / contract.AUDIO_ENCODER_MODEL / "1" / contract.AUDIO_DALI_FILE,
-            AudioFeatureConfig.from_dict(json.loads(config_file.read_text())),
-            max_batch_size=1,
-            num_threads=params.integer(contract.DALI_NUM_THREADS),
-        )
-        policy = params.cache_policy()
-        encoder = CachedEncoder(
-            store, params.key_config(repository, None), _no_images, namespace=cache_namespace(policy.scope, model_name),
-            tenant_policy=policy.tenants, encode_audio=AudioEncode(audio, features, stages.encode_audio_features),
-        )  # fmt: skip
-        return cls(encoder, store, 0, 0, None, audio)
 
     def parse(self, inputs: Mapping[str, np.ndarray], raw_parameters: str | None) -> EncoderRequest:
         """A request's media and parameters, checked (an ``EpdError`` is the client's)."""
@@ -133,6 +103,39 @@ class EncoderServer:
         owner = os.getpid() if by_value else request.lease_owner  # by value: released once read here
         answers = await self.encoder.references(request.items, owner, request.parameters.tenant, request.modality)
         return answers, by_value_answer(self.store, answers[0].reference) if by_value else None
+
+
+def _video_encode(
+    params: ModelParameters, repository: Path, videos: VideoInputLimits | None, stages: Any
+) -> VideoEncode | None:
+    """The video preprocessing (the repository's ``video.dali``) + ``vit_encoder``, if the model takes video."""
+    if videos is None:
+        return None
+    pipeline = DaliVideoPreprocessor.from_file(
+        repository / contract.PREPROCESS_MODEL / "1" / contract.VIDEO_DALI_FILE,
+        VideoTransformConfig.from_file(Path(params.string(contract.PREPROCESSOR_CONFIG)).parent),
+        sampling=videos.sampling,
+        limits=videos.limits,
+        max_batch_size=1,
+        num_threads=params.integer(contract.DALI_NUM_THREADS),
+    )
+    return VideoEncode(pipeline, stages.encode_pixels)
+
+
+def _audio_encode(
+    params: ModelParameters, repository: Path, audio: AudioInput | None, stages: Any
+) -> AudioEncode | None:
+    """FFmpeg + the DALI features pipeline (``audio.dali``) + ``audio_encoder``, if the model takes audio."""
+    if audio is None:
+        return None
+    config_file = Path(params.string(contract.PREPROCESSOR_CONFIG))
+    features = DaliAudioFeatures.from_file(
+        repository / contract.AUDIO_ENCODER_MODEL / "1" / contract.AUDIO_DALI_FILE,
+        AudioFeatureConfig.from_dict(json.loads(config_file.read_text())),
+        max_batch_size=1,
+        num_threads=params.integer(contract.DALI_NUM_THREADS),
+    )
+    return AudioEncode(audio, features, stages.encode_audio_features)
 
 
 async def _no_images(image: bytes) -> Any:

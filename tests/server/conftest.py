@@ -231,6 +231,27 @@ def server(server_repository: Path) -> Iterator[TritonServer]:
         yield running
 
 
+@contextlib.contextmanager
+def openai_api(grpc_url: str, model_dir: Path, log_path: Path) -> Iterator[str]:
+    """Our OpenAI API (client.openai_server) in front of a Triton server, rendering chats with
+    ``model_dir``'s template: its base URL while the ``with`` body runs; it must stop unkilled."""
+    import sys
+
+    from builders.processes import ProcessGroup, http_ok, wait_until_ready
+    from builders.tritonserver import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "client.openai_server", "--triton-grpc-url", grpc_url,
+               "--model-dir", str(model_dir), "--port", str(port)]  # fmt: skip
+    app = ProcessGroup("openai-server", command, log_path=log_path).start()
+    try:
+        wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [app], 120, "the OpenAI server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        report = app.stop(timeout_s=30)
+        assert report is not None and not report.killed, report and report.describe()
+
+
 def _client(server: TritonServer, model: str) -> Iterator[GrpcClient]:
     client = GrpcClient(server.grpc_url, model)
     yield client

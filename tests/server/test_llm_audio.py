@@ -29,15 +29,22 @@ import pytest
 from bench.audio_clips import BAD_AUDIO, CLIP, encoded, tone, wav
 from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
 from builders.launcher import prepare
-from builders.processes import ProcessGroup, http_ok, wait_until_ready
 from builders.stage_watch import find_role, peak_rss
-from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer, free_port
+from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import ClientError, GrpcClient, HttpClient, chat_prompt
 from python_backends import contract
 from python_backends.request.audios import AudioLimits, decode_audio
 from python_backends.request.generate import AUDIO_PLACEHOLDER
 from python_backends.store import EmbeddingStore, StoreConfig
-from tests.server.conftest import CACHE_POLICY, LOG_DIR, SERVER_REPOSITORY, TEST_EXIT_TIMEOUT_S, serving
+from tests.server.conftest import (
+    CACHE_POLICY,
+    LOG_DIR,
+    SERVER_REPOSITORY,
+    TEST_EXIT_TIMEOUT_S,
+    _client,
+    openai_api,
+    serving,
+)
 
 pytestmark = pytest.mark.server
 
@@ -121,9 +128,7 @@ def offline_tokens(
 
 @pytest.fixture
 def llm(audio_server: TritonServer) -> Iterator[GrpcClient]:
-    client = GrpcClient(audio_server.grpc_url, contract.LLM_MODEL)
-    yield client
-    client.close()
+    yield from _client(audio_server, contract.LLM_MODEL)
 
 
 @pytest.fixture
@@ -149,9 +154,7 @@ def test_clips_in_four_containers_give_offline_vllms_tokens(
 
 @pytest.fixture
 def epd(audio_server: TritonServer) -> Iterator[GrpcClient]:
-    client = GrpcClient(audio_server.grpc_url, contract.EPD_MODEL)
-    yield client
-    client.close()
+    yield from _client(audio_server, contract.EPD_MODEL)
 
 
 def test_epd_gives_llms_tokens_on_every_clip_on_both_paths_encoded_and_from_the_store(
@@ -247,17 +250,8 @@ def test_bad_audio_is_invalid_arg_in_bounded_memory_and_the_server_serves_on(
 
 @pytest.fixture(scope="module")
 def api_url(audio_server: TritonServer) -> Iterator[str]:
-    """Our OpenAI API in front of the audio server, rendering chats with the checkpoint's template."""
-    port = free_port()
-    command = [sys.executable, "-m", "client.openai_server", "--triton-grpc-url", audio_server.grpc_url,
-               "--model-dir", str(DEFAULT_AUDIO_MODEL_DIR), "--port", str(port)]  # fmt: skip
-    app = ProcessGroup("openai-server", command, log_path=LOG_DIR / "openai-audio.log").start()
-    try:
-        wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [app], 120, "the OpenAI server")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        report = app.stop(timeout_s=30)
-        assert report is not None and not report.killed, report and report.describe()
+    with openai_api(audio_server.grpc_url, DEFAULT_AUDIO_MODEL_DIR, LOG_DIR / "openai-audio.log") as url:
+        yield url
 
 
 def test_the_openai_package_sends_input_audio_and_gets_llms_tokens(

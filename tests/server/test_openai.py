@@ -29,7 +29,7 @@ from builders.tritonserver import TritonServer, free_port
 from client.epd_client import GrpcClient, chat_prompt
 from python_backends.request.generate import VIDEO_PLACEHOLDER
 from tests.images import flat_png, synthetic_image
-from tests.server.conftest import LOG_DIR, open_node_store
+from tests.server.conftest import LOG_DIR, open_node_store, openai_api
 from tests.videos import ClipSpec, corrupt_clip, make_clip
 
 pytestmark = pytest.mark.server
@@ -44,28 +44,8 @@ IMAGE_SETS = {
 
 @pytest.fixture(scope="module")
 def api_url(server: TritonServer, model_dir: Path) -> Iterator[str]:
-    port = free_port()
-    app = ProcessGroup(
-        "openai-server",
-        [
-            sys.executable,
-            "-m",
-            "client.openai_server",
-            "--triton-grpc-url",
-            server.grpc_url,
-            "--model-dir",
-            str(model_dir),
-            "--port",
-            str(port),
-        ],  # fmt: skip
-        log_path=LOG_DIR / "openai-server.log",
-    ).start()
-    try:
-        wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [app], 120, "the OpenAI server")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        report = app.stop(timeout_s=30)
-        assert report is not None and not report.killed, report and report.describe()
+    with openai_api(server.grpc_url, model_dir, LOG_DIR / "openai-server.log") as url:
+        yield url
 
 
 @pytest.fixture

@@ -333,21 +333,6 @@ def test_the_video_limit_defaults_to_the_models_limit():
     assert MediaPolicy().max_video_bytes == VideoLimits().max_video_bytes == 64 << 20
 
 
-def test_video_file_urls_read_only_under_the_media_folder_within_the_limit(model_dir: Path, tmp_path: Path):
-    media = tmp_path / "media"
-    media.mkdir()
-    (media / "a.webm").write_bytes(CLIPS[0])
-    (tmp_path / "outside.webm").write_bytes(CLIPS[1])
-    renderer = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media))
-    url = (media / "a.webm").as_uri()
-    raw = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}]
-    assert renderer.render(messages(raw)).videos == [CLIPS[0]]
-    escape = f"file://{media}/../outside.webm"
-    assert _video_refusal(renderer, escape).code == "invalid_video_url"
-    small = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media, max_video_bytes=len(CLIPS[0]) - 1))
-    assert _video_refusal(small, url).code == "video_too_large"
-
-
 def test_the_schema_takes_input_audio_and_audio_url_parts():
     raw = [{"role": "user", "content": [input_audio_part(AUDIOS[0], "mp3"), audio_url_part(AUDIOS[1])]}]
     first, second = messages(raw)[0].content  # type: ignore[misc]
@@ -435,17 +420,31 @@ def test_the_audio_limit_defaults_to_the_models_limit():
     assert MediaPolicy().max_audio_bytes == contract.default_of(contract.MAX_AUDIO_BYTES) == 25 << 20
 
 
-def test_audio_file_urls_read_only_under_the_media_folder_within_the_limit(model_dir: Path, tmp_path: Path):
+@pytest.mark.parametrize(("kind", "items", "suffix"), [("video", CLIPS, "webm"), ("audio", AUDIOS, "wav")])
+def test_file_urls_read_only_under_the_media_folder_within_the_limit(
+    model_dir: Path, tmp_path: Path, kind: str, items: list[bytes], suffix: str
+) -> None:
     media = tmp_path / "media"
     media.mkdir()
-    (media / "a.wav").write_bytes(AUDIOS[0])
-    (tmp_path / "outside.wav").write_bytes(AUDIOS[1])
+    (media / f"a.{suffix}").write_bytes(items[0])
+    (tmp_path / f"outside.{suffix}").write_bytes(items[1])
+
+    def chat(url: str) -> list:
+        return messages([{"role": "user", "content": [{"type": f"{kind}_url", f"{kind}_url": {"url": url}}]}])
+
+    def refusal(renderer: ChatRenderer, url: str) -> OpenAIError:
+        with pytest.raises(OpenAIError) as info:
+            renderer.render(chat(url))
+        assert info.value.status == 400 and info.value.param == f"messages[0].content[0].{kind}_url", info.value.body()
+        return info.value
+
     renderer = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media))
-    url = (media / "a.wav").as_uri()
-    assert renderer.render(
-        messages([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}])
-    ).audios == [AUDIOS[0]]
-    escape = {"type": "audio_url", "audio_url": {"url": f"file://{media}/../outside.wav"}}
-    assert _audio_refusal(renderer, escape).code == "invalid_audio_url"
-    small = ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media, max_audio_bytes=len(AUDIOS[0]) - 1))
-    assert _audio_refusal(small, {"type": "audio_url", "audio_url": {"url": url}}).code == "audio_too_large"
+    url = (media / f"a.{suffix}").as_uri()
+    assert getattr(renderer.render(chat(url)), f"{kind}s") == [items[0]]
+    assert refusal(renderer, f"file://{media}/../outside.{suffix}").code == f"invalid_{kind}_url"
+    limit = {f"max_{kind}_bytes": len(items[0]) - 1}
+    assert refusal(ChatRenderer.from_checkpoint(model_dir, MediaPolicy(file_root=media, **limit)), url).code == (
+        f"{kind}_too_large"
+    )
+
+
