@@ -354,7 +354,10 @@ class Sweep:
             base = self.records.get((self.config.baseline, load))
             if label == self.config.baseline or base is None:
                 continue
-            if modes[label].reuse_ratio(workload) != base_mode.reuse_ratio(workload):
+            mode = modes[label]
+            if mode.reuse_ratio(workload) != base_mode.reuse_ratio(workload):
+                continue
+            if mode.media_namespace != base_mode.media_namespace:  # images of its own: no pairs to compare
                 continue
             base_tokens = {r.key: r.output_token_ids for r in base if r.ok}
             pairs = [(r.output_token_ids, base_tokens[r.key]) for r in records if r.ok and r.key in base_tokens]

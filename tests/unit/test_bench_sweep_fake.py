@@ -58,7 +58,7 @@ class FakeTarget:
     async def not_ready_reason(self, model: str) -> str | None:
         return None if model in TTFT_S else f"model '{model}' is not loaded on fake"
 
-    def prepare(self, request: BenchRequest, model: str) -> BenchRequest:
+    def prepare(self, request: BenchRequest, model: str, parameters: dict[str, str] | None = None) -> BenchRequest:
         return request
 
     async def send(self, model: str, request: BenchRequest, timeout_s: float) -> RequestRecord:
@@ -146,6 +146,23 @@ def test_ratios_and_token_agreement_against_the_baseline(run):
     llm, epd, repeated = tokens("llm"), tokens("epd"), tokens("epd:repeated")
     assert len(llm) == 12 and epd == llm
     assert repeated.keys() == llm.keys() and any(repeated[k] != llm[k] for k in llm)
+
+
+def test_a_path_mode_with_images_of_its_own_is_not_compared_token_by_token() -> None:
+    """``epd:colocated`` is sent unique images of its own (``ModeSpec.media_namespace``), so its
+    tokens cannot equal ``llm``'s; a 0% there once read as a wrong answer."""
+    config = SweepConfig(
+        modes=[ModeSpec.parse(m) for m in ("llm", "epd", "epd:colocated")],
+        points=[LoadPoint("concurrency", 1)],
+        workload=WorkloadSpec(image_sizes=((32, 32),), output_tokens=LengthDist.parse("4", minimum=1)),
+        requests_per_point=4,
+        warmup_requests=0,
+        progress=False,
+    )
+    target = FakeTarget()
+    summary = asyncio.run(Sweep(config, "fake:1", None, None).run(target)).summary
+    assert summary["token_agreement_vs_baseline"] == {"epd c=1": 1.0}
+    assert sum(model == "epd" for model, _ in target.sent) == 8  # epd:colocated did run
 
 
 def test_goodput_and_stage_reading(run):
