@@ -92,5 +92,5 @@ def add_cpus_argument(parser: argparse.ArgumentParser) -> None:
         "--cpus", action="append", default=[], metavar="[GROUP=]LIST",
         help="CPU set (Linux CPU list, e.g. 0 or 0-1,3) of the whole server (LIST), of a model group "
         "(encoders=LIST, engines=LIST) or of one model (MODEL=LIST); repeatable, later wins. Thread "
-        "counts (OpenMP per engine, ONNX Runtime, DALI) follow each set (docs/serving-paths.md)",
+        "counts (OpenMP per engine, ONNX Runtime, DALI) are capped at each set's size (docs/serving-paths.md)",
     )  # fmt: skip

@@ -193,14 +193,21 @@ class Target:
 
     def placed(self, model: str, parameters: dict[str, Any]) -> dict[str, Any]:
         """``parameters`` of ``model`` on its CPU set, if it has one: the set, and the thread
-        counts the model declares (OpenMP's of its engine, DALI's, ONNX Runtime's) sized to it,
-        so that no model spins more threads than it has cores."""
+        counts the model declares (OpenMP's of its engine, DALI's, ONNX Runtime's) capped at its
+        size, so that no model spins more threads than it has cores. A set caps, never raises: an
+        engine's one OpenMP thread stays one on a 2-core set (a second made `epd`'s decode 1.4x
+        slower beside `llm`'s one, docs/benchmarks/epd-pays.md); 0 (the library's default, one
+        per core) becomes the set's size."""
         cpus = self.cpu_sets.get(model)
         if not cpus:
             return parameters
-        threads = len(parse_cpu_list(cpus))
-        sized = {key: threads for key in (OMP_THREADS_ENV, contract.DALI_NUM_THREADS, contract.INTRA_OP_THREADS)}
-        return {**parameters, **{key: sized[key] for key in sized if key in parameters}, contract.CPUS: cpus}
+        cores = len(parse_cpu_list(cpus))
+        capped = {
+            key: min(int(parameters[key]), cores) or cores
+            for key in (OMP_THREADS_ENV, contract.DALI_NUM_THREADS, contract.INTRA_OP_THREADS)
+            if key in parameters
+        }
+        return {**parameters, **capped, contract.CPUS: cpus}
 
     def engine_args_for(self, role: str, max_position_embeddings: int | None) -> dict[str, Any]:
         """``engine_args`` for one engine role: ``max_model_len`` cut to the checkpoint's

@@ -77,11 +77,12 @@ def _parameters(out: Path, model: str) -> dict[str, str]:
     return {key: value.string_value for key, value in config.parameters.items()}
 
 
-def test_each_model_gets_its_set_and_threads_sized_to_it(tmp_path: Path, model_dir: Path, fast_build: None):
+def test_each_model_gets_its_set_and_threads_capped_at_it(tmp_path: Path, model_dir: Path, fast_build: None):
     out = tmp_path / "repo"
     write_repository("cpu", model_dir, out, tmp_path / "stamps", cpus=["encoders=0", "engines=1", "llm=0-1"])
     llm, epd, decode = (_parameters(out, m) for m in ("llm", "epd", "decode"))
-    assert llm[contract.CPUS] == "0-1" and llm["OMP_NUM_THREADS"] == "2"
+    # A set caps a count, never raises it: the cpu target's one OpenMP thread stays one on 2 cores.
+    assert llm[contract.CPUS] == "0-1" and llm["OMP_NUM_THREADS"] == "1"
     assert epd[contract.CPUS] == decode[contract.CPUS] == "1" and decode["OMP_NUM_THREADS"] == "1"
     assert _parameters(out, "preprocess")[contract.DALI_NUM_THREADS] == "1"
     assert _parameters(out, "vit_encoder")[contract.INTRA_OP_THREADS] == "1"
@@ -89,6 +90,10 @@ def test_each_model_gets_its_set_and_threads_sized_to_it(tmp_path: Path, model_d
     assert epd[contract.SHARED_COMPUTE].lower() == "true"  # epd's engine shares CPU 1 with prefill and decode
     assert contract.CPUS not in _parameters(out, "encode")  # an ensemble: no process to pin
 
+    write_repository("cpu", model_dir, out, tmp_path / "stamps", cpus=["encoders=0-1", "llm=0-1"], engine_threads=4)
+    assert _parameters(out, "llm")["OMP_NUM_THREADS"] == "2"  # 4 asked, 2 cores
+    assert _parameters(out, "preprocess")[contract.DALI_NUM_THREADS] == "2"  # 2 declared, 2 cores
+    assert _parameters(out, "vit_encoder")[contract.INTRA_OP_THREADS] == "2"  # 0 (one per core): the set's size
     write_repository("cpu", model_dir, out, tmp_path / "stamps", cpus=["engines=1", "epd=0"])
     assert _parameters(out, "epd")[contract.SHARED_COMPUTE].lower() == "false"
     write_repository("cpu", model_dir, out, tmp_path / "stamps")
