@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.metrics import PERCENTILES
+from bench.path_choice import choice_lines
 from builders.machine import one_line
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -123,7 +124,8 @@ def markdown(summary: dict[str, Any], plot_names: list[str] | None = None) -> st
             f"{_num(s['goodput'], 2)} | {_num(s['output_token_throughput_per_instance'], 1)} | "
             f"{_num(s['cache_hits'])} | {_num(s['encodes'])} |"
         )
-    lines += _ratio_lines(summary) + _stage_lines(summary) + _skipped_lines(summary) + _cost_lines(summary)
+    choices = choice_lines(summary.get("adaptive_choices") or [])
+    lines += _ratio_lines(summary) + choices + _stage_lines(summary) + _skipped_lines(summary) + _cost_lines(summary)
     if plot_names:
         lines += ["", "## Plots", "", *(f"![{name}]({name})" for name in plot_names)]
     return "\n".join(line for line in lines if line is not None) + "\n"

@@ -31,6 +31,7 @@ import numpy as np
 
 from bench.loadgen import LoadPoint
 from bench.metrics import RequestRecord, Slo
+from bench.path_choice import adaptive_choices
 from bench.point_run import PointRun, log, not_run
 from bench.server_stats import DEFAULT_CACHE_HIT_METRIC, DEFAULT_ENCODE_METRIC, CpuMeter, ModeLayout, discover_layout
 from bench.stages import disaggregation_reading
@@ -255,6 +256,7 @@ class Sweep:
             "points": points,
             "ratios_vs_baseline": self._ratios(points),
             "token_agreement_vs_baseline": self._token_agreement(),
+            "adaptive_choices": adaptive_choices(points, self.config.modes, self.config.baseline),
             "harness_cost": harness_cost(points),
             "run_wall_s": time.perf_counter() - self.started,
             "halted": self.halted(),

@@ -1,0 +1,101 @@
+"""Did ``adaptive`` take the path that measured faster? (issue 33: it should at >= 90% of points)
+
+At each load point where ``epd`` (adaptive) ran beside its forced paths (``epd:colocated``,
+``epd:disaggregated``) on the same media policy, the winner is the forced path with the higher
+req/s, and adaptive's choice is the path that served most of its requests (``serving_paths`` of
+its point). Where the two paths are closer than the control's spread (``llm:again`` against
+``llm`` at that point), either one is a winner: the run cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # bench.sweep puts the rows in its summary
+    from bench.sweep import ModeSpec
+
+FORCED_PATHS = ("colocated", "disaggregated")
+
+
+def _throughputs(points: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(p["mode"], p["load_label"]): p["summary"] for p in points if p.get("status") == "ran"}
+
+
+def _spread(ran: dict[tuple[str, str], dict[str, Any]], baseline: str, load: str) -> float | None:
+    base, again = ran.get((baseline, load)), ran.get((f"{baseline}:again", load))
+    if not base or not again or not base["request_throughput"]:
+        return None
+    return abs(again["request_throughput"] / base["request_throughput"] - 1.0)
+
+
+def adaptive_choices(
+    points: list[dict[str, Any]], specs: Sequence[ModeSpec], baseline: str = "llm"
+) -> list[dict[str, Any]]:
+    """One row per load point where adaptive and both forced paths ran (see the module docstring)."""
+    ran = _throughputs(points)
+    rows = []
+    for adaptive in specs:
+        if adaptive.model != "epd" or adaptive.path not in (None, "adaptive") or adaptive.again:
+            continue
+        forced = {
+            spec.path: spec.label
+            for spec in specs
+            if spec.model == "epd" and spec.path in FORCED_PATHS and spec.media == adaptive.media and not spec.again
+        }
+        if len(forced) < len(FORCED_PATHS):
+            continue
+        for (label, load), summary in ran.items():
+            if label != adaptive.label or any((forced[path], load) not in ran for path in FORCED_PATHS):
+                continue
+            rates = {path: ran[(forced[path], load)]["request_throughput"] for path in FORCED_PATHS}
+            winner = max(rates, key=lambda path: rates[path])
+            served = summary.get("serving_paths") or {}
+            total = sum(served.values())
+            chosen = max(served, key=lambda path: served[path]) if total else None
+            spread = _spread(ran, baseline, load)
+            loser = min(rates.values())
+            tie = spread is not None and loser > 0 and rates[winner] / loser - 1.0 <= spread
+            rows.append(
+                {
+                    "mode": label,
+                    "load_label": load,
+                    "path_request_throughput": rates,
+                    "winner": winner,
+                    "adaptive_shares": {path: count / total for path, count in served.items()} if total else {},
+                    "adaptive_choice": chosen,
+                    "adaptive_vs_winner": summary["request_throughput"] / rates[winner] if rates[winner] else None,
+                    "control_spread": spread,
+                    "tie": tie,
+                    "picked": chosen == winner or (tie and chosen in rates),
+                }
+            )
+    return rows
+
+
+def choice_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's section (empty without rows)."""
+    if not rows:
+        return []
+    picked = sum(row["picked"] for row in rows)
+    lines = [
+        "",
+        f"## Adaptive's path choices: the measured winner at {picked} of {len(rows)} points",
+        "",
+        "Winner: the forced path with more req/s; a tie when the two are closer than the control's spread.",
+        "",
+        "| mode | load | colocated req/s | disaggregated req/s | winner | adaptive's paths | adaptive / winner "
+        "req/s | picked |",
+        "|---|---|---:|---:|---|---|---:|---|",
+    ]
+    for row in rows:
+        rates = row["path_request_throughput"]
+        shares = ", ".join(f"{path} {share:.0%}" for path, share in sorted(row["adaptive_shares"].items()))
+        winner = row["winner"] + (" (tie)" if row["tie"] else "")
+        ratio = row["adaptive_vs_winner"]
+        lines.append(
+            f"| {row['mode']} | {row['load_label']} | {rates['colocated']:.2f} | {rates['disaggregated']:.2f} | "
+            f"{winner} | {shares or '-'} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{'yes' if row['picked'] else 'no'} |"
+        )
+    return lines
