@@ -3,8 +3,10 @@
 At each load point where ``epd`` (adaptive) ran beside its forced paths (``epd:colocated``,
 ``epd:disaggregated``) on the same media policy, the winner is the forced path with the higher
 req/s, and adaptive's choice is the path that served most of its requests (``serving_paths`` of
-its point). Where the two paths are closer than the control's spread (``llm:again`` against
-``llm`` at that point), either one is a winner: the run cannot tell them apart.
+its point). Where the two paths are closer than the control's spread, either one is a winner:
+the run cannot tell them apart. The spread is the run's, the largest gap between ``llm:again``
+and ``llm`` over its points: one point's control is a single sample of the noise (0.4% at one
+point of a run whose others reach 4%).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ def _throughputs(points: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict
     return {(p["mode"], p["load_label"]): p["summary"] for p in points if p.get("status") == "ran"}
 
 
-def _spread(ran: dict[tuple[str, str], dict[str, Any]], baseline: str, load: str) -> float | None:
-    base, again = ran.get((baseline, load)), ran.get((f"{baseline}:again", load))
-    if not base or not again or not base["request_throughput"]:
-        return None
-    return abs(again["request_throughput"] / base["request_throughput"] - 1.0)
+def control_spread(ran: dict[tuple[str, str], dict[str, Any]], baseline: str) -> float | None:
+    """The largest relative req/s gap between the control and the baseline over the run's points."""
+    gaps = [
+        abs(again["request_throughput"] / base["request_throughput"] - 1.0)
+        for (label, load), base in ran.items()
+        if label == baseline and base["request_throughput"] and (again := ran.get((f"{baseline}:again", load)))
+    ]
+    return max(gaps, default=None)
 
 
 def adaptive_choices(
@@ -34,6 +39,7 @@ def adaptive_choices(
 ) -> list[dict[str, Any]]:
     """One row per load point where adaptive and both forced paths ran (see the module docstring)."""
     ran = _throughputs(points)
+    spread = control_spread(ran, baseline)
     rows = []
     for adaptive in specs:
         if adaptive.model != "epd" or adaptive.path not in (None, "adaptive") or adaptive.again:
@@ -53,7 +59,6 @@ def adaptive_choices(
             served = summary.get("serving_paths") or {}
             total = sum(served.values())
             chosen = max(served, key=lambda path: served[path]) if total else None
-            spread = _spread(ran, baseline, load)
             loser = min(rates.values())
             tie = spread is not None and loser > 0 and rates[winner] / loser - 1.0 <= spread
             rows.append(
@@ -73,6 +78,10 @@ def adaptive_choices(
     return rows
 
 
+def _percent(share: float | None) -> str:
+    return "not measured" if share is None else f"{share:.1%}"
+
+
 def choice_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The report's section (empty without rows)."""
     if not rows:
@@ -82,20 +91,48 @@ def choice_lines(rows: list[dict[str, Any]]) -> list[str]:
         "",
         f"## Adaptive's path choices: the measured winner at {picked} of {len(rows)} points",
         "",
-        "Winner: the forced path with more req/s; a tie when the two are closer than the control's spread.",
+        "Winner: the forced path with more req/s; a tie when the gap between the two is within the control's "
+        "spread (the largest gap between `llm:again` and `llm` in the run). Without ties: "
+        f"{sum(row['adaptive_choice'] == row['winner'] for row in rows)} of {len(rows)}.",
         "",
-        "| mode | load | colocated req/s | disaggregated req/s | winner | adaptive's paths | adaptive / winner "
-        "req/s | picked |",
-        "|---|---|---:|---:|---|---|---:|---|",
+        "| mode | load | colocated req/s | disaggregated req/s | gap / control's spread | winner | adaptive's paths "
+        "| adaptive / winner req/s | picked |",
+        "|---|---|---:|---:|---:|---|---|---:|---|",
     ]
     for row in rows:
         rates = row["path_request_throughput"]
         shares = ", ".join(f"{path} {share:.0%}" for path, share in sorted(row["adaptive_shares"].items()))
         winner = row["winner"] + (" (tie)" if row["tie"] else "")
-        ratio = row["adaptive_vs_winner"]
+        ratio = "-" if row["adaptive_vs_winner"] is None else f"{row['adaptive_vs_winner']:.2f}"
+        gap = max(rates.values()) / min(rates.values()) - 1.0 if min(rates.values()) else None
         lines.append(
             f"| {row['mode']} | {row['load_label']} | {rates['colocated']:.2f} | {rates['disaggregated']:.2f} | "
-            f"{winner} | {shares or '-'} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{_percent(gap)} / {_percent(row['control_spread'])} | {winner} | {shares or '-'} | {ratio} | "
             f"{'yes' if row['picked'] else 'no'} |"
         )
     return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.path_choice SUMMARY.json...``: the section again, from saved summaries
+    (runs made before the summary carried it, or several runs counted together)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench.sweep import ModeSpec
+
+    parser = argparse.ArgumentParser(prog="python -m bench.path_choice", description=main.__doc__)
+    parser.add_argument("summaries", nargs="+", type=Path, help="summary.json of `python -m bench run`")
+    rows = []
+    for path in parser.parse_args(argv).summaries:
+        summary = json.loads(path.read_text())
+        specs = [ModeSpec.parse(label) for label in summary["config"]["modes"]]
+        rows += [{**row, "mode": f"{path.parent.name}: {row['mode']}"} for row in
+                 adaptive_choices(summary["points"], specs, summary["config"]["baseline"])]  # fmt: skip
+    print("\n".join(choice_lines(rows)) if rows else "no point with epd, epd:colocated and epd:disaggregated")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
