@@ -187,7 +187,7 @@ class LoadMark:
 @dataclass(frozen=True)
 class Decision:
     path: str
-    reason: str  # "predicted", "kept", "probe", "forced", "policy", "only", "encoder pinned"
+    reason: str  # "predicted", "kept", "probe", "forced", "policy", "only", "encoder pinned", "dominates"
     predicted_ms: dict[str, float | None] = field(default_factory=dict)
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from python_backends.contract import COLOCATED_PATH, DISAGGREGATED_PATH
 from python_backends.engines.generation import GenerationChunk
 from python_backends.epd import colocated as colocated_path
-from python_backends.epd.path_cost import PathCostModel
+from python_backends.epd.path_cost import Decision, PathCostModel
 from python_backends.epd.pipeline import EpdPipeline
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.request.generate import GenerateRequest
@@ -289,6 +289,35 @@ def test_adaptive_probes_both_paths_then_follows_the_cost_model(store):
         assert set(predicted) == {COLOCATED_PATH, DISAGGREGATED_PATH}
         assert decision.path == min(predicted, key=lambda path: predicted[path])
     assert store.metrics()["active_leases"] == 0
+
+
+@pytest.mark.parametrize("shared_compute", [True, False])
+def test_in_the_e_pd_topology_on_shared_engines_adaptive_takes_the_colocated_path(store, shared_compute):
+    """colocated_encodes = encoders with epd's engine on the processors of prefill and decode: both
+    paths encode alike and share the engine's cores, so the disaggregated one only adds the handoff
+    (docs/benchmarks/epd-pays.md): every request goes colocated, no probe. With engines apart the
+    cost model still decides, and a forced path is still obeyed."""
+    stages, engine = FakeStages(store), FakeEngine()
+    cost = PathCostModel(min_samples=1, shared_compute=shared_compute)
+    p = pipeline(stages, engine, cost_model=cost, colocated_encodes="encoders")
+    decisions: list[Decision] = []
+
+    async def one(i: int, path: str | None = None) -> GenerationChunk:
+        image = synthetic_image(64, 48, seed=30 + i)
+        chunks = [c async for c in p.run(request([image]), f"r{i}", path=path, on_decision=decisions.append)]
+        return chunks[-1]
+
+    for i in range(4):
+        asyncio.run(one(i))
+    reasons = [(d.path, d.reason) for d in decisions]
+    if shared_compute:
+        assert reasons == [(COLOCATED_PATH, "dominates")] * 4 and stages.prefill_refs == []
+    else:
+        assert {d.reason for d in decisions} & {"probe", "predicted"}
+        assert DISAGGREGATED_PATH in {d.path for d in decisions}  # probed at least
+    assert asyncio.run(one(9, DISAGGREGATED_PATH)).serving_path == DISAGGREGATED_PATH
+    # The engine's own encoding (the default) keeps the cost model, shared processors or not.
+    assert pipeline(stages, engine, cost_model=PathCostModel()).dominant_path is None
 
 
 def test_on_decision_hook_sees_every_decision(store):
