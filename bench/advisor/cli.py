@@ -107,13 +107,17 @@ def advise(
     recommended = min(sweep, key=lambda label: _at(sweep[label], target, f"{metric}_ms"))
     # Values of epd's ``path_policy`` (python_backends/contract: colocated, disaggregated, adaptive).
     won = wins[metric]
+    split = "disaggregated"
+    if profile.pd_in_frontend and won and "PD" in best_by_c[won[-1]]:
+        # Here xE+yPD is epd's colocated path fed by the encoders, not the disaggregated path.
+        split = "E|PD (--colocated-encodes encoders, path colocated)"
     if not won:
         policy = "colocated (disaggregation does not pay anywhere in this sweep)"
     elif len(won) == len(concurrency):
-        policy = "disaggregated (it wins at every load in this sweep)"
+        policy = f"{split} (it wins at every load in this sweep)"
     else:
         policy = (
-            f"adaptive (colocated below ~{min(won)} requests in flight; disaggregated ahead at "
+            f"adaptive (colocated below ~{min(won)} requests in flight; {split} ahead at "
             f"c={','.join(map(str, won))})"
         )
     return Advice(metric, margin, target, recommended, policy, crossover, wins, best_by_c, sweep)

@@ -64,6 +64,9 @@ class EngineCosts:
     max_batched_tokens: int = 8192
     # CPU its idle worker threads burn after each step (OpenMP spin-wait): off the path, but it competes.
     spin_ms_per_step: float = 0.0
+    # The share of a repeated image's vision-tower work the engine still does (vLLM's encoder cache
+    # keeps only recent items): 0 (the default) skips it entirely, 1 encodes it again.
+    vit_hit_share: float = 0.0
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, vit_patches: int = 0) -> float:
         return (
@@ -83,6 +86,9 @@ class EncoderCosts:
     threads: int = 1
     # CPU each of its threads burns spinning after an image (ONNX Runtime / DALI thread pools).
     spin_ms: float = 0.0
+    # Once per request: its missing images go in one call (one DALI run, one ONNX Runtime run), so a
+    # request with one new image pays what four share (the reuse workload, docs/benchmarks/advisor.md).
+    call_ms: float = 0.0
 
     def image_ms(self, patches: int) -> float:
         return self.base_ms + self.ms_per_patch * patches
@@ -106,6 +112,9 @@ class FrontendCosts:
     hit_ms: float = 0.0
 
 
+CPU_ROLES = ("colocated", "encoder", "pd")  # Profile.cpu_sets' roles
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -123,6 +132,16 @@ class Profile:
     # A repeated image also skips the LLM's prefill of its tokens (vLLM prefix caching keys blocks by mm_hash).
     hit_skips_image_prefill: bool = True
     shared_cpu_slots: int | None = None
+    # Each role on CPUs of its own (``--cpus``, docs/benchmarks/epd-pays.md): role -> core ids, the
+    # roles ``colocated`` (llm: its engine and stub), ``encoder`` (preprocess + vision tower) and
+    # ``pd`` (epd's stub with its engine, prefill, decode). A layout runs alone (as the bench's
+    # modes do), so ``colocated`` may take any cores; ``encoder`` and ``pd`` share their cores when
+    # their sets are equal and must not overlap otherwise. Empty: ``shared_cpu_slots`` decides.
+    cpu_sets: dict[str, list[int]] = field(default_factory=dict)
+    # The PD engine of an xE+yPD layout runs in the frontend's process (epd's own engine fed the
+    # encoders' embeddings, our E|PD) and its chunks are relayed as ``colocated_frontend`` relays
+    # them; False: a PD worker with its own stub, as vLLM's 1E+1PD.
+    pd_in_frontend: bool = False
     time_slice_ms: float = 2.0
     # True: spinning threads (OpenMP, encoder thread pools) only take cores nobody waits for, so spin
     # fades as load grows; False: they compete like any other work.
@@ -156,6 +175,15 @@ class Profile:
             raise ProfileError(f"profile is missing or has an unknown field: {exc}") from exc
         if profile.shared_cpu_slots is not None and profile.shared_cpu_slots < 1:
             raise ProfileError("shared_cpu_slots must be >= 1 (or null for one device per instance)")
+        if profile.cpu_sets:
+            sets = {role: frozenset(cores) for role, cores in profile.cpu_sets.items()}
+            if set(sets) != set(CPU_ROLES) or not all(sets.values()):
+                raise ProfileError(f"cpu_sets needs a non-empty core list for each of {', '.join(CPU_ROLES)}")
+            encoder, pd = sets["encoder"], sets["pd"]
+            if encoder != pd and encoder & pd:
+                raise ProfileError(
+                    "encoder and pd sets overlapping in part are not modelled: make them equal or disjoint"
+                )
         return profile
 
     def replace(self, **changes: Any) -> Profile:

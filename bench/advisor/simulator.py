@@ -11,6 +11,8 @@ What it models, and why each piece is there:
 - ``Profile.shared_cpu_slots``: on a CPU machine every piece of work above also needs a core from
   one shared pool (a SimPy ``Resource``), taken in time slices so that concurrent work shares the
   cores round-robin like the OS scheduler; without it each instance owns its device.
+- ``Profile.cpu_sets``: each role on cores of its own instead (``--cpus``): one such pool per
+  distinct set, so the encoders never slow the PD engine down and the reverse.
 Latencies are measured per request as a client sees them (TTFT = first token relayed, e2e = last).
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import simpy
 
-from bench.advisor.profiles import EngineCosts, FrontendCosts, Profile
+from bench.advisor.profiles import CPU_ROLES, EngineCosts, FrontendCosts, Profile
 
 Proc = Generator[Any, Any, Any]
 
@@ -80,6 +82,8 @@ class Workload:
     request_rate: float | None = None
     images_per_request: int = 1
     image_size: tuple[int, int] = (640, 480)
+    # Mixed sizes (the article's workload): each image drawn from these; empty: ``image_size``.
+    image_sizes: tuple[tuple[int, int], ...] = ()
     prompt_tokens: int = 32
     output_tokens: int = 32
     hit_ratio: float = 0.0
@@ -140,10 +144,9 @@ class Prediction:
 class _Machine:
     """Where work runs: the shared CPU pool (time-sliced) or a dedicated device (plain delay)."""
 
-    def __init__(self, env: simpy.Environment, profile: Profile, seed: int) -> None:
+    def __init__(self, env: simpy.Environment, profile: Profile, seed: int, slots: int | None) -> None:
         self.env = env
         self.slice_ms = profile.time_slice_ms
-        slots = profile.shared_cpu_slots
         self.cpu = simpy.Resource(env, capacity=slots) if slots else None
         self.spin_yields = profile.spin_yields
         # Service times vary (lognormal with mean 1 and coefficient of variation service_cv).
@@ -286,57 +289,83 @@ class _Server:
 
     def __init__(self, env: simpy.Environment, profile: Profile, layout: Layout, seed: int) -> None:
         self.env, self.profile, self.layout = env, profile, layout
-        machine = _Machine(env, profile, seed)
-        self.machine = machine
         p = profile
+        # Each role's machine: one CPU pool per distinct CPU set, or one for everything (shared_cpu_slots).
+        pools: dict[frozenset[int], _Machine] = {}
+        for cores in p.cpu_sets.values():
+            pools.setdefault(frozenset(cores), _Machine(env, p, seed + len(pools), len(cores)))
+        if not pools:
+            pools[frozenset()] = _Machine(env, p, seed, p.shared_cpu_slots)
+        self.machines = list(pools.values())
+        roles = {role: pools[frozenset(p.cpu_sets.get(role, ()))] for role in CPU_ROLES}
+        machine = roles["colocated"]
         if layout.is_colocated:
             relay = p.colocated_frontend
             self.engines = [_Engine(env, machine, p.colocated_engine, relay, False) for _ in range(layout.colocated)]
             self.frontends = [_Serial(env, machine) for _ in range(layout.colocated)]
         else:
             relay = p.disaggregated_frontend
+            machine, encoding = roles["pd"], roles["encoder"]
             self.frontends = [_Serial(env, machine)]
             enc = p.encoder
-            self.encoders = [_Serial(env, machine, enc.threads, enc.spin_ms) for _ in range(layout.encoders)]
+            threads = min(enc.threads, encoding.cpu.capacity) if encoding.cpu is not None else enc.threads
+            self.encoders = [_Serial(env, encoding, threads, enc.spin_ms) for _ in range(layout.encoders)]
             self.prefills = [_Engine(env, machine, p.prefill_engine, relay, True) for _ in range(layout.prefills)]
             self.decodes = [_Engine(env, machine, p.decode_engine, relay, True) for _ in range(layout.decodes)]
             pd_costs = dataclasses.replace(p.colocated_engine, vit_ms_per_patch=0.0)
-            self.pds = [_Engine(env, machine, pd_costs, relay, True) for _ in range(layout.pds)]
+            pd_relay = p.colocated_frontend if p.pd_in_frontend else relay
+            self.pds = [_Engine(env, machine, pd_costs, pd_relay, not p.pd_in_frontend) for _ in range(layout.pds)]
 
     def request(self, workload: Workload, rng: random.Random, times: RequestTimes) -> Proc:
-        size = workload.image_size
-        images = workload.images_per_request
-        hits = [rng.random() < workload.hit_ratio for _ in range(images)]
-        patches = self.profile.vision.patches(*size)
-        tokens_per_image = self.profile.vision.tokens(*size)
-        prompt = workload.prompt_tokens + images * tokens_per_image
-        cached_tokens = sum(hits) * tokens_per_image if self.profile.hit_skips_image_prefill else 0
+        count = workload.images_per_request
+        mixed = workload.image_sizes
+        sizes = [rng.choice(mixed) for _ in range(count)] if mixed else [workload.image_size] * count
+        hits = [rng.random() < workload.hit_ratio for _ in range(count)]
+        vision = self.profile.vision
+        images = [(vision.patches(*size), vision.tokens(*size), hit) for size, hit in zip(sizes, hits, strict=True)]
+        prompt = workload.prompt_tokens + sum(tokens for _, tokens, _ in images)
+        hit_tokens = sum(tokens for _, tokens, hit in images if hit)
+        cached_tokens = hit_tokens if self.profile.hit_skips_image_prefill else 0
+        missed = [patches for patches, _, hit in images if not hit]  # the patches of each image to encode
         if self.layout.is_colocated:
-            yield from self._colocated(workload, hits, patches, prompt - cached_tokens, times)
+            hit_patches = sum(patches for patches, _, hit in images if hit)
+            yield from self._colocated(workload, hits, missed, hit_patches, prompt - cached_tokens, times)
         else:
-            yield from self._disaggregated(workload, hits, patches, prompt, cached_tokens, times)
+            encoded_tokens = prompt - workload.prompt_tokens - hit_tokens
+            yield from self._disaggregated(workload, hits, missed, encoded_tokens, prompt, cached_tokens, times)
 
-    def _colocated(self, w: Workload, hits: list[bool], patches: int, prefill: int, times: RequestTimes) -> Proc:
+    def _colocated(
+        self, w: Workload, hits: list[bool], missed: list[int], hit_patches: int, prefill: int, times: RequestTimes
+    ) -> Proc:
         i = self.engines.index(_least_loaded(self.engines))
         engine, frontend, costs = self.engines[i], self.frontends[i], self.profile.colocated_frontend
-        misses = hits.count(False)
-        media_ms = misses * (costs.media_base_ms + costs.media_ms_per_patch * patches) + hits.count(True) * costs.hit_ms
-        yield from frontend.run(costs.request_ms + media_ms)
+        media_ms = len(missed) * costs.media_base_ms + costs.media_ms_per_patch * sum(missed)
+        yield from frontend.run(costs.request_ms + media_ms + hits.count(True) * costs.hit_ms)
         done = self.env.event()
-        engine.submit(_Job(prefill, misses * patches, w.output_tokens, _Sink(frontend, times, done)))
+        vit_patches = sum(missed) + round(engine.costs.vit_hit_share * hit_patches)
+        engine.submit(_Job(prefill, vit_patches, w.output_tokens, _Sink(frontend, times, done)))
         yield done
 
     def _disaggregated(
-        self, w: Workload, hits: list[bool], patches: int, prompt: int, cached: int, times: RequestTimes
+        self,
+        w: Workload,
+        hits: list[bool],
+        missed: list[int],
+        encoded_tokens: int,
+        prompt: int,
+        cached: int,
+        times: RequestTimes,
     ) -> Proc:
         p, frontend = self.profile, self.frontends[0]
         costs = p.disaggregated_frontend
         yield from frontend.run(costs.request_ms + hits.count(True) * costs.hit_ms)
-        encodes = [self.env.process(self._encode(patches)) for hit in hits if not hit]
+        call_ms = p.encoder.call_ms
+        encodes = [
+            self.env.process(self._encode(patches, call_ms if i == 0 else 0.0)) for i, patches in enumerate(missed)
+        ]
         if encodes:
             yield self.env.all_of(encodes)
         times.encoded = self.env.now
-        encoded_tokens = hits.count(False) * p.vision.tokens(*w.image_size)
         yield self.env.timeout(p.embedding_transfer_ms_per_token * encoded_tokens)
         if self.pds:
             done = self.env.event()
@@ -356,8 +385,8 @@ class _Server:
         _least_loaded(self.decodes).submit(_Job(prompt, 0, w.output_tokens - 1, sink))
         yield done
 
-    def _encode(self, patches: int) -> Proc:
-        yield from _least_loaded(self.encoders).run(self.profile.encoder.image_ms(patches))
+    def _encode(self, patches: int, call_ms: float = 0.0) -> Proc:
+        yield from _least_loaded(self.encoders).run(call_ms + self.profile.encoder.image_ms(patches))
 
 
 def simulate(profile: Profile, layout: Layout | str, workload: Workload) -> Prediction:
@@ -414,6 +443,8 @@ def simulate(profile: Profile, layout: Layout | str, workload: Workload) -> Pred
         e2e_ms=_percentiles([r.done - r.sent for r in measured]),
         request_throughput=len(measured) / (window_ms / 1000.0) if window_ms > 0 else float("nan"),
         stages_ms=stages,
-        cpu_ms_per_request=server.machine.busy_ms / total if server.machine.cpu is not None else None,
+        cpu_ms_per_request=(
+            sum(m.busy_ms for m in server.machines) / total if server.machines[0].cpu is not None else None
+        ),
         records=measured,
     )
