@@ -250,7 +250,7 @@ def loss(rows: Sequence[dict[str, Any]]) -> float:
         terms = [(row["predicted_e2e_p50_ms"], row["measured_e2e_p50_ms"], 1.0)]
         rate = row["predicted_request_throughput"]
         if row.get("measured_request_throughput") and not math.isnan(rate):
-            terms.append((row["predicted_request_throughput"], row["measured_request_throughput"], 1.0))
+            terms.append((rate, row["measured_request_throughput"], 1.0))
         terms.append((row["predicted_ttft_p50_ms"], row["measured_ttft_p50_ms"], 0.5))
         for stage, measured in row["measured_stages_ms"].items():
             if stage in row["predicted_stages_ms"] and measured > 1.0:
