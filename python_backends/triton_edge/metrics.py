@@ -184,8 +184,9 @@ class PathMetrics:
     """``epd``'s serving paths on /metrics: what was chosen and why, and the cost model's inputs.
 
     - ``epd_path_requests{path, reason}``: requests served per path; reason ``predicted``,
-      ``kept`` or ``probe`` (adaptive), ``forced`` (request parameter ``path``), ``policy`` (a fixed policy),
-      ``only`` (one path available);
+      ``kept``, ``probe`` or ``dominates`` (adaptive; the last in the E|PD topology on shared
+      engines), ``forced`` (request parameter ``path``), ``policy`` (a fixed policy), ``only`` (one
+      path available), ``encoder pinned``;
     - ``epd_path_last_decision{path}``: 1 for the path of the latest decision, 0 for the other;
     - ``epd_path_predicted_ms{path}``: the latest adaptive decision's predictions (-1: unknown);
     - ``epd_path_in_flight{path}``: requests running on each path now;

@@ -5,7 +5,9 @@ engine by reference (``--cpus encoders=0 --cpus engines=1 --colocated-encodes en
 Shown here: each stub and what it started (the vLLM engine core, ONNX Runtime's and DALI's
 threads) runs inside its model's CPU set; epd answers ``llm``'s greedy tokens on new images
 and again from the store, with no engine-side encode (a second request is all store hits).
-Only the encoder models and epd are loaded: one vLLM engine, not four.
+Only the encoder models and epd are loaded: one vLLM engine, not four. epd runs the default
+``adaptive`` policy: in this topology the colocated path dominates (reason ``dominates``), so no
+request, probe or not, goes to ``prefill`` or ``decode``, which are not even loaded here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from tests.images import synthetic_image, with_note
 from tests.server.conftest import LOG_DIR, NODE_DIR, SLOT, TEST_EXIT_TIMEOUT_S, serving
 from tests.server.test_epd_acceptance import VISION, tokens_of
+from tests.server.test_epd_paths import metrics_text, path_requests
 
 pytestmark = pytest.mark.server
 
@@ -50,7 +53,7 @@ def split_server(model_dir) -> TritonServer:
     repository = REPO_ROOT / "build" / "test-slots" / f"epd-split-{SLOT}"
     cache = dataclasses.replace(TARGETS["cpu"].cache, path=str(NODE_DIR / "epd-split-embeddings"))
     prepare("cpu", model_dir, repository, cache=cache, kv_store_path=str(NODE_DIR / "epd-split-kv"),
-            cpus=["encoders=0", "engines=1"], colocated_encodes="encoders", path_policy="colocated")  # fmt: skip
+            cpus=["encoders=0", "engines=1"], colocated_encodes="encoders")  # fmt: skip
     models = (*role_models(TARGETS["cpu"], "encoder"), "epd")
     options = ServerOptions(
         repository, Ports.free(), exit_timeout_s=TEST_EXIT_TIMEOUT_S,
@@ -76,8 +79,11 @@ def test_epd_answers_llms_tokens_with_the_encoders_encoding(split_server: Triton
     images = [with_note(synthetic_image(w, h, seed=9100 + w), secrets.token_hex(8).encode()) for w, h in sizes]
     prompt = f"{VISION}{VISION}Compare these."
     expected = tokens_of(server, "llm", prompt, images).result.token_ids
+    before = path_requests(metrics_text(split_server), "colocated", "dominates")
     first = tokens_of(split_server, "epd", prompt, images)
     assert first.result.token_ids == expected and first.serving_path == "colocated"
     assert first.cache_hits == 0
     again = tokens_of(split_server, "epd", prompt, images)
     assert again.result.token_ids == expected and again.cache_hits == 2  # the encoders stored both
+    # adaptive (the default policy) took the colocated path by the dominance rule, both times
+    assert path_requests(metrics_text(split_server), "colocated", "dominates") - before == 2
