@@ -60,12 +60,14 @@ def adaptive_choices(
             total = sum(served.values())
             chosen = max(served, key=lambda path: served[path]) if total else None
             loser = min(rates.values())
-            tie = spread is not None and loser > 0 and rates[winner] / loser - 1.0 <= spread
+            gap = rates[winner] / loser - 1.0 if loser > 0 else None
+            tie = spread is not None and gap is not None and gap <= spread
             rows.append(
                 {
                     "mode": label,
                     "load_label": load,
                     "path_request_throughput": rates,
+                    "gap": gap,
                     "winner": winner,
                     "adaptive_shares": {path: count / total for path, count in served.items()} if total else {},
                     "adaptive_choice": chosen,
@@ -104,10 +106,9 @@ def choice_lines(rows: list[dict[str, Any]]) -> list[str]:
         shares = ", ".join(f"{path} {share:.0%}" for path, share in sorted(row["adaptive_shares"].items()))
         winner = row["winner"] + (" (tie)" if row["tie"] else "")
         ratio = "-" if row["adaptive_vs_winner"] is None else f"{row['adaptive_vs_winner']:.2f}"
-        gap = max(rates.values()) / min(rates.values()) - 1.0 if min(rates.values()) else None
         lines.append(
             f"| {row['mode']} | {row['load_label']} | {rates['colocated']:.2f} | {rates['disaggregated']:.2f} | "
-            f"{_percent(gap)} / {_percent(row['control_spread'])} | {winner} | {shares or '-'} | {ratio} | "
+            f"{_percent(row['gap'])} / {_percent(row['control_spread'])} | {winner} | {shares or '-'} | {ratio} | "
             f"{'yes' if row['picked'] else 'no'} |"
         )
     return lines

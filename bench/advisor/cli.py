@@ -108,7 +108,7 @@ def advise(
     # Values of epd's ``path_policy`` (python_backends/contract: colocated, disaggregated, adaptive).
     won = wins[metric]
     split = "disaggregated"
-    if profile.pd_in_frontend and won and "PD" in best_by_c[won[-1]]:
+    if profile.pd_in_frontend and won and Layout.parse(best_by_c[won[-1]]).pds:
         # Here xE+yPD is epd's colocated path fed by the encoders, not the disaggregated path.
         split = "E|PD (--colocated-encodes encoders, path colocated)"
     if not won:
