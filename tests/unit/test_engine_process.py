@@ -77,3 +77,23 @@ def test_vllm_engine_core_entry_point_is_wrapped_once() -> None:
         if engine_process._original is not None:
             EngineCoreProc.run_engine_core = staticmethod(engine_process._original)
         engine_process._original = None
+
+
+def test_vllm_is_imported_with_the_gc_paused_and_its_heap_frozen() -> None:
+    # In a fresh interpreter: the freeze is process-wide, and the module must not be imported yet.
+    script = textwrap.dedent(
+        """
+        import gc, sys
+        from python_backends.engines.process import import_vllm_frozen
+        collections = []
+        gc.callbacks.append(lambda phase, info: collections.append(phase) if phase == "start" else None)
+        import_vllm_frozen(("json.tool", "email.mime.text"))
+        assert "json.tool" in sys.modules and "email.mime.text" in sys.modules
+        assert collections == [], collections  # no collection ran during the import
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        gc.disable()
+        import_vllm_frozen(("tomllib",))
+        assert not gc.isenabled()  # a caller's paused GC stays paused
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
