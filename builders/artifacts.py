@@ -18,10 +18,14 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from builders.targets import RepositoryBuildError, Target
+from builders.tensorrt_config import AudioTrtProfile, ShapeRange
 from python_backends import contract
+
+if TYPE_CHECKING:  # builders.encoder is imported when an encoder is built
+    from builders.encoder import Precision
 
 LOGGER = logging.getLogger(__name__)
 
@@ -281,35 +285,71 @@ def build_plan_artifact(
     onnx_report: dict[str, Any],
     stamp_dir: Path = DEFAULT_STAMPS,
 ) -> bool:
-    """TensorRT plan where TensorRT imports (the NGC image); elsewhere a warning, no plan."""
+    """``vit_encoder``'s TensorRT plan where TensorRT imports (the NGC image); elsewhere a warning, no plan."""
+    serving = target.encode
+    return _plan_artifact(
+        contract.VIT_ENCODER_MODEL, version_dir, onnx_report, stamp_dir, kind="plan",
+        input_shapes=lambda: serving.trt_profile.input_shapes(facts.patch_dim), profile=asdict(serving.trt_profile),
+        precision=serving.trt_precision, export_sources=("builders/encoder.py",),
+    )  # fmt: skip
+
+
+def build_audio_plan_artifact(
+    target: Target,
+    profile: AudioTrtProfile,
+    version_dir: Path,
+    onnx_report: dict[str, Any],
+    stamp_dir: Path = DEFAULT_STAMPS,
+) -> bool:
+    """``audio_encoder``'s TensorRT plan (``profile``: ``model_configs.audio_plan_profile``), as
+    :func:`build_plan_artifact` builds ``vit_encoder``'s: where TensorRT and a GPU exist, else a
+    warning and no plan (it is built at the first start on a GPU)."""
+    return _plan_artifact(
+        contract.AUDIO_ENCODER_MODEL, version_dir, onnx_report, stamp_dir, kind="plan-audio",
+        input_shapes=profile.input_shapes, profile=asdict(profile), precision=target.encode.trt_precision,
+        export_sources=("builders/audio_encoder.py",),
+    )  # fmt: skip
+
+
+def _plan_artifact(
+    model: str,
+    version_dir: Path,
+    onnx_report: dict[str, Any],
+    stamp_dir: Path,
+    *,
+    kind: str,
+    input_shapes: Callable[[], dict[str, ShapeRange]],
+    profile: dict[str, Any],
+    precision: Precision,
+    export_sources: tuple[str, ...],
+) -> bool:
+    """``model``'s ``model.plan`` from the ``model.onnx`` beside it, stamped as ``kind`` with the
+    graph's digest, the profile (``profile``, recorded; ``input_shapes``, its engine shapes), the
+    precision and TensorRT's version. Returns whether it built; False with a warning (not an
+    error: the image build has TensorRT but no GPU) where TensorRT or a GPU is missing."""
     from builders.tensorrt_plan import build_tensorrt_plan, tensorrt_unavailable_reason
 
     reason = tensorrt_unavailable_reason()
     if reason:
         LOGGER.warning(
-            "vit_encoder/1/%s not built: %s. Run `python -m builders.repository --target gpu` there; "
-            "Triton cannot load vit_encoder (and encode) until then.", contract.PLAN_FILE, reason,
-        )
+            "%s/1/%s not built: %s. Run `python -m builders.repository --target gpu` there; "
+            "Triton cannot load %s (nor the models that call it) until then.", model, contract.PLAN_FILE, reason, model,
+        )  # fmt: skip
         return False
-    serving = target.encode
-    profile = asdict(serving.trt_profile)
     onnx_path = Path(version_dir) / contract.ONNX_FILE
     inputs = {
         "onnx": file_sha256(onnx_path),
-        "precision": serving.trt_precision,
+        "precision": precision,
         "profile": profile,
         "tensorrt": _tensorrt_version(),
-        "source": _source_digest("builders/encoder.py", "builders/tensorrt_plan.py", "builders/tensorrt_config.py"),
+        "source": _source_digest(*export_sources, "builders/tensorrt_plan.py", "builders/tensorrt_config.py"),
     }
 
     def build(scratch: Path) -> dict[str, Any]:
-        build_tensorrt_plan(
-            onnx_path, scratch / contract.PLAN_FILE, facts.patch_dim, serving.trt_profile, serving.trt_precision
-        )
-        parity = onnx_report.get("parity_max_abs")
-        return {"precision": serving.trt_precision, "profile": profile, "onnx_parity": parity}
+        build_tensorrt_plan(onnx_path, scratch / contract.PLAN_FILE, input_shapes(), precision)
+        return {"precision": precision, "profile": profile, "onnx_parity": onnx_report.get("parity_max_abs")}
 
-    _, built = ensure_artifact(version_dir, "plan", inputs, build, stamp_dir)
+    _, built = ensure_artifact(version_dir, kind, inputs, build, stamp_dir)
     return built
 
 

@@ -26,6 +26,10 @@ target (names are a contract, docs/architecture.md):
   signed reference out (``python_backends/encode/cached.py``).
 - ``prefill``, ``decode`` (vLLM KV producer / consumer) and ``epd`` (the BLS entry point):
   their model.py is kept in ``model_repository/<name>/1/``; config and engine args are written.
+
+An audio checkpoint's repository (:func:`audio_repository_files`) has ``llm``, ``audio_encoder``
+(``cpu``: ONNX Runtime in a python-backend model; ``gpu``: a ``tensorrt_plan`` of the same graph,
+built where TensorRT imports), the ``encoder_<i>`` models, ``prefill``, ``decode`` and ``epd``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 from builders.artifacts import EncoderFacts
 from builders.pbtxt import TEMPLATES, EnsembleStep, render_parameters, render_steps, render_template, render_tensors
 from builders.targets import ENCODE_ROLE, Target
-from builders.tensorrt_config import tensorrt_config
+from builders.tensorrt_config import AudioTrtProfile, audio_tensorrt_config, tensorrt_config
 from python_backends import contract
 from python_backends.contract import ModelInterface
 from python_backends.runtime.cpus import parse_cpu_list
@@ -108,7 +112,8 @@ def audio_repository_files(target: Target, model_dir: Path) -> dict[str, str]:
     and the ``encoder_<i>`` models."""
     media = audio_media(target, model_dir)
     return {
-        **audio_llm_files(target, model_dir), **audio_encoder_files(target), **audio_encoders(target, model_dir),
+        **audio_llm_files(target, model_dir), **audio_encoder_files(target, model_dir),
+        **audio_encoders(target, model_dir),
         **kv_stage_files(target, model_dir, media), **epd_files(target, model_dir, media),
     }  # fmt: skip
 
@@ -138,9 +143,30 @@ def audio_llm_files(target: Target, model_dir: Path) -> dict[str, str]:
     return {"llm/config.pbtxt": config, "llm/1/engine_args.json": _json(engine_args)}
 
 
-def audio_encoder_files(target: Target) -> dict[str, str]:
+def audio_plan_profile(target: Target, model_dir: Path) -> AudioTrtProfile:
+    """The audio encoder plan's profile: the checkpoint's feature window (what its DALI features
+    pipeline pads every clip to, and what the ONNX graph was checked with) and up to a request's
+    clips (the target's ``max_audios``)."""
+    # DALI, which the features config module imports, only where a gpu audio repository is written.
+    from python_backends.preprocess.audio_pipeline import AudioFeatureConfig
+
+    features = AudioFeatureConfig.from_dict(json.loads((model_dir / "preprocessor_config.json").read_text()))
+    max_clips = int(_audio_limits(target, model_dir)[contract.MAX_AUDIOS])
+    return AudioTrtProfile(mel_bins=features.feature_size, frames=features.frames, max_clips=max_clips)
+
+
+def audio_encoder_files(target: Target, model_dir: Path) -> dict[str, str]:
     """``audio_encoder``: ONNX Runtime on ``audio_encoder/1/model.onnx`` (cpu; its model.py from
-    builders/templates, as the repository of an audio checkpoint is never model_repository/)."""
+    builders/templates, as the repository of an audio checkpoint is never model_repository/), or
+    the TensorRT plan ``audio_encoder/1/model.plan`` on the encode side's GPU (gpu; no model.py)."""
+    name = contract.AUDIO_ENCODER_MODEL
+    serving = target.encode
+    if serving.device == "gpu":
+        profile = audio_plan_profile(target, model_dir)
+        config = audio_tensorrt_config(
+            target.name, profile, serving.trt_precision, serving.encoder_instances, _encode_gpu(target)
+        )
+        return {f"{name}/config.pbtxt": config}
     interface = contract.AUDIO_ENCODER
     parameters = {
         contract.ONNX_FILE_KEY: contract.ONNX_FILE, contract.INTRA_OP_THREADS: target.encode.ort_intra_op_threads
@@ -156,17 +182,18 @@ def audio_encoder_files(target: Target) -> dict[str, str]:
         },
     )
     model_py = (TEMPLATES / AUDIO_ENCODER_MODEL_TEMPLATE).read_text()
-    name = contract.AUDIO_ENCODER_MODEL
     return {f"{name}/config.pbtxt": config, f"{name}/1/model.py": model_py}
 
 
 def audio_encoders(target: Target, model_dir: Path) -> dict[str, str]:
     """``encoder_<i>`` of an audio checkpoint: audio in (FFmpeg decode, DALI features,
     ``audio_encoder``), store write, references out; keyed by the feature extractor's config and
-    the audio encoder's ONNX file."""
+    the audio encoder's file. The features are DALI's on the CPU on both targets (the serialized
+    pipeline runs without a device: no GPU features pipeline is built); on gpu the embeddings come
+    back from the plan in CUDA memory and go into the GPU store with one device copy."""
     parameters = {
         **target.cache.to_parameters(),
-        **_audio_keys(model_dir),
+        **_audio_keys(target, model_dir),
         **_audio_limits(target, model_dir),
         contract.DALI_NUM_THREADS: target.encode.dali_threads,
     }
@@ -345,13 +372,17 @@ def _store_parameters(target: Target, merge_size: int) -> dict[str, Any]:
     return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: merge_size}
 
 
+def _served_encoder_file(target: Target, model: str) -> str:
+    """The file ``model`` serves, relative to the model repository: its digest is the encoder
+    version in content keys (on gpu the plan, whose embeddings are not bit for bit the graph's)."""
+    return f"{model}/1/{contract.PLAN_FILE if target.encode.device == 'gpu' else contract.ONNX_FILE}"
+
+
 def _key_parameters(target: Target, model_dir: Path) -> dict[str, Any]:
     """What content keys cover besides the media (read by ``epd`` and the encoders alike)."""
-    encoder_file = contract.PLAN_FILE if target.encode.device == "gpu" else contract.ONNX_FILE
     return {
         contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
-        # Relative to the model repository: its digest is the encoder version in content keys.
-        contract.ENCODER_FILE: f"{contract.VIT_ENCODER_MODEL}/1/{encoder_file}",
+        contract.ENCODER_FILE: _served_encoder_file(target, contract.VIT_ENCODER_MODEL),
     }
 
 
@@ -420,24 +451,24 @@ def image_media(target: Target, model_dir: Path, facts: EncoderFacts) -> Pipelin
 
 def audio_media(target: Target, model_dir: Path) -> PipelineMedia:
     """An audio checkpoint's: clips only; keys cover the feature extractor's config and the audio
-    encoder's ONNX file. Both of epd's paths take a clip's embeddings from the store (its encoders
+    encoder's file. Both of epd's paths take a clip's embeddings from the store (its encoders
     make them), as for video."""
     audio = _audio_limits(target, model_dir)
     limits = {contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio}
     per_prompt = {"audio": int(audio[contract.MAX_AUDIOS])}
     merge_size = int(contract.default_of(contract.SPATIAL_MERGE_SIZE))  # no grid to check
-    keys = _audio_keys(model_dir)
+    keys = _audio_keys(target, model_dir)
     prefill_limits = {**audio, contract.PREPROCESSOR_CONFIG: keys[contract.PREPROCESSOR_CONFIG]}
     return PipelineMedia(
         limits, per_prompt, contract.AUDIO_EPD, keys, merge_size, contract.AUDIO_PREFILL, prefill_limits
     )
 
 
-def _audio_keys(model_dir: Path) -> dict[str, Any]:
+def _audio_keys(target: Target, model_dir: Path) -> dict[str, Any]:
     """What an audio clip's content key covers besides its bytes (epd and the encoders alike)."""
     return {
         contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
-        contract.ENCODER_FILE: f"{contract.AUDIO_ENCODER_MODEL}/1/{contract.ONNX_FILE}",
+        contract.ENCODER_FILE: _served_encoder_file(target, contract.AUDIO_ENCODER_MODEL),
     }
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from builders.default_model import is_audio_checkpoint
 from builders.model_configs import checkpoint_positions
 from builders.targets import ENCODE_ROLE, ENGINE_ROLES, Target, resolved_target
 from python_backends import contract
@@ -234,8 +235,9 @@ def check_max_model_len(target: Target, model_dir: Path, repository: Path) -> Ch
     return Check("max_model_len", "pass", f"every engine <= {positions} positions")
 
 
-def check_plan(machine: Machine, repository: Path) -> Check:
-    plan = repository / contract.VIT_ENCODER_MODEL / "1" / contract.PLAN_FILE
+def check_plan(machine: Machine, repository: Path, model: str = contract.VIT_ENCODER_MODEL) -> Check:
+    """``model``'s plan: ``vit_encoder``'s, or an audio checkpoint's ``audio_encoder``'s."""
+    plan = repository / model / "1" / contract.PLAN_FILE
     if machine.gpus is None or machine.plan_error is None:
         return Check("plan", "skip", "no GPU (or no TensorRT) to load the plan on")
     if not plan.is_file():
@@ -284,7 +286,10 @@ def run_checks(machine: Machine, target: Target, model_dir: Path, repository: Pa
             check_dali(machine),
             check_gpus(machine, target),
             check_memory(machine, target),
-            check_plan(machine, repository),
+            check_plan(
+                machine, repository,
+                contract.AUDIO_ENCODER_MODEL if is_audio_checkpoint(model_dir) else contract.VIT_ENCODER_MODEL,
+            ),  # fmt: skip
             check_max_model_len(target, model_dir, repository),
             check_shm(machine, target),
             check_spawn(target),

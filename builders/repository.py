@@ -9,7 +9,7 @@ truth; the builder is split along its seams:
 - ``builders/pbtxt.py``: the strict template renderer (``builders/templates/*.pbtxt``; any
   unfilled placeholder fails the build), tensors, parameters, ensemble steps;
 - ``builders/model_configs.py``: each model's files;
-- ``builders/tensorrt_config.py``: the gpu ``vit_encoder`` (TensorRT plan) config;
+- ``builders/tensorrt_config.py``: the gpu ``vit_encoder`` and ``audio_encoder`` (TensorRT plan) configs;
 - ``builders/artifacts.py``: ``model.dali``, ``model.onnx`` and ``model.plan``, built once
   (stamps under ``build/stamps/``).
 
@@ -32,6 +32,7 @@ from builders.artifacts import (
     REPO_ROOT,
     EncoderFacts,
     build_audio_artifacts,
+    build_audio_plan_artifact,
     build_dali_artifact,
     build_onnx_artifact,
     build_plan_artifact,
@@ -40,7 +41,7 @@ from builders.artifacts import (
     safetensors_tensor_bytes,
 )
 from builders.default_model import is_audio_checkpoint
-from builders.model_configs import audio_repository_files, repository_files
+from builders.model_configs import audio_plan_profile, audio_repository_files, repository_files
 from builders.pbtxt import TEMPLATES, render_template
 from builders.roles import ROLES, Role, add_cpus_argument, model_cpu_sets, role_models
 from builders.targets import (
@@ -81,6 +82,7 @@ __all__ = [
     "add_engine_threads_argument",
     "add_gpus_argument",
     "add_max_videos_argument",
+    "build_audio_plan_artifact",
     "build_dali_artifact",
     "build_onnx_artifact",
     "build_plan_artifact",
@@ -210,7 +212,11 @@ def _write_audio_repository(
     """An audio checkpoint's repository: ``llm`` with the ``audio`` input, ``audio_encoder``, the
     ``encoder_<i>`` models that write clips' embeddings to the store, and ``epd`` with ``prefill``
     and ``decode`` serving from their references. The image models (their artefacts are the
-    vision tower's) are not written, and their folders go."""
+    vision tower's) are not written, and their folders go.
+
+    On gpu ``audio_encoder`` is the TensorRT plan of the same ONNX graph, built here where
+    TensorRT and a GPU exist (else at the first start on one); the engines' args and the store
+    (CUDA memory) are the target's, as for an image checkpoint."""
     if role != "all":
         raise RepositoryBuildError(
             f"an audio checkpoint is served by one server (--role all), not --role {role}: "
@@ -227,11 +233,13 @@ def _write_audio_repository(
     image_models = {m for t in TARGETS.values() for m in t.models} | {p.name for p in out.glob("encoder_*")}
     for model in sorted(image_models - set(served)):
         shutil.rmtree(out / model, ignore_errors=True)
-    if target.encode.device == "gpu":
-        raise RepositoryBuildError("an audio checkpoint is served on the cpu target only (no TensorRT audio encoder)")
     artefacts = out / contract.AUDIO_ENCODER_MODEL / "1"
-    build_audio_artifacts(model_dir, artefacts, stamp_dir)
+    onnx_report = build_audio_artifacts(model_dir, artefacts, stamp_dir)
     written = [artefacts / contract.ONNX_FILE, artefacts / contract.AUDIO_DALI_FILE]
+    if target.encode.device == "gpu":
+        build_audio_plan_artifact(target, audio_plan_profile(target, model_dir), artefacts, onnx_report, stamp_dir)
+        # The cpu target's generated model.py, if that repository was here: the plan needs none.
+        (artefacts / "model.py").unlink(missing_ok=True)
     return written + _write_files(out, served, audio_repository_files(target, model_dir))
 
 

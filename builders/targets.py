@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from builders.default_model import is_audio_checkpoint
 from builders.tensorrt_config import TrtProfile
 from python_backends import contract
 from python_backends.contract import CachePolicy
@@ -240,9 +241,10 @@ class Target:
 
     def fitted_to_checkpoint(self, model_dir: Path) -> Target:
         """gpu: the TensorRT profile derived from the checkpoint's pixel limits (the plan and its
-        config both read ``encode.trt_profile``); other targets unchanged."""
+        config both read ``encode.trt_profile``); other targets unchanged, and audio checkpoints
+        too (no vision tower; their plan's profile: builders/model_configs.py audio_plan_profile)."""
         config_file = Path(model_dir) / "preprocessor_config.json"
-        if self.encode.device != "gpu" or not config_file.is_file():
+        if self.encode.device != "gpu" or not config_file.is_file() or is_audio_checkpoint(model_dir):
             return self
         profile = TrtProfile.from_preprocessor_config(
             json.loads(config_file.read_text()), self.encode.trt_profile.max_images

@@ -1,9 +1,13 @@
-"""``vit_encoder`` on the gpu target: the TensorRT plan's optimisation profile and its config.
+"""The gpu target's TensorRT plans: their optimisation profiles and their config.pbtxt.
 
-The plan takes one image per request (``max_batch_size`` 0, rows = patches). On the wire its
-``pixel_values`` and ``image_embeds`` carry a leading 1, so that ``encode`` has the cpu
-target's shapes; the config's ``reshape`` gives the engine its own ``[patches, ...]``
+``vit_encoder``: the plan takes one image per request (``max_batch_size`` 0, rows = patches). On
+the wire its ``pixel_values`` and ``image_embeds`` carry a leading 1, so that ``encode`` has the
+cpu target's shapes; the config's ``reshape`` gives the engine its own ``[patches, ...]``
 (python_backends/contract.py, ``VIT_ENCODER_TENSORRT``).
+
+``audio_encoder`` (an audio checkpoint's): the plan takes the ONNX Runtime model's tensors as
+they are (``AUDIO_ENCODER_TENSORRT``: same names, dims and dtypes), so ``encoder_<i>`` calls it
+unchanged; only the clip count varies (:class:`AudioTrtProfile`).
 
 CUDA graphs are captured for fixed input shapes, written in the ENGINE's dims: Triton's
 TensorRT backend passes a graph spec's shapes to ``setInputShape`` as they are, without the
@@ -21,6 +25,7 @@ from builders.pbtxt import render_dims, render_parameters, render_template, rend
 from python_backends import contract
 
 SizedShape = tuple[int, ...]
+ShapeRange = tuple[SizedShape, SizedShape, SizedShape]  # an input's (min, opt, max) engine shape
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,10 @@ class TrtProfile:
             max_images,
         )
 
-    def input_shapes(self, patch_dim: int) -> dict[str, tuple[SizedShape, SizedShape, SizedShape]]:
-        """(min, opt, max) engine shape of each input; one frame per image at ``opt``."""
+    def input_shapes(self, patch_dim: int) -> dict[str, ShapeRange]:
+        """(min, opt, max) engine shape of each input (``build_tensorrt_plan``'s profile); one
+        frame per image at ``opt``. ValueError for a profile :meth:`validate` refuses."""
+        self.validate()
         return {
             contract.PIXEL_VALUES: (
                 (self.min_patches, patch_dim), (self.opt_patches, patch_dim), (self.max_patches, patch_dim)
@@ -117,9 +124,77 @@ def cuda_graph_shapes(
     ]
 
 
+@dataclass(frozen=True)
+class AudioTrtProfile:
+    """The audio encoder plan's one optimisation profile. Whisper's feature extractor pads every
+    clip to its window (``mel_bins`` x ``frames``: 128 x 3000 for 30 s), so only the clip count
+    varies: 1 to ``max_clips`` (the target's ``max_audios``, a request's clips), optimised for the
+    one clip ``encoder_<i>`` sends a call (python_backends/encode/audios.py)."""
+
+    mel_bins: int
+    frames: int
+    max_clips: int = contract.default_of(contract.PROFILE_MAX_CLIPS)
+    opt_clips: int = 1
+
+    def validate(self) -> None:
+        if min(self.mel_bins, self.frames) <= 0:
+            raise ValueError(f"mel bins and frames must be positive, got {self}")
+        if not 0 < self.opt_clips <= self.max_clips:
+            raise ValueError(f"need 0 < opt_clips <= max_clips, got {self}")
+
+    def _shapes(self, clips: int) -> dict[str, SizedShape]:
+        return {contract.INPUT_FEATURES: (clips, self.mel_bins, self.frames), contract.FEATURE_LENGTHS: (clips,)}
+
+    def input_shapes(self) -> dict[str, ShapeRange]:
+        """(min, opt, max) engine shape of each input (``build_tensorrt_plan``'s profile)."""
+        self.validate()
+        low, opt, high = self._shapes(1), self._shapes(self.opt_clips), self._shapes(self.max_clips)
+        return {name: (low[name], opt[name], high[name]) for name in low}
+
+    def graph_shapes(self) -> list[dict[str, SizedShape]]:
+        """Engine input shapes of the CUDA graph: one clip, what every ``encoder_<i>`` call is. The
+        clip's length is a value (the graph masks by it), not a shape, so one graph serves all."""
+        self.validate()
+        return [self._shapes(1)]
+
+    def parameters(self) -> dict[str, int]:
+        return {contract.PROFILE_MAX_CLIPS: self.max_clips}
+
+
 def _graph_spec(shapes: dict[str, SizedShape]) -> str:
     lines = [f'        input {{ key: "{name}" value {{ dim: {render_dims(dims)} }} }}' for name, dims in shapes.items()]
     return "      {\n" + "\n".join(lines) + "\n      }"
+
+
+def _plan_config(
+    target_name: str,
+    interface: contract.ModelInterface,
+    about: str,
+    graphs: Sequence[dict[str, SizedShape]],
+    parameters: dict[str, Any],
+    instances: int,
+    gpu: int,
+) -> str:
+    """A plan's config.pbtxt (``tensorrt_plan.pbtxt``): ``interface``'s sized tensors, CUDA graphs
+    for ``graphs`` (engine dims), ``about`` a comment line on what one request is."""
+    return render_template(
+        "tensorrt_plan.pbtxt",
+        {
+            "target": target_name,
+            "about": about,
+            "name": interface.name,
+            "platform": "tensorrt_plan",
+            # The leading dimension is the engine's own (patches, clips), not Triton's batch.
+            "max_batch_size": "0",
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            # Only on the encode side's GPU: without ``gpus`` Triton puts ``count`` instances on every GPU.
+            "instance_group": f"  {{ count: {instances} kind: KIND_GPU gpus: [ {gpu} ] }}",
+            "cuda_graphs": "true",
+            "graph_spec": ",\n".join(_graph_spec(shapes) for shapes in graphs),
+            "parameters": render_parameters(parameters),
+        },
+    )
 
 
 def tensorrt_config(
@@ -132,21 +207,29 @@ def tensorrt_config(
 ) -> str:
     """``vit_encoder/config.pbtxt`` for the plan. ``facts``: the exported encoder's
     (``EncoderFacts``), written as parameters too (checked at load, shown as metrics)."""
-    interface = contract.VIT_ENCODER_TENSORRT.sized(facts)
-    return render_template(
-        "vit_encoder_tensorrt.pbtxt",
-        {
-            "target": target_name,
-            "name": contract.VIT_ENCODER_MODEL,
-            "platform": "tensorrt_plan",
-            "max_batch_size": "0",  # the leading dimension is patches, not requests
-            "inputs": render_tensors(interface.inputs),
-            "outputs": render_tensors(interface.outputs),
-            # Only on the encode side's GPU: without ``gpus`` Triton puts ``count`` instances on every GPU.
-            "instance_group": f"  {{ count: {instances} kind: KIND_GPU gpus: [ {gpu} ] }}",
-            "cuda_graphs": "true",
-            "graph_spec": ",\n".join(_graph_spec(s) for s in cuda_graph_shapes(profile, facts[contract.PATCH_DIM])),
-            "parameters": render_parameters({**profile.parameters(), contract.PRECISION: precision, **facts}),
-        },
+    return _plan_config(
+        target_name,
+        contract.VIT_ENCODER_TENSORRT.sized(facts),
+        "One image per request (rows = patches).",
+        cuda_graph_shapes(profile, facts[contract.PATCH_DIM]),
+        {**profile.parameters(), contract.PRECISION: precision, **facts},
+        instances,
+        gpu,
     )
 
+
+def audio_tensorrt_config(
+    target_name: str, profile: AudioTrtProfile, precision: str, instances: int, gpu: int = 0
+) -> str:
+    """``audio_encoder/config.pbtxt`` for the plan: the cpu model's tensors (Triton's TensorRT
+    backend takes a config's -1 as a wildcard for the engine's fixed mel bins, frames and padded
+    tokens), its profile and precision as parameters (shown, not read)."""
+    return _plan_config(
+        target_name,
+        contract.AUDIO_ENCODER_TENSORRT,
+        "Clips per request, each padded to the feature window; encoder_<i> sends one.",
+        profile.graph_shapes(),
+        {**profile.parameters(), contract.PRECISION: precision},
+        instances,
+        gpu,
+    )

@@ -17,6 +17,7 @@ from python_backends.contract.names import ContractError
 __all__ = [
     "AUDIO_ENCODER",
     "AUDIO_ENCODER_INSTANCE",
+    "AUDIO_ENCODER_TENSORRT",
     "AUDIO_EPD",
     "AUDIO_PREFILL",
     "AUDIO_LLM",
@@ -314,6 +315,11 @@ AUDIO_ENCODER = ModelInterface(
     (_tensor(n.AUDIO_EMBEDS, "TYPE_FP32", -1, -1, -1), _tensor(n.AUDIO_TOKENS, "TYPE_INT64", -1)),
     (n.ONNX_FILE_KEY, n.INTRA_OP_THREADS),
 )
+# ``audio_encoder`` (gpu): the TensorRT plan of the same graph, the same tensors (encoder_<i> calls
+# both alike; Triton's TensorRT backend matches a -1 against the engine's fixed dims).
+AUDIO_ENCODER_TENSORRT = ModelInterface(
+    n.AUDIO_ENCODER_MODEL, AUDIO_ENCODER.inputs, AUDIO_ENCODER.outputs, (n.PRECISION, n.PROFILE_MAX_CLIPS)
+)
 # ``prefill``: vLLM KV producer; prompt + references in, first token + KV transfer parameters out.
 PREFILL = ModelInterface(
     n.PREFILL_MODEL,
@@ -368,7 +374,7 @@ INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
     n.ENCODE_MODEL: (ENCODE, ENCODE_ONE_IMAGE),
     n.PREFILL_MODEL: (PREFILL, AUDIO_PREFILL),
     n.DECODE_MODEL: (DECODE,),
-    n.AUDIO_ENCODER_MODEL: (AUDIO_ENCODER,),
+    n.AUDIO_ENCODER_MODEL: (AUDIO_ENCODER, AUDIO_ENCODER_TENSORRT),
 }
 
 

@@ -213,6 +213,8 @@ PROFILE_MIN_PATCHES = "profile_min_patches"
 PROFILE_OPT_PATCHES = "profile_opt_patches"
 PROFILE_MAX_PATCHES = "profile_max_patches"
 PROFILE_MAX_IMAGES = "profile_max_images"
+# audio_encoder (gpu): its plan's precision (above) and most clips per call (shown, not read).
+PROFILE_MAX_CLIPS = "profile_max_clips"
 
 # Artefact files in a model's version folder.
 DALI_FILE = "model.dali"

@@ -57,6 +57,7 @@ from python_backends.contract.names import (
     PREFILL_MODEL,
     PREFILL_MODEL_KEY,
     PREPROCESSOR_CONFIG,
+    PROFILE_MAX_CLIPS,
     PROFILE_MAX_IMAGES,
     PROFILE_MAX_PATCHES,
     PROFILE_MIN_PATCHES,
@@ -175,6 +176,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(PROFILE_OPT_PATCHES, 1024, minimum=1),
         Parameter(PROFILE_MAX_PATCHES, 8192, minimum=1),
         Parameter(PROFILE_MAX_IMAGES, 8, minimum=1),
+        Parameter(PROFILE_MAX_CLIPS, 2, minimum=1),  # builders write the target's max_audios
     )
 }
 

@@ -3,9 +3,11 @@
 Steps: FFmpeg (PyAV) decodes it to mono samples at the feature extractor's rate with the
 request's limits (:class:`python_backends.request.audios.AudioInput`, the same decode ``llm``
 uses), the repository's serialized DALI pipeline (``audio_encoder/1/audio.dali``) makes Whisper's
-features, and ``audio_encoder`` (ONNX Runtime, reached by BLS) embeds them. The result is stored
-by the encoder like an image's (:class:`python_backends.encode.cached.CachedEncoder`, modality
-``audio``, no grid: its token count is the embeddings' row count, the reference's placeholders).
+features on the CPU (both targets), and ``audio_encoder`` (reached by BLS: ONNX Runtime on cpu, a
+TensorRT plan on gpu, whose embeddings stay in CUDA memory for the GPU store) embeds them. The
+result is stored by the encoder like an image's (:class:`python_backends.encode.cached.CachedEncoder`,
+modality ``audio``, no grid: its token count is the embeddings' row count, the reference's
+placeholders).
 
 Why the encoder decodes and makes the features itself instead of calling a ``preprocess`` model:
 as for video (python_backends/encode/videos.py), a clip is one large, variable item the encoder
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +29,9 @@ from python_backends.errors import EpdError, ErrorCode
 from python_backends.preprocess.audio import AudioFeatures, DaliAudioFeatures
 from python_backends.request.audios import AudioInput, decode_audio
 
-# features [1, mel bins, frames], lengths [1] -> (embeddings [1, padded tokens, hidden], tokens [1])
-EmbedFeatures = Callable[[np.ndarray, np.ndarray], Awaitable[tuple[np.ndarray, np.ndarray]]]
+# features [1, mel bins, frames], lengths [1] -> (embeddings [1, padded tokens, hidden], tokens [1]):
+# numpy arrays (cpu target) or torch CUDA tensors (gpu target: the TensorRT plan's outputs).
+EmbedFeatures = Callable[[np.ndarray, np.ndarray], Awaitable[tuple[Any, Any]]]
 
 
 class AudioEncode:
@@ -47,11 +51,14 @@ class AudioEncode:
             (clip,) = await asyncio.to_thread(self._features.features, [samples])
         return EncodedImage(await self.embeddings(clip), None)
 
-    async def embeddings(self, clip: AudioFeatures) -> np.ndarray:
+    async def embeddings(self, clip: AudioFeatures) -> np.ndarray | Any:
+        """The clip's ``[tokens, hidden]`` rows, contiguous (what the store takes): a numpy array,
+        or a CUDA tensor on the device the encoder returned it on."""
         embeds, tokens = await self._embed(clip.features[None], np.array([clip.length], dtype=np.int64))
-        count = int(np.asarray(tokens).reshape(-1)[0])
+        count = int(tokens.reshape(-1)[0])  # numpy or torch alike (a CUDA scalar is copied to the host)
         if embeds.ndim != 3 or not 0 < count <= embeds.shape[1]:
             raise EpdError(
                 f"the audio encoder returned {list(embeds.shape)} for a clip of {count} tokens", ErrorCode.INTERNAL
             )
-        return np.ascontiguousarray(embeds[0, :count])
+        rows = embeds[0, :count]
+        return np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()

@@ -260,9 +260,11 @@ class BlsEncode(BlsCaller):
         return np.asarray(out[contract.IMAGE_EMBEDS])
 
 
-    async def encode_audio_features(self, features: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    async def encode_audio_features(self, features: np.ndarray, lengths: np.ndarray) -> tuple[Any, Any]:
         """A clip's features (``[1, mel bins, frames]``, lengths ``[1]``) through ``audio_encoder``:
-        embeddings ``[1, padded tokens, hidden]`` and the clip's tokens ``[1]``, by value."""
+        embeddings ``[1, padded tokens, hidden]`` and the clip's tokens ``[1]``, by value: numpy from
+        the cpu target's ONNX Runtime model, torch CUDA tensors (no copy) from the gpu target's
+        TensorRT plan, which the encoder stores with one device copy (``_array_of``)."""
         request = pb_utils.InferenceRequest(
             model_name=contract.AUDIO_ENCODER_MODEL,
             inputs=[
@@ -272,7 +274,7 @@ class BlsEncode(BlsCaller):
             requested_output_names=[contract.AUDIO_EMBEDS, contract.AUDIO_TOKENS],
         )
         out = _outputs(await self._call(request.exec))
-        return np.asarray(out[contract.AUDIO_EMBEDS]), np.asarray(out[contract.AUDIO_TOKENS])
+        return out[contract.AUDIO_EMBEDS], out[contract.AUDIO_TOKENS]
 
 
 # The request being served (its asyncio task) reads decode as one stream: the old pattern, kept

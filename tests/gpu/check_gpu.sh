@@ -3,10 +3,10 @@
 #   bash tests/gpu/check_gpu.sh [OUT_DIR]
 # 1. the machine (nvidia-smi) and the gpu target's preflight (backends, pinned versions, GPUs vs
 #    the layout, memory per GPU, plan, max_model_len, /dev/shm), each failure with its fix;
-# 2. tests/gpu: the CUDA embedding store across processes, vit_encoder's TensorRT plan in
-#    FP32 and FP16 against ONNX Runtime, and prefill -> decode over vLLM's NixlConnector (the
-#    gpu target's KV connector) against a colocated engine (each skipped with its reason where
-#    TensorRT/torch-CUDA/nixl are missing).
+# 2. tests/gpu: the CUDA embedding store across processes, vit_encoder's and the tiny audio
+#    checkpoint's audio_encoder's TensorRT plans in FP32 and FP16 against ONNX Runtime, and
+#    prefill -> decode over vLLM's NixlConnector (the gpu target's KV connector) against a
+#    colocated engine (each skipped with its reason where TensorRT/torch-CUDA/nixl are missing).
 # Output: OUT_DIR (default results/<date>/gpu-check) gets machine.txt, imports.txt (numpy 2 with
 # vLLM, DALI and torch in one interpreter), preflight.txt, pytest.txt.
 # The exit status is pytest's; a failed preflight is reported, not fatal (a bare machine lacks

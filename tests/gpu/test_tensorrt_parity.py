@@ -1,8 +1,10 @@
-"""vit_encoder's TensorRT plan (FP32 and FP16) against the same ONNX graph under ONNX Runtime.
+"""The TensorRT plans (FP32 and FP16) against the same ONNX graphs under ONNX Runtime.
 
-Builds the tiny default model's ONNX encoder and a plan per precision with the profile derived
-from the checkpoint's pixel limits (what the gpu target serves), then runs one-image and
-several-image calls through both. Skipped where TensorRT or a GPU is missing (CI); run with
+``vit_encoder``: builds the tiny default model's ONNX encoder and a plan per precision with the
+profile derived from the checkpoint's pixel limits (what the gpu target serves), then runs
+one-image and several-image calls through both. ``audio_encoder``: the tiny Qwen2-Audio
+checkpoint's encoder with the gpu target's audio profile, one clip (what ``encoder_<i>`` sends), a
+short one and the profile's most clips. Skipped where TensorRT or a GPU is missing (CI); run with
 ``bash tests/gpu/check_gpu.sh`` on a GPU machine.
 """
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from builders.targets import TARGETS
-from python_backends.encode.vit_onnx import INPUT_NAMES, OUTPUT_NAME, encoder_inputs
+from python_backends.encode.vit_onnx import OUTPUT_NAME, encoder_inputs
 
 
 def _missing() -> str | None:
@@ -49,7 +51,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, objec
     return onnx_path, tower_dims(tower)["patch_dim"], profile
 
 
-def run_plan(plan: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
+def run_plan(
+    plan: Path, feed: dict[str, np.ndarray], outputs: tuple[str, ...] = (OUTPUT_NAME,)
+) -> dict[str, np.ndarray]:
+    """``outputs`` of one run of ``plan`` on ``feed`` (every engine input, host arrays)."""
     import tensorrt as trt
     import torch
 
@@ -57,19 +62,21 @@ def run_plan(plan: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
     assert engine is not None, "the plan does not load on this GPU"
     context = engine.create_execution_context()
     keep = []
-    for name in INPUT_NAMES:
-        array = np.ascontiguousarray(feed[name].astype(trt.nptype(engine.get_tensor_dtype(name))))
+    for name, value in feed.items():
+        array = np.ascontiguousarray(value.astype(trt.nptype(engine.get_tensor_dtype(name))))
         tensor = torch.from_numpy(array).cuda()
         keep.append(tensor)
         context.set_input_shape(name, tuple(array.shape))
         context.set_tensor_address(name, tensor.data_ptr())
-    out_dtype = torch.from_numpy(np.zeros(0, trt.nptype(engine.get_tensor_dtype(OUTPUT_NAME)))).dtype
-    out = torch.empty(tuple(context.get_tensor_shape(OUTPUT_NAME)), dtype=out_dtype, device="cuda")
-    context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
+    results = {}
+    for name in outputs:
+        dtype = torch.from_numpy(np.zeros(0, trt.nptype(engine.get_tensor_dtype(name)))).dtype
+        results[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dtype, device="cuda")
+        context.set_tensor_address(name, results[name].data_ptr())
     stream = torch.cuda.current_stream()
     assert context.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
-    return out.float().cpu().numpy()
+    return {name: (t.float() if t.is_floating_point() else t).cpu().numpy() for name, t in results.items()}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -79,7 +86,7 @@ def test_plan_matches_onnx_runtime(precision: str, exported: tuple[Path, int, ob
     from builders.tensorrt_plan import build_tensorrt_plan
 
     onnx_path, patch_dim, profile = exported
-    plan = build_tensorrt_plan(onnx_path, tmp_path / "model.plan", patch_dim, profile, precision)  # type: ignore[arg-type]
+    plan = build_tensorrt_plan(onnx_path, tmp_path / "model.plan", profile.input_shapes(patch_dim), precision)  # type: ignore[arg-type]
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     worst = {}
@@ -88,8 +95,38 @@ def test_plan_matches_onnx_runtime(precision: str, exported: tuple[Path, int, ob
         rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
         feed = encoder_inputs(rng.standard_normal((rows, patch_dim), dtype=np.float32), grid, 2).as_feed()
         expected = session.run([OUTPUT_NAME], feed)[0]
-        actual = run_plan(plan, feed)
+        actual = run_plan(plan, feed)[OUTPUT_NAME]
         assert actual.shape == expected.shape
         worst[str(grid_rows)] = float(np.abs(actual - expected).max())
     print(f"{precision} plan vs ONNX Runtime, max-abs per grid: {worst}")
+    assert max(worst.values()) <= TOLERANCE[precision], worst
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_audio_plan_matches_onnx_runtime(precision: str, tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    from builders.audio_encoder import OUTPUT_NAMES, export_onnx
+    from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
+    from builders.model_configs import audio_plan_profile
+    from builders.tensorrt_plan import build_tensorrt_plan
+
+    model_dir = build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio")
+    onnx_path = export_onnx(model_dir, tmp_path)
+    profile = audio_plan_profile(TARGETS["gpu"], model_dir)
+    plan = build_tensorrt_plan(onnx_path, tmp_path / "model.plan", profile.input_shapes(), precision)  # type: ignore[arg-type]
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    worst = {}
+    for lengths in ([profile.frames], [101], [profile.frames, 1000][: profile.max_clips]):
+        features = rng.standard_normal((len(lengths), profile.mel_bins, profile.frames), dtype=np.float32)
+        feed = {"input_features": features, "feature_lengths": np.array(lengths, dtype=np.int64)}
+        embeds, tokens = session.run(list(OUTPUT_NAMES), feed)
+        actual = run_plan(plan, feed, OUTPUT_NAMES)
+        np.testing.assert_array_equal(actual["audio_tokens"], tokens)
+        # The rows the store keeps: each clip's first tokens (the rest pad the window).
+        worst[str(lengths)] = max(
+            float(np.abs(actual["audio_embeds"][i, :n] - embeds[i, :n]).max()) for i, n in enumerate(tokens)
+        )
+    print(f"{precision} audio plan vs ONNX Runtime, max-abs per call: {worst}")
     assert max(worst.values()) <= TOLERANCE[precision], worst

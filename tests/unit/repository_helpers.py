@@ -50,3 +50,4 @@ def fake_artifact_builds(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(repository, "build_onnx_artifact", fake_onnx_build)
     patch.setattr(repository, "build_audio_artifacts", fake_audio_build)
     patch.setattr(repository, "build_plan_artifact", lambda *args, **kwargs: False)
+    patch.setattr(repository, "build_audio_plan_artifact", lambda *args, **kwargs: False)

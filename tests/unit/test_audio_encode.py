@@ -64,3 +64,18 @@ def test_bad_audio_is_refused_before_the_encoder_and_a_short_answer_is_internal(
     with pytest.raises(EpdError) as caught:
         asyncio.run(encoder_of(10, seen)(wav(CLIP)))  # fewer rows than the clip's 75 tokens
     assert caught.value.code is ErrorCode.INTERNAL
+
+
+def test_a_tensor_from_the_gpu_plan_is_stored_as_a_tensor() -> None:
+    """On gpu the TensorRT plan's outputs come back as torch CUDA tensors (BLS, DLPack): the clip's
+    rows stay a tensor, contiguous, for the GPU store's one device copy (a CPU tensor stands in)."""
+    import torch
+
+    async def embed(features: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(750 * 8, dtype=torch.float32).reshape(1, 8, 750).transpose(1, 2)  # not contiguous
+        return rows, torch.tensor([75])
+
+    encoded = asyncio.run(AudioEncode(AUDIO, FEATURES, embed)(wav(CLIP)))
+    assert isinstance(encoded.embeds, torch.Tensor) and encoded.embeds.is_contiguous()
+    expected = torch.arange(750 * 8, dtype=torch.float32).reshape(8, 750).T[:75]
+    assert encoded.embeds.shape == (75, 8) and torch.equal(encoded.embeds, expected)

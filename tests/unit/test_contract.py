@@ -74,12 +74,20 @@ def contract_tensors(specs: tuple[contract.TensorSpec, ...]) -> list[tuple]:
 
 
 def declared_interface(config: model_config_pb2.ModelConfig) -> contract.ModelInterface:
-    """The contract's interface (of the model's name) that the config's tensors are."""
+    """The contract's interface (of the model's name) that the config's tensors are; of several
+    with those tensors (``audio_encoder`` on cpu and gpu), the one that reads its parameters."""
     found = (config_tensors(config.input), config_tensors(config.output))
     candidates = [i.sized(FACTS.parameters()) for i in contract.interfaces_of(config.name)]
-    for interface in candidates:
-        if (contract_tensors(interface.inputs), contract_tensors(interface.outputs)) == found:
+    matching = [
+        interface
+        for interface in candidates
+        if (contract_tensors(interface.inputs), contract_tensors(interface.outputs)) == found
+    ]
+    for interface in matching:
+        if all(interface.accepts_parameter(key) for key in config.parameters):
             return interface
+    if matching:  # the caller's parameter check says which one is not the contract's
+        return matching[0]
     raise AssertionError(
         f"{config.name}: tensors {found} are none of the contract's {[(c.inputs, c.outputs) for c in candidates]}"
     )

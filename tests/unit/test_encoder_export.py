@@ -186,7 +186,8 @@ def test_runner_rejects_inconsistent_inputs(onnx_path: Path) -> None:
 def test_tensorrt_plan_builds(onnx_path: Path, tower, precision: str) -> None:
     profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=4096, max_images=4)
     plan_path = onnx_path.parent / f"model-{precision}.plan"
-    plan = build_tensorrt_plan(onnx_path, plan_path, tower_dims(tower)["patch_dim"], profile, precision)  # type: ignore[arg-type]
+    shapes = profile.input_shapes(tower_dims(tower)["patch_dim"])
+    plan = build_tensorrt_plan(onnx_path, plan_path, shapes, precision)  # type: ignore[arg-type]
     assert plan.stat().st_size > 0
 
 
@@ -194,7 +195,7 @@ def test_tensorrt_unavailable_is_a_clear_error_here(onnx_path: Path) -> None:
     if tensorrt_unavailable_reason() is None:
         pytest.skip("tensorrt is importable here; the GPU test covers the build")
     with pytest.raises(EncoderBuildError, match="tensorrt is not importable"):
-        build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", 1176)
+        build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", TrtProfile().input_shapes(1176))
 
 
 def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
@@ -214,7 +215,7 @@ def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
     reason = tensorrt_unavailable_reason()
     assert reason is not None and "no GPU visible (nvidia-smi not found)" in reason and "first start" in reason
     with pytest.raises(EncoderBuildError, match="no GPU visible"):
-        build_tensorrt_plan(onnx_path, tmp_path / "model.plan", 1176)
+        build_tensorrt_plan(onnx_path, tmp_path / "model.plan", TrtProfile().input_shapes(1176))
     (tmp_path / "nvidia0").touch()  # a GPU's device node, where nvidia-smi is missing
     assert tensorrt_unavailable_reason() is None
     (tmp_path / "nvidia0").unlink()

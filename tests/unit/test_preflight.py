@@ -151,6 +151,18 @@ def test_plan_missing_or_built_for_another_gpu(good_machine: Machine, checkpoint
     assert "sm_80" in detail and "rebuilt for this GPU" in fix
 
 
+def test_an_audio_checkpoints_plan_is_its_audio_encoders(good_machine: Machine, tmp_path: Path) -> None:
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    (audio / "config.json").write_text(json.dumps({"model_type": "qwen2_audio", "max_position_embeddings": 4096}))
+    repo = tmp_path / "repo"
+    detail, _ = failed(run_checks(good_machine, TARGETS["gpu"], audio, repo), "plan")
+    assert str(repo / contract.AUDIO_ENCODER_MODEL / "1" / contract.PLAN_FILE) in detail and "missing" in detail
+    (repo / contract.AUDIO_ENCODER_MODEL / "1").mkdir(parents=True)
+    (repo / contract.AUDIO_ENCODER_MODEL / "1" / contract.PLAN_FILE).write_bytes(b"plan")
+    assert checks_of(run_checks(good_machine, TARGETS["gpu"], audio, repo))["plan"][0] == "pass"
+
+
 def test_fewer_gpus_than_the_layout(good_machine: Machine, checkpoint: Path, repository: Path) -> None:
     detail, fix = failed(run_checks(good_machine, TARGETS["gpu"].with_gpus(4), checkpoint, repository), "gpus")
     assert "1 GPU(s) visible, the layout uses 4" in detail and "--gpus all" in fix
