@@ -9,9 +9,13 @@ fresh tritonserver on the role's repository (``all``: every model, as ``make ser
 preprocess, vit_encoder, encode and the encoder models, as ``triton-epd-serve --role encoder``),
 after the repository was built once (a warm machine). Per model, from the server's own log: when
 Triton began loading it, when its instance began initializing (the python backend's stub launch)
-and when it was loaded. In the same run it measures the baselines that make the numbers read as
-ratios on a shared machine: tritonserver with no model (the server's floor) and, with
-``--offline``, vLLM's offline ``LLM()`` start in a plain process (what any vLLM user pays).
+and when it was loaded; and the CPU seconds each process of the server had used when it became
+ready (on 2 cores the start is CPU-bound, so this says where the wall time goes). In the same run
+it measures the baselines that make the numbers read as ratios on a shared machine: tritonserver
+with no model (the server's floor); the machine's speed, as the seconds a fresh process takes to
+import what one engine's stub imports (``import_vllm_frozen``: fixed work, so when it takes 10%
+longer the machine is 10% slower, and ``ready_s`` is read against it); and, with ``--offline``,
+vLLM's offline ``LLM()`` start in a plain process (what any vLLM user pays).
 ``--auto-complete-config`` starts the servers with Triton's config auto-complete on (Triton's
 default; ours is off): the "before" of that change.
 """
@@ -31,7 +35,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import psutil
+
 from builders.launcher import SAMPLE_IMAGE, prepare
+from builders.stage_watch import server_processes
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
 
@@ -81,6 +88,8 @@ def time_server(repository: Path, log_path: Path, with_request: bool, auto_compl
     with TritonServer(options, log_path) as server:
         server.wait_ready(timeout_s=900)
         result: dict = {"ready_s": time.perf_counter() - started}
+        if server.process is not None:
+            result["cpu_s_at_ready"] = cpu_seconds_by_role(server.process.pid)
         if with_request:
             client = GrpcClient(server.grpc_url, "llm")
             sent = time.perf_counter()
@@ -94,6 +103,33 @@ def time_server(repository: Path, log_path: Path, with_request: bool, auto_compl
             client.close()
     result["models"] = load_breakdown(log_path.read_text(errors="replace"), launched_at)
     return result
+
+
+def cpu_seconds_by_role(server_pid: int) -> dict[str, float]:
+    """User + system CPU seconds used so far by tritonserver, each stub and each engine core, summed
+    by kind ("tritonserver", "stub", "engine") and in all ("total")."""
+    used: dict[str, float] = {"tritonserver": 0.0, "stub": 0.0, "engine": 0.0}
+    for process in server_processes(server_pid):
+        try:
+            times = psutil.Process(process.pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        used[process.role.split(":")[0]] += times.user + times.system
+    used["total"] = sum(used.values())
+    return used
+
+
+VLLM_IMPORT = (
+    "import time; from python_backends.engines.process import import_vllm_frozen; "
+    "t = time.perf_counter(); import_vllm_frozen(); print(time.perf_counter() - t)"
+)
+
+
+def time_vllm_import() -> float:
+    """Seconds a fresh process takes to import what one engine's stub imports (the speed reference)."""
+    done = subprocess.run([sys.executable, "-c", VLLM_IMPORT], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True, timeout=600)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def time_offline_vllm(engine_args_path: Path) -> dict[str, float]:
@@ -139,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         log = logs / f"cold-start-{args.role}-{i}.log"
         runs.append(time_server(repository, log, args.role == "all", args.auto_complete_config))
         floor_runs.append(time_server(empty, logs / f"cold-start-floor-{i}.log", False, args.auto_complete_config))
+        floor_runs[-1]["vllm_import_s"] = time_vllm_import()
         if args.offline:
             offline_runs.append(time_offline_vllm(repository / "llm" / "1" / "engine_args.json"))
-        print(f"run {i}: {args.role} ready in {runs[-1]['ready_s']:.1f} s, no model {floor_runs[-1]['ready_s']:.1f} s",
-              flush=True)
+        print(f"run {i}: {args.role} ready in {runs[-1]['ready_s']:.1f} s, no model {floor_runs[-1]['ready_s']:.1f} s, "
+              f"vLLM import {floor_runs[-1]['vllm_import_s']:.1f} s", flush=True)
 
     summary = {
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cpu_count()} cores",
@@ -182,6 +219,15 @@ def markdown(s: dict) -> str:
             f"| first request: end to end | {server['first_request_e2e_s']:.3f} |",
         ]
     lines.append(f"| tritonserver with no model: launch -> ready | {floor['ready_s']:.1f} |")
+    if "vllm_import_s" in floor:
+        lines.append(f"| the speed reference: a stub's vLLM import in a fresh process | {floor['vllm_import_s']:.1f} |")
+        pairs = zip(s["runs"]["server"], s["runs"]["triton_no_model"], strict=True)
+        ratio = statistics.median(run["ready_s"] / ref["vllm_import_s"] for run, ref in pairs)
+        lines.append(f"| launch -> ready / the speed reference (median of the runs' ratios) | {ratio:.2f} |")
+    if "cpu_s_at_ready" in server:
+        used = server["cpu_s_at_ready"]
+        lines.append(f"| CPU seconds used at ready: all processes (tritonserver, python stubs, vLLM engine cores) "
+                     f"| {used['total']:.1f} ({used['tritonserver']:.1f}, {used['stub']:.1f}, {used['engine']:.1f}) |")
     if offline:
         lines.append(f"| offline `vllm.LLM(...)` in a plain process | {offline['ready_s']:.1f} |")
     lines += ["", "Per model, seconds after launch (Triton's log):", "",
