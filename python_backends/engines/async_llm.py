@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from python_backends.engines.process import engine_core_modules, import_vllm_frozen
 from python_backends.errors import invalid_arg
 
 # Seconds an engine-core process gets to exit at shutdown before vLLM's process manager kills it
@@ -46,10 +45,7 @@ async def start_async_llm(engine_args: Mapping[str, Any]) -> Any:
 
     args = AsyncEngineArgs(**engine_args)
     vllm_config = args.create_engine_config()
-    method = engine_start_method()
-    if method == "fork":  # the engine core inherits what the stub imported: import it once, frozen
-        import_vllm_frozen(engine_core_modules(vllm_config.parallel_config.worker_cls))
-    with _engine_start_method(method):
+    with _engine_start_method(engine_start_method()):
         return AsyncLLM(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),

@@ -80,23 +80,6 @@ def import_vllm_frozen(modules: tuple[str, ...] = VLLM_MODULES) -> None:
             gc.enable()
 
 
-# What an engine core imports as it starts, besides its worker's module (vLLM 0.32): the scheduler, the
-# model loader, and the online-quantization check that loading runs (it imports compressed_tensors).
-ENGINE_CORE_MODULES = (
-    "vllm.v1.core.sched.scheduler", "vllm.model_executor.model_loader",
-    "vllm.model_executor.layers.quantization.online.base",
-)
-
-
-def engine_core_modules(worker_cls: str) -> tuple[str, ...]:
-    """The modules an engine core whose worker is ``worker_cls`` (a dotted class name, from vLLM's
-    config) imports as it starts. A stub that forks its engine core imports them first, with
-    :func:`import_vllm_frozen`: the core then starts with them imported and frozen, instead of
-    importing ~600 modules with the GC on (the worker's pulls in the model runner, attention,
-    sampler, spec-decode and LoRA modules)."""
-    return (worker_cls.rpartition(".")[0], *ENGINE_CORE_MODULES)
-
-
 def start_hosted_engine(
     engine_type: Any, environment: dict[str, str], engine_args_file: Path, run: Callable[[Any], Any]
 ) -> Any:
