@@ -12,12 +12,12 @@ Triton began loading it, when its instance began initializing (the python backen
 and when it was loaded; and the CPU seconds each process of the server had used when it became
 ready (on 2 cores the start is CPU-bound, so this says where the wall time goes). In the same run
 it measures the baselines that make the numbers read as ratios on a shared machine: tritonserver
-with no model (the server's floor); the machine's speed, as the seconds a fresh process takes to
-import what one engine's stub imports (``import_vllm_frozen``: fixed work, so when it takes 10%
-longer the machine is 10% slower, and ``ready_s`` is read against it); and, with ``--offline``,
-vLLM's offline ``LLM()`` start in a plain process (what any vLLM user pays).
-``--auto-complete-config`` starts the servers with Triton's config auto-complete on (Triton's
-default; ours is off): the "before" of that change.
+with no model (the server's floor) and, with ``--offline``, vLLM's offline ``LLM()`` start in a
+plain process (what any vLLM user pays). ``--plot PNG LABEL=DIR ...`` draws earlier runs (each
+``--out`` folder under a label, which may repeat): every start's launch -> ready against the CPU
+seconds it had used by then. ``--auto-complete-config``
+starts the servers with Triton's config auto-complete on (Triton's default; ours is off): the
+"before" of that change.
 """
 
 from __future__ import annotations
@@ -119,19 +119,6 @@ def cpu_seconds_by_role(server_pid: int) -> dict[str, float]:
     return used
 
 
-VLLM_IMPORT = (
-    "import time; from python_backends.engines.process import import_vllm_frozen; "
-    "t = time.perf_counter(); import_vllm_frozen(); print(time.perf_counter() - t)"
-)
-
-
-def time_vllm_import() -> float:
-    """Seconds a fresh process takes to import what one engine's stub imports (the speed reference)."""
-    done = subprocess.run([sys.executable, "-c", VLLM_IMPORT], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=True, timeout=600)
-    return float(done.stdout.strip().splitlines()[-1])
-
-
 def time_offline_vllm(engine_args_path: Path) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(OFFLINE_START)
@@ -151,8 +138,41 @@ def median_of(runs: list[dict]) -> dict:
     return merged
 
 
+def plot(series: dict[str, list[Path]], path: Path, goal_s: float = 20.0) -> None:
+    """Each start of each labelled run (``--out`` folders) as a point: the CPU seconds the server's
+    processes had used when it was ready (x) against its launch -> ready (y). On a line x / cores
+    every core was busy from launch to ready: there, only less CPU work starts it sooner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    used: list[float] = []
+    for label, folders in series.items():
+        starts = [run for folder in folders
+                  for run in json.loads((folder / "cold_start.json").read_text())["runs"]["server"]]
+        x = [run["cpu_s_at_ready"]["total"] for run in starts]
+        y = [run["ready_s"] for run in starts]
+        ax.scatter(x, y, label=f"{label}: {statistics.median(x):.1f} CPU-s, {statistics.median(y):.1f} s (medians)")
+        used += x
+    cores = _cpu_count()
+    span = [min(used) - 1, max(used) + 1]
+    ax.plot(span, [u / cores for u in span], color="grey", linewidth=0.8, label=f"CPU-s / {cores}: every core busy")
+    ax.axhline(goal_s, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("CPU seconds used at ready (tritonserver, stubs, engine cores)")
+    ax.set_ylabel("role `all`: launch -> ready (s)")
+    ax.set_title("Cold start, start by start")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", nargs="+", metavar="PNG LABEL=DIR",
+                        help="draw earlier runs into PNG instead of measuring")
     parser.add_argument("--role", choices=("all", "encoder"), default="all")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "latest" / "cold_start")
     parser.add_argument("--repeat", type=int, default=5)
@@ -160,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auto-complete-config", action="store_true",
                         help="Triton's config auto-complete on (its default): the 'before'")
     args = parser.parse_args(argv)
+    if args.plot:
+        png, *labelled = args.plot
+        series: dict[str, list[Path]] = {}
+        for label, _, folder in (item.partition("=") for item in labelled):
+            series.setdefault(label, []).append(Path(folder))
+        plot(series, Path(png))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     if args.role == "all":
         repository = REPO_ROOT / "model_repository"
@@ -175,11 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         log = logs / f"cold-start-{args.role}-{i}.log"
         runs.append(time_server(repository, log, args.role == "all", args.auto_complete_config))
         floor_runs.append(time_server(empty, logs / f"cold-start-floor-{i}.log", False, args.auto_complete_config))
-        floor_runs[-1]["vllm_import_s"] = time_vllm_import()
         if args.offline:
             offline_runs.append(time_offline_vllm(repository / "llm" / "1" / "engine_args.json"))
-        print(f"run {i}: {args.role} ready in {runs[-1]['ready_s']:.1f} s, no model {floor_runs[-1]['ready_s']:.1f} s, "
-              f"vLLM import {floor_runs[-1]['vllm_import_s']:.1f} s", flush=True)
+        print(f"run {i}: {args.role} ready in {runs[-1]['ready_s']:.1f} s, no model {floor_runs[-1]['ready_s']:.1f} s",
+              flush=True)
 
     summary = {
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cpu_count()} cores",
@@ -219,11 +245,6 @@ def markdown(s: dict) -> str:
             f"| first request: end to end | {server['first_request_e2e_s']:.3f} |",
         ]
     lines.append(f"| tritonserver with no model: launch -> ready | {floor['ready_s']:.1f} |")
-    if "vllm_import_s" in floor:
-        lines.append(f"| the speed reference: a stub's vLLM import in a fresh process | {floor['vllm_import_s']:.1f} |")
-        pairs = zip(s["runs"]["server"], s["runs"]["triton_no_model"], strict=True)
-        ratio = statistics.median(run["ready_s"] / ref["vllm_import_s"] for run, ref in pairs)
-        lines.append(f"| launch -> ready / the speed reference (median of the runs' ratios) | {ratio:.2f} |")
     if "cpu_s_at_ready" in server:
         used = server["cpu_s_at_ready"]
         lines.append(f"| CPU seconds used at ready: all processes (tritonserver, python stubs, vLLM engine cores) "
