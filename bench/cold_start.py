@@ -15,9 +15,8 @@ it measures the baselines that make the numbers read as ratios on a shared machi
 with no model (the server's floor) and, with ``--offline``, vLLM's offline ``LLM()`` start in a
 plain process (what any vLLM user pays). ``--plot PNG LABEL=DIR ...`` draws earlier runs (each
 ``--out`` folder under a label, which may repeat): every start's launch -> ready against the CPU
-seconds it had used by then. ``--auto-complete-config``
-starts the servers with Triton's config auto-complete on (Triton's default; ours is off): the
-"before" of that change.
+seconds it had used by then. ``--auto-complete-config`` starts the servers with Triton's config
+auto-complete on (Triton's default; ours is off): the "before" of that change.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""bench.cold_start's per-model breakdown, read from a tritonserver log."""
+"""bench.cold_start: the per-model breakdown read from a tritonserver log, the report and the plot."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
-from bench.cold_start import load_breakdown, markdown, median_of
+from bench.cold_start import load_breakdown, main, markdown, median_of
 
 LOG = """\
 I1203 21:17:24.675624 8686 model_lifecycle.cc:472] "loading: encoder_0:1"
@@ -38,10 +39,19 @@ def test_medians_go_through_nested_runs_and_the_report_lists_every_model():
     assert "| m | 0.1 |  | 2.0 | 1.9 |" in text and "launch -> ready | 2.0 |" in text
 
 
-
 def test_the_report_gives_the_cpu_seconds_each_kind_of_process_had_used_at_ready():
     used = {"tritonserver": 0.1, "stub": 30.0, "engine": 5.0, "total": 35.1}
     runs = [{"ready_s": r, "cpu_s_at_ready": used, "models": {}} for r in (20.0, 18.0, 30.0)]
     summary = {"machine": "x", "role": "all", "auto_complete_config": False, "repeat": 3, "server": median_of(runs),
                "triton_no_model": {"ready_s": 0.3}, "offline_vllm": None}
     assert "| 35.1 (0.1, 30.0, 5.0) |" in markdown(summary)
+
+
+def test_the_plot_puts_every_start_of_a_label_together(tmp_path):
+    for name, ready in (("a", 18.0), ("b", 22.0)):
+        (tmp_path / name).mkdir()
+        start = {"ready_s": ready, "cpu_s_at_ready": {"total": 2 * ready - 2}}
+        (tmp_path / name / "cold_start.json").write_text(json.dumps({"runs": {"server": [start, start]}}))
+    png = tmp_path / "plot.png"
+    assert main(["--plot", str(png), f"same code={tmp_path / 'a'}", f"same code={tmp_path / 'b'}"]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
