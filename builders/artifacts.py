@@ -16,43 +16,22 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from builders.checkpoint import EncoderFacts
 from builders.targets import RepositoryBuildError, Target
 from builders.tensorrt_config import AudioTrtProfile, ShapeRange
 from python_backends import contract
 
-if TYPE_CHECKING:  # builders.encoder is imported when an encoder is built
-    from builders.encoder import Precision
+if TYPE_CHECKING:
+    from builders.checkpoint import Precision
 
 LOGGER = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STAMPS = REPO_ROOT / "build" / "stamps"
-
-
-@dataclass(frozen=True)
-class EncoderFacts:
-    """Shapes and provenance of the exported vision encoder (kept in its build stamp); the
-    configs size their tensors from it and write it as ``vit_encoder`` parameters."""
-
-    patch_dim: int
-    hidden_size: int
-    merge_size: int
-    vision_shards: int  # shard files the export read
-    checkpoint_shards: int  # shard files in the checkpoint
-    vision_weight_bytes: int
-    checkpoint_weight_bytes: int
-
-    @classmethod
-    def from_report(cls, report: dict[str, Any]) -> EncoderFacts:
-        return cls(**{name: int(report[name]) for name in cls.__dataclass_fields__})
-
-    def parameters(self) -> dict[str, int]:
-        """The facts as config parameters; also the sizes of named dims (contract.PATCH_DIM, ...)."""
-        return {key: getattr(self, key) for key in contract.ENCODER_FACTS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +162,7 @@ def build_dali_artifact(
     def build(scratch: Path) -> dict[str, Any]:
         path = write_pipeline(scratch / contract.DALI_FILE, config, serving.device, serving.max_batch_size)
         LOGGER.info("serialized the DALI pipeline for %s (%d bytes)", serving.device, path.stat().st_size)
-        return {"device": serving.device, "bytes": path.stat().st_size, "patch_dim": config.patch_dim}
+        return {"device": serving.device, "bytes": path.stat().st_size, "patch_dim": config.folded_patch_dim}
 
     return ensure_artifact(version_dir, "dali", inputs, build, stamp_dir)
 
@@ -219,7 +198,7 @@ def build_onnx_artifact(
 ) -> tuple[EncoderFacts, dict[str, Any], bool]:
     inputs = {
         "checkpoint": checkpoint_fingerprint(model_dir),
-        "source": _source_digest("builders/encoder.py", "python_backends/encode/vit_onnx.py"),
+        "source": _source_digest("builders/encoder.py", "builders/checkpoint.py", "python_backends/encode/vit_onnx.py"),
         "versions": {p: _version(p) for p in ("torch", "onnx", "onnxscript", "transformers", "onnxruntime")},
     }
 
@@ -254,6 +233,7 @@ def build_onnx_artifact(
         shard_files = sorted({p.name for p in model_dir.glob("*.safetensors")})
         facts = EncoderFacts(
             patch_dim=dims["patch_dim"],
+            image_patch_dim=dims["patch_dim"] // dims["temporal_patch_size"],
             hidden_size=dims["hidden_size"],
             merge_size=dims["merge_size"],
             vision_shards=len(weights.shard_files_read),
@@ -286,11 +266,11 @@ def build_plan_artifact(
     stamp_dir: Path = DEFAULT_STAMPS,
 ) -> bool:
     """``vit_encoder``'s TensorRT plan where TensorRT imports (the NGC image); elsewhere a warning, no plan."""
-    serving = target.encode
+    profile = target.encode.trt_profile
     return _plan_artifact(
         contract.VIT_ENCODER_MODEL, version_dir, onnx_report, stamp_dir, kind="plan",
-        input_shapes=lambda: serving.trt_profile.input_shapes(facts.patch_dim), profile=asdict(serving.trt_profile),
-        precision=serving.trt_precision, export_sources=("builders/encoder.py",),
+        input_shapes=lambda: profile.input_shapes(facts.image_patch_dim), profile=asdict(profile),
+        precision=target.encode.trt_precision, export_sources=("builders/encoder.py",),
     )  # fmt: skip
 
 
@@ -379,7 +359,7 @@ def build_audio_artifacts(model_dir: Path, version_dir: Path, stamp_dir: Path = 
     ensure_artifact(version_dir, "dali-audio", dali_inputs, build_dali, stamp_dir)
     onnx_inputs = {
         "checkpoint": checkpoint_fingerprint(model_dir),
-        "source": _source_digest("builders/audio_encoder.py", "builders/tiny_audio.py"),
+        "source": _source_digest("builders/audio_encoder.py", "builders/checkpoint.py", "builders/tiny_audio.py"),
         "versions": {p: _version(p) for p in ("torch", "onnx", "onnxscript", "transformers", "onnxruntime")},
     }
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from builders.encoder import EncoderBuildError, read_planned, shard_plan
+from builders.checkpoint import EncoderBuildError, read_planned, shard_plan
 from builders.tiny_audio import is_audio_encoder_key
 
 INPUT_NAMES = ("input_features", "feature_lengths")

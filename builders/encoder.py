@@ -7,11 +7,11 @@ Steps, each a small function:
    (``visual.*`` in hub checkpoints, ``model.visual.*`` as transformers 5 names them), using
    ``model.safetensors.index.json`` when there is one, else the single ``model.safetensors``.
 2. :func:`load_vision_tower` builds transformers' own vision model + merger from those weights.
-3. :func:`export_onnx` exports :class:`ExportableVisionTower`: the data-dependent pieces
-   (rotary position ids, ``cu_seqlens``) are graph inputs computed outside by
-   ``python_backends.encode.vit_onnx``; attention inside is masked block-diagonally from
-   ``cu_seqlens``, so one graph serves any patch count and any number of images (docs/facts.md).
-4. :func:`validate_onnx` checks ONNX Runtime against the transformers module over many grids.
+3. :func:`export_onnx` exports :class:`PerImageVisionTower`: one image (or video) per call, so
+   attention needs no mask; the rotary position ids are an input computed outside by
+   ``python_backends.encode.vit_onnx``; images may come folded (one temporal copy per row).
+4. :func:`validate_onnx` checks ONNX Runtime against the transformers module over many grids,
+   with full and folded rows.
 5. :func:`builders.tensorrt_plan.build_tensorrt_plan` (GPU only) serializes the ``tensorrt_plan`` engine for one
    optimisation profile (``builders/tensorrt_config.py``, which also renders its config.pbtxt).
 
@@ -24,23 +24,26 @@ import argparse
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from builders.checkpoint import EncoderBuildError, read_planned, shard_plan
 from python_backends import contract
 from python_backends.encode.vit_onnx import (
     INPUT_NAMES,
     META_HIDDEN_SIZE,
     META_MERGE_SIZE,
     META_PATCH_DIM,
+    META_TEMPORAL_PATCH_SIZE,
     OUTPUT_NAME,
     OnnxVisionEncoder,
-    encoder_inputs,
+    frame_position_ids,
+    unfold_temporal,
 )
 
 if TYPE_CHECKING:  # transformers loads lazily: the config helpers below do not need it
@@ -51,8 +54,6 @@ if TYPE_CHECKING:  # transformers loads lazily: the config helpers below do not 
 
 LOGGER = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Hub layout first; transformers 5 save_pretrained may keep its load-time names.
 VISION_PREFIXES: tuple[str, ...] = ("visual.", "model.visual.")
 ONNX_FILE, PLAN_FILE = contract.ONNX_FILE, contract.PLAN_FILE
@@ -60,13 +61,6 @@ ONNX_OPSET = 18
 # Above this, weights go to an external data file (protobuf's hard limit is 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
 PARITY_TOLERANCE = 1e-4
-
-Precision = Literal["fp16", "fp32"]
-
-
-class EncoderBuildError(RuntimeError):
-    """The checkpoint or environment cannot give a vision encoder; the message says why."""
-
 
 # ---------------------------------------------------------------------------------------------
 # 1. Vision weights only
@@ -88,37 +82,6 @@ def _vision_suffix(key: str) -> str | None:
         if key.startswith(prefix):
             return key[len(prefix) :]
     return None
-
-
-def shard_plan(model_dir: Path, wanted: Callable[[str], bool]) -> tuple[dict[str, list[str]], int]:
-    """{shard file: [its keys that are ``wanted``]} and the total number of shard files (any
-    encoder's weights: the ViT's here, the audio encoder's in ``builders/audio_encoder.py``)."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        weight_map: dict[str, str] = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        plan: dict[str, list[str]] = {}
-        for key, filename in weight_map.items():
-            if wanted(key):
-                plan.setdefault(filename, []).append(key)
-        return plan, len(set(weight_map.values()))
-    if (model_dir / SINGLE_FILE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(model_dir / SINGLE_FILE), framework="pt") as handle:
-            keys = [key for key in handle.keys() if wanted(key)]
-        return ({SINGLE_FILE: keys} if keys else {}), 1
-    raise EncoderBuildError(f"{model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-
-
-def read_planned(model_dir: Path, plan: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """The planned tensors (hub names), reading only those."""
-    from safetensors import safe_open
-
-    tensors: dict[str, torch.Tensor] = {}
-    for filename, keys in sorted(plan.items()):
-        with safe_open(str(model_dir / filename), framework="pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in keys})
-    return tensors
 
 
 def vision_shard_plan(model_dir: Path) -> tuple[dict[str, list[str]], int]:
@@ -175,6 +138,7 @@ def tower_dims(tower: Qwen2VisionTransformerPretrainedModel) -> dict[str, int]:
     return {
         "merge_size": int(config.spatial_merge_size),
         "patch_dim": int(config.in_channels * config.temporal_patch_size * config.patch_size**2),
+        "temporal_patch_size": int(config.temporal_patch_size),
         "hidden_size": int(config.hidden_size),
     }
 
@@ -193,90 +157,84 @@ def torch_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-class ExportableVisionTower(torch.nn.Module):
-    """The tower with data-dependent work moved out: same weights, same maths, static graph."""
+class PerImageVisionTower(torch.nn.Module):
+    """The tower for one image (or video) per call: same weights, same maths, a static graph.
+
+    - No attention mask: every frame of a call attends within itself (``[frames, patches, ...]``),
+      which is all Qwen2-VL's ``cu_seqlens`` ever allow.
+    - The patch embedding (a Conv3d whose stride is its kernel) as one MatMul.
+    - The temporal fold: an image's rows repeat one frame ``T`` times, so ``x @ W`` equals the
+      frame's ``C*P*P`` values times ``W`` summed over ``T``. The graph takes either width and
+      picks its weight rows by slicing one buffer, ``[W_folded; W]``, at ``width - C*P*P``.
+    """
 
     def __init__(self, tower: Qwen2VisionTransformerPretrainedModel) -> None:
         super().__init__()
         self.tower = tower
+        weight = tower.patch_embed.proj.weight.detach()  # [hidden, C, T, P, P]
+        hidden = weight.shape[0]
+        folded = weight.sum(dim=2).reshape(hidden, -1).t()  # [C*P*P, hidden], rows (c, p, p)
+        full = weight.reshape(hidden, -1).t()  # [C*T*P*P, hidden], rows (c, t, p, p)
+        self.frame_dim = int(folded.shape[0])
+        self.register_buffer("embed_weight", torch.cat([folded, full]).contiguous())
 
-    def forward(
-        self, pixel_values: torch.Tensor, rotary_pos_ids: torch.Tensor, cu_seqlens: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, rotary_pos_ids: torch.Tensor) -> torch.Tensor:
         tower = self.tower
-        hidden = tower.patch_embed(pixel_values)
+        frames, patches, width = pixel_values.shape
+        first_row = width - self.frame_dim  # 0 for folded rows, C*P*P for full ones
+        hidden = torch.matmul(pixel_values, self.embed_weight[first_row : first_row + width])
         cos, sin = tower.rotary_pos_emb(hidden, rotary_pos_ids)
-        same_frame = block_diagonal_mask(cu_seqlens, hidden.shape[0])
         for block in tower.blocks:
-            hidden = hidden + masked_attention(block.attn, block.norm1(hidden), cos, sin, same_frame)
+            hidden = hidden + frame_attention(block.attn, block.norm1(hidden), cos, sin)
             hidden = hidden + block.mlp(block.norm2(hidden))
-        return tower.merger(hidden)
+        return tower.merger(hidden.reshape(frames * patches, -1))
 
 
-def block_diagonal_mask(cu_seqlens: torch.Tensor, num_patches: int) -> torch.Tensor:
-    """``[N, N]`` bool: True where two patches belong to the same frame."""
-    positions = torch.arange(num_patches, device=cu_seqlens.device)
-    frame_of_patch = (positions[:, None] >= cu_seqlens[None, 1:]).sum(dim=-1)
-    return frame_of_patch[:, None] == frame_of_patch[None, :]
-
-
-def masked_attention(
-    attn: VisionAttention, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, same_frame: torch.Tensor
-) -> torch.Tensor:
-    """VisionAttention's maths over all patches at once, other frames masked out."""
+def frame_attention(attn: VisionAttention, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """VisionAttention's maths, each frame over its own patches (``hidden``: [frames, patches, dim]);
+    scaled-dot-product attention without a mask, a pattern ONNX Runtime's fusions recognise."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
 
-    num_patches = hidden.shape[0]
-    query, key, value = attn.qkv(hidden).reshape(num_patches, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    frames, patches, _ = hidden.shape
+    qkv = attn.qkv(hidden).reshape(frames, patches, 3, attn.num_heads, -1).permute(2, 0, 1, 3, 4)
+    query, key, value = qkv.unbind(0)  # [frames, patches, heads, head_dim]
     query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
-    query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # [heads, N, head_dim]
-    scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling
-    # Softmax in float32 like transformers; every row keeps its own frame, so none is all-masked.
-    scores = scores.float().masked_fill(~same_frame, torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    context = torch.matmul(probs, value).transpose(0, 1).reshape(num_patches, -1)
-    return attn.proj(context)
-
-
-def example_grid(merge_size: int) -> np.ndarray:
-    # Two images of different shapes: the exporter must not specialise on either.
-    return np.array([[1, 2 * merge_size, 3 * merge_size], [1, merge_size, merge_size]], dtype=np.int64)
+    context = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=attn.scaling
+    )
+    return attn.proj(context.transpose(1, 2).reshape(frames, patches, -1))
 
 
 def export_onnx(
     tower: Qwen2VisionTransformerPretrainedModel, out_dir: str | Path, max_patches: int = 1 << 16
 ) -> Path:
-    """Write ``model.onnx`` (dynamo exporter) with dynamic patch and frame counts."""
+    """Write ``model.onnx`` (dynamo exporter) with dynamic frame, patch and row-width dims."""
     from torch.export import Dim
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dims = tower_dims(tower)
+    module = PerImageVisionTower(tower).eval()
     block = dims["merge_size"] ** 2
-    grid = example_grid(dims["merge_size"])
-    rng = np.random.default_rng(0)
-    example = encoder_inputs(
-        rng.standard_normal((int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum()), dims["patch_dim"]), dtype=np.float32),
-        grid,
-        dims["merge_size"],
-    )
-    # The merger folds merge x merge patches into one token, so the patch count is a multiple
-    # of merge**2; saying so lets the exporter keep it symbolic.
+    # Two frames of a 4 x 6 grid in full rows: the exporter must specialise on none of it.
+    grid_h, grid_w = 2 * dims["merge_size"], 3 * dims["merge_size"]
+    pixels = torch.randn(2, grid_h * grid_w, dims["patch_dim"], generator=torch.Generator().manual_seed(0))
+    positions = torch.from_numpy(frame_position_ids(grid_h, grid_w, dims["merge_size"]))
+    # The merger folds merge x merge patches into one token, so a frame's patch count is a
+    # multiple of merge**2; saying so lets the exporter keep it symbolic.
     merged_tokens = Dim("merged_tokens", min=1, max=max(1, max_patches // block))
-    frames_plus_one = Dim("frames_plus_one", min=2, max=max_patches + 1)
+    frames = Dim("frames", min=1, max=max_patches)
+    temporal = Dim("temporal", min=1, max=dims["temporal_patch_size"])
     dynamic_shapes = {
-        "pixel_values": {0: block * merged_tokens},
+        "pixel_values": {0: frames, 1: block * merged_tokens, 2: module.frame_dim * temporal},
         "rotary_pos_ids": {0: block * merged_tokens},
-        "cu_seqlens": {0: frames_plus_one},
     }
-    arrays = (example.pixel_values, example.rotary_pos_ids, example.cu_seqlens)
-    args = tuple(torch.from_numpy(array) for array in arrays)
     parameter_bytes = sum(p.numel() * p.element_size() for p in tower.parameters())
     onnx_path = out_dir / ONNX_FILE
     with torch.inference_mode():
         program = torch.onnx.export(
-            ExportableVisionTower(tower).eval(),
-            args,
+            module,
+            (pixels, positions),
             dynamo=True,
             input_names=list(INPUT_NAMES),
             output_names=[OUTPUT_NAME],
@@ -298,7 +256,12 @@ def _write_metadata(onnx_path: Path, dims: dict[str, int]) -> None:
     model = onnx.load(str(onnx_path), load_external_data=False)
     # The exporter names the output's row count after an internal symbol ("s71"); say what it is.
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "merged_tokens"
-    names = {"merge_size": META_MERGE_SIZE, "patch_dim": META_PATCH_DIM, "hidden_size": META_HIDDEN_SIZE}
+    names = {
+        "merge_size": META_MERGE_SIZE,
+        "patch_dim": META_PATCH_DIM,
+        "temporal_patch_size": META_TEMPORAL_PATCH_SIZE,
+        "hidden_size": META_HIDDEN_SIZE,
+    }
     values = {meta: dims[name] for name, meta in names.items()}
     existing = {prop.key for prop in model.metadata_props}
     for key, value in values.items():
@@ -352,20 +315,28 @@ def validate_onnx(
     tolerance: float = PARITY_TOLERANCE,
     seed: int = 0,
 ) -> ParityReport:
-    """Max-abs difference of ONNX Runtime vs transformers per batch of grids (float32)."""
-    encoder = OnnxVisionEncoder(onnx_path, max_patches_per_run=1 << 30)  # each batch in one call
+    """Max-abs difference of ONNX Runtime (one call per image) vs transformers (the batch in one
+    forward) per batch of grids, float32; batches of images are checked with full and with folded
+    rows (both widths the graph takes)."""
+    encoder = OnnxVisionEncoder(onnx_path)
     rng = np.random.default_rng(seed)
     checked, errors = [], []
     for batch in grids:
         grid = np.asarray(batch, dtype=np.int64)
         rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
-        pixels = rng.standard_normal((rows, encoder.patch_dim), dtype=np.float32)
+        images = bool((grid[:, 0] == 1).all())
+        if images:  # an image's temporal copies are equal: draw one, repeat it
+            folded = rng.standard_normal((rows, encoder.shape.folded_patch_dim), dtype=np.float32)
+            pixels = unfold_temporal(folded, encoder.shape.temporal_patch_size)
+        else:
+            pixels = rng.standard_normal((rows, encoder.patch_dim), dtype=np.float32)
         expected = torch_reference(tower, pixels, grid)
-        actual = encoder.encode_concatenated(pixels, grid)
-        if actual.shape != expected.shape:
-            raise EncoderBuildError(f"grid {batch}: ONNX gives {actual.shape}, torch {expected.shape}")
-        checked.append(tuple(tuple(int(v) for v in row) for row in grid))
-        errors.append(float(np.abs(actual - expected).max()))
+        for sent in (pixels, folded) if images else (pixels,):
+            actual = encoder.encode_concatenated(sent, grid)
+            if actual.shape != expected.shape:
+                raise EncoderBuildError(f"grid {batch}: ONNX gives {actual.shape}, torch {expected.shape}")
+            checked.append(tuple(tuple(int(v) for v in row) for row in grid))
+            errors.append(float(np.abs(actual - expected).max()))
     return ParityReport(tuple(checked), tuple(errors), tolerance)
 
 
@@ -394,10 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         if not report.ok:
             raise EncoderBuildError(f"ONNX parity {report.worst:.2e} > {report.tolerance:.0e}")
     if args.tensorrt:
+        from builders.tensorrt_config import TrtProfile
         from builders.tensorrt_plan import build_tensorrt_plan
 
+        # The gpu target's profile: the checkpoint's pixel limits, one image of folded rows per call.
         dims = tower_dims(tower)
-        plan = build_tensorrt_plan(onnx_path, Path(args.out) / PLAN_FILE, dims["patch_dim"], precision=args.tensorrt)
+        profile = TrtProfile.from_preprocessor_config(
+            json.loads((Path(args.model) / "preprocessor_config.json").read_text())
+        )
+        shapes = profile.input_shapes(dims["patch_dim"] // dims["temporal_patch_size"])
+        plan = build_tensorrt_plan(onnx_path, Path(args.out) / PLAN_FILE, shapes, precision=args.tensorrt)
         print(f"wrote {plan}")
     return 0
 

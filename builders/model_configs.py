@@ -5,22 +5,8 @@ parameter keys too; the values come from the target (``builders/targets.py``). M
 target (names are a contract, docs/architecture.md):
 
 - ``llm``: one colocated vLLM engine (both targets).
-- ``preprocess``: the one DALI pipeline (``python_backends/preprocess/image_pipeline.py``), serialized into
-  ``preprocess/1/model.dali``. ``cpu``: run with ``device_id=None`` by a python-backend model;
-  ``gpu``: Triton's DALI backend, mixed (nvJPEG) decoder. Dynamic batching over images of
-  different sizes (``allow_ragged_batch`` on ``image``); one image per batch row.
-- ``vit_encoder``: the vision tower + merger exported from the checkpoint's vision shards only
-  (``builders/encoder.py``) to ``vit_encoder/1/model.onnx``. ``cpu``: ONNX Runtime in a
-  python-backend model with dynamic batching; ``gpu``: a ``tensorrt_plan`` (``model.plan``,
-  built where TensorRT imports) with CUDA graphs (``builders/tensorrt_config.py``).
-- ``vit_positions`` (``gpu`` only): the TensorRT graph takes rotary position ids and
-  ``cu_seqlens`` as inputs (docs/facts.md, ONNX export recipe); this python model computes them
-  from ``image_grid_thw`` (on ``cpu`` the ONNX Runtime model does so itself).
-- ``encode``: ensemble ``preprocess -> [vit_positions ->] vit_encoder``; in: ``image`` (uint8,
-  the encoded file); out: ``image_embeds`` and ``image_grid_thw`` per image. A request of one
-  image has the same wire shapes on both targets (``[1, bytes]`` in, ``[1, tokens, hidden]``
-  and ``[1, 3]`` out); the ``cpu`` target also takes several images of one size per request.
-- ``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
+- ``preprocess``, ``vit_encoder``, ``vit_positions`` (gpu), ``encode``, ``ensemble``: the encode
+  side, written by ``builders/encode_configs.py``.
 - ``encoder_<i>`` (``CachePolicy.encoders`` of them): encode by reference -- image in, content
   key, store claim (hit / single-flight join / encode through ``encode`` and write the store),
   signed reference out (``python_backends/encode/cached.py``).
@@ -40,15 +26,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builders.artifacts import EncoderFacts
-from builders.pbtxt import TEMPLATES, EnsembleStep, render_parameters, render_steps, render_template, render_tensors
-from builders.targets import ENCODE_ROLE, Target
-from builders.tensorrt_config import AudioTrtProfile, audio_tensorrt_config, tensorrt_config
+from builders.checkpoint import EncoderFacts, checkpoint_positions
+from builders.encode_configs import (
+    encode_files,
+    encode_gpu,
+    ensemble_files,
+    preprocess_files,
+    preprocessor_config_path,
+    vit_encoder_files,
+    vit_positions_files,
+)
+from builders.pbtxt import TEMPLATES, render_parameters, render_template, render_tensors
+from builders.targets import Target
+from builders.tensorrt_config import AudioTrtProfile, audio_tensorrt_config
 from python_backends import contract
 from python_backends.contract import ModelInterface
 from python_backends.runtime.cpus import parse_cpu_list
 
-POSITIONS_MODEL_TEMPLATE = "vit_positions_model.py"
 AUDIO_ENCODER_MODEL_TEMPLATE = "audio_encoder_model.py"
 # Every encoder_<i> serves the kept model.py of encoder_0 (the one always there: encoders >= 1).
 ENCODER_MODEL_SOURCE = Path(__file__).resolve().parents[1] / "model_repository" / "encoder_0" / "1" / "model.py"
@@ -56,25 +50,6 @@ ENCODER_MODEL_SOURCE = Path(__file__).resolve().parents[1] / "model_repository" 
 
 def _json(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True) + "\n"
-
-
-def _preprocessor_config(model_dir: Path) -> str:
-    return str((model_dir / "preprocessor_config.json").resolve())
-
-
-def checkpoint_positions(model_dir: Path) -> int | None:
-    """The checkpoint's ``max_position_embeddings`` (top level, or the text config's), if any."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text())
-    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-    return int(value) if value else None
-
-
-def _encode_gpu(target: Target) -> int:
-    """The GPU of the encode side (DALI, TensorRT, the store) in the target's budget."""
-    return target.gpu_budget.device_of[ENCODE_ROLE] if target.gpu_budget is not None else 0
 
 
 def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
@@ -164,7 +139,7 @@ def audio_encoder_files(target: Target, model_dir: Path) -> dict[str, str]:
     if serving.device == "gpu":
         profile = audio_plan_profile(target, model_dir)
         config = audio_tensorrt_config(
-            target.name, profile, serving.trt_precision, serving.encoder_instances, _encode_gpu(target)
+            target.name, profile, serving.trt_precision, serving.encoder_instances, encode_gpu(target)
         )
         return {f"{name}/config.pbtxt": config}
     interface = contract.AUDIO_ENCODER
@@ -231,142 +206,6 @@ def epd_video_limits(target: Target) -> dict[str, Any]:
     return dict(target.video_limits)
 
 
-def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
-    serving = target.encode
-    interface = contract.PREPROCESS.sized(facts.parameters())
-    values = {
-        "target": target.name,
-        "max_batch_size": str(serving.max_batch_size),
-        "max_queue_delay_us": str(serving.max_queue_delay_us),
-        "inputs": render_tensors(interface.inputs),
-        "outputs": render_tensors(interface.outputs),
-        "instances": str(serving.preprocess_instances),
-    }
-    if serving.device == "gpu":
-        values["gpu"] = str(_encode_gpu(target))
-        return {"preprocess/config.pbtxt": render_template("preprocess_dali.pbtxt", values)}
-    parameters = {
-        contract.PIPELINE_FILE: contract.DALI_FILE,
-        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
-        contract.DALI_NUM_THREADS: serving.dali_threads,
-        contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
-        contract.MAX_IMAGE_PIXELS: target.limits[contract.MAX_IMAGE_PIXELS],
-    }
-    values["parameters"] = render_parameters(target.placed(contract.PREPROCESS_MODEL, parameters))
-    return {"preprocess/config.pbtxt": render_template("preprocess_python.pbtxt", values)}
-
-
-def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
-    serving = target.encode
-    if serving.device == "gpu":
-        config = tensorrt_config(
-            target.name, facts.parameters(), serving.trt_profile, serving.trt_precision, serving.encoder_instances,
-            _encode_gpu(target),
-        )
-        return {"vit_encoder/config.pbtxt": config}
-    interface = contract.VIT_ENCODER.sized(facts.parameters())
-    parameters = {
-        contract.ONNX_FILE_KEY: contract.ONNX_FILE,
-        contract.INTRA_OP_THREADS: serving.ort_intra_op_threads,
-        contract.MAX_PATCHES_PER_RUN: serving.max_patches_per_run,
-        # Checked against the ONNX file's metadata at load, and shown as metrics.
-        **facts.parameters(),
-    }
-    config = render_template(
-        "vit_encoder_onnxruntime.pbtxt",
-        {
-            "target": target.name,
-            "max_batch_size": str(serving.max_batch_size),
-            "max_queue_delay_us": str(serving.max_queue_delay_us),
-            "inputs": render_tensors(interface.inputs),
-            "outputs": render_tensors(interface.outputs),
-            "instances": str(serving.encoder_instances),
-            "parameters": render_parameters(target.placed(contract.VIT_ENCODER_MODEL, parameters)),
-        },
-    )
-    return {"vit_encoder/config.pbtxt": config}
-
-
-def vit_positions_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
-    interface = contract.VIT_POSITIONS
-    config = render_template(
-        "vit_positions.pbtxt",
-        {
-            "target": target.name,
-            "inputs": render_tensors(interface.inputs),
-            "outputs": render_tensors(interface.outputs),
-            "parameters": render_parameters({contract.MERGE_SIZE: facts.merge_size}),
-        },
-    )
-    model_py = (TEMPLATES / POSITIONS_MODEL_TEMPLATE).read_text()
-    return {"vit_positions/config.pbtxt": config, "vit_positions/1/model.py": model_py}
-
-
-def _same_names(*names: str) -> dict[str, str]:
-    """A step's tensor map where the model's tensors keep their names in the ensemble."""
-    return {name: name for name in names}
-
-
-def encode_steps(target: Target) -> list[EnsembleStep]:
-    """``image`` -> ``image_embeds`` + ``image_grid_thw``: the steps of ``encode`` (and the head
-    of ``ensemble``)."""
-    grid = _same_names(contract.IMAGE_GRID_THW)
-    embeds = _same_names(contract.IMAGE_EMBEDS)
-    preprocess = EnsembleStep(
-        contract.PREPROCESS_MODEL, _same_names(contract.IMAGE), {**_same_names(contract.PIXEL_VALUES), **grid}
-    )
-    if target.encode.device == "gpu":
-        positions_out = _same_names(contract.ROTARY_POS_IDS, contract.CU_SEQLENS)
-        positions = EnsembleStep(contract.VIT_POSITIONS_MODEL, grid, positions_out)
-        encoder_in = {**_same_names(contract.PIXEL_VALUES), **positions_out}
-        return [preprocess, positions, EnsembleStep(contract.VIT_ENCODER_MODEL, encoder_in, embeds)]
-    encoder_in = {**_same_names(contract.PIXEL_VALUES), **grid}
-    return [preprocess, EnsembleStep(contract.VIT_ENCODER_MODEL, encoder_in, embeds)]
-
-
-def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
-    serving = target.encode
-    # gpu: the plan runs one image per request (max_batch_size 0): the batch row is explicit.
-    one_image = serving.device == "gpu"
-    interface = (contract.ENCODE_ONE_IMAGE if one_image else contract.ENCODE).sized(facts.parameters())
-    config = render_template(
-        "encode.pbtxt",
-        {
-            "target": target.name,
-            "max_batch_size": "0" if one_image else str(serving.max_batch_size),
-            "inputs": render_tensors(interface.inputs),
-            "outputs": render_tensors(interface.outputs),
-            "steps": render_steps(encode_steps(target)),
-        },
-    )
-    return {"encode/config.pbtxt": config}
-
-
-def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
-    """``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
-
-    Exactly one image per request (``image``: UINT8 [1, bytes], as ``encode`` takes it): a
-    static DAG runs each step once and cannot loop over images or skip the encoder, so 0 or
-    several images are refused by Triton's shape check (use ``llm`` or ``epd`` for those).
-    Decoupled streaming passes through: ``llm``'s responses are the ensemble's.
-    """
-    del facts  # the llm step's own config carries the hidden size
-    interface = contract.ENSEMBLE
-    options = _same_names(*(spec.name for spec in contract.GENERATE_OPTIONS))
-    llm_in = _same_names(contract.TEXT_INPUT, contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW)
-    llm = EnsembleStep(contract.LLM_MODEL, {**llm_in, **options}, _same_names(*contract.LLM.output_names))
-    config = render_template(
-        "ensemble.pbtxt",
-        {
-            "target": target.name,
-            "inputs": render_tensors(interface.inputs),
-            "outputs": render_tensors(interface.outputs),
-            "steps": render_steps([*encode_steps(target), llm]),
-        },
-    )
-    return {"ensemble/config.pbtxt": config}
-
-
 def _store_parameters(target: Target, merge_size: int) -> dict[str, Any]:
     """What every store user's config carries: the cache policy and the merge size references are checked with."""
     return {**target.cache.to_parameters(), contract.SPATIAL_MERGE_SIZE: merge_size}
@@ -381,8 +220,10 @@ def _served_encoder_file(target: Target, model: str) -> str:
 def _key_parameters(target: Target, model_dir: Path) -> dict[str, Any]:
     """What content keys cover besides the media (read by ``epd`` and the encoders alike)."""
     return {
-        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
+        contract.PREPROCESSOR_CONFIG: preprocessor_config_path(model_dir),
         contract.ENCODER_FILE: _served_encoder_file(target, contract.VIT_ENCODER_MODEL),
+        # torchvision and DALI give different pixels (docs/benchmarks/encode.md): other embeddings.
+        contract.IMAGE_BACKEND: target.encode.image_backend,
     }
 
 
@@ -467,7 +308,7 @@ def audio_media(target: Target, model_dir: Path) -> PipelineMedia:
 def _audio_keys(target: Target, model_dir: Path) -> dict[str, Any]:
     """What an audio clip's content key covers besides its bytes (epd and the encoders alike)."""
     return {
-        contract.PREPROCESSOR_CONFIG: _preprocessor_config(model_dir),
+        contract.PREPROCESSOR_CONFIG: preprocessor_config_path(model_dir),
         contract.ENCODER_FILE: _served_encoder_file(target, contract.AUDIO_ENCODER_MODEL),
     }
 

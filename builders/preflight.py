@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from builders.checkpoint import checkpoint_positions
 from builders.default_model import is_audio_checkpoint
-from builders.model_configs import checkpoint_positions
 from builders.targets import ENCODE_ROLE, ENGINE_ROLES, Target, resolved_target
 from python_backends import contract
 from python_backends.contract import CachePolicy

@@ -49,9 +49,12 @@ class EncodeServing:
     preprocess_instances: int = 1
     encoder_instances: int = 1
     dali_threads: int = contract.default_of(contract.DALI_NUM_THREADS)
-    # cpu: ONNX Runtime threads (0: its default) and patches per packed call (vit_onnx.py).
+    # cpu: ONNX Runtime threads of the audio encoder (0: its default); images the vit_encoder
+    # encodes at once, one thread each (0: one per CPU of its set; vit_onnx.py says why).
     ort_intra_op_threads: int = contract.default_of(contract.INTRA_OP_THREADS)
-    max_patches_per_run: int = contract.default_of(contract.MAX_PATCHES_PER_RUN)
+    vit_threads: int = contract.default_of(contract.VIT_THREADS)
+    # cpu: preprocess's kernels (docs/benchmarks/encode.md); the gpu target's is the DALI backend.
+    image_backend: str = contract.default_of(contract.IMAGE_BACKEND)
     # gpu: TensorRT plan precision and optimisation profile.
     trt_precision: Literal["fp16", "fp32"] = contract.default_of(contract.PRECISION)
     trt_profile: TrtProfile = field(default_factory=TrtProfile)
@@ -205,7 +208,7 @@ class Target:
         cores = len(parse_cpu_list(cpus))
         capped = {
             key: min(int(parameters[key]), cores) or cores
-            for key in (OMP_THREADS_ENV, contract.DALI_NUM_THREADS, contract.INTRA_OP_THREADS)
+            for key in (OMP_THREADS_ENV, contract.DALI_NUM_THREADS, contract.INTRA_OP_THREADS, contract.VIT_THREADS)
             if key in parameters
         }
         return {**parameters, **capped, contract.CPUS: cpus}
@@ -246,9 +249,7 @@ class Target:
         config_file = Path(model_dir) / "preprocessor_config.json"
         if self.encode.device != "gpu" or not config_file.is_file() or is_audio_checkpoint(model_dir):
             return self
-        profile = TrtProfile.from_preprocessor_config(
-            json.loads(config_file.read_text()), self.encode.trt_profile.max_images
-        )
+        profile = TrtProfile.from_preprocessor_config(json.loads(config_file.read_text()))
         return dataclasses.replace(self, encode=dataclasses.replace(self.encode, trt_profile=profile))
 
     def with_gpus(self, gpus: int) -> Target:
@@ -333,7 +334,7 @@ TARGETS: dict[str, Target] = {
             # spawn itself when torch reports CUDA initialised, so say it: never fork a CUDA process.
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         },
-        encode=EncodeServing(device="gpu"),
+        encode=EncodeServing(device="gpu", image_backend="dali"),
         video_limits={**contract.video_limit_defaults(), contract.VIDEO_CODECS: ",".join(GPU_CODECS)},
         # KV from prefill to decode GPU to GPU through vLLM's own connector (no host copy).
         pd=PdServing(kv_connector="NixlConnector"),

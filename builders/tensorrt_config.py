@@ -1,18 +1,21 @@
 """The gpu target's TensorRT plans: their optimisation profiles and their config.pbtxt.
 
-``vit_encoder``: the plan takes one image per request (``max_batch_size`` 0, rows = patches). On
-the wire its ``pixel_values`` and ``image_embeds`` carry a leading 1, so that ``encode`` has the
-cpu target's shapes; the config's ``reshape`` gives the engine its own ``[patches, ...]``
-(python_backends/contract.py, ``VIT_ENCODER_TENSORRT``).
+``vit_encoder``: the plan encodes one image per request (``max_batch_size`` 0) with the exported
+graph's own inputs (``builders/encoder.py``, ``PerImageVisionTower``): ``pixel_values`` ``[frames,
+patches, width]`` with frames 1 and folded rows (``image_patch_dim`` wide: what preprocess sends),
+and one frame's ``rotary_pos_ids`` ``[patches, 2]`` (``vit_positions``). Only the patch count
+varies (:class:`TrtProfile`). ``image_embeds`` carries a leading 1 on the wire, so that ``encode``
+has the cpu target's shapes; the config's ``reshape`` gives the engine its own ``[tokens,
+hidden]`` (python_backends/contract, ``VIT_ENCODER_TENSORRT``).
 
 ``audio_encoder`` (an audio checkpoint's): the plan takes the ONNX Runtime model's tensors as
 they are (``AUDIO_ENCODER_TENSORRT``: same names, dims and dtypes), so ``encoder_<i>`` calls it
 unchanged; only the clip count varies (:class:`AudioTrtProfile`).
 
 CUDA graphs are captured for fixed input shapes, written in the ENGINE's dims: Triton's
-TensorRT backend passes a graph spec's shapes to ``setInputShape`` as they are, without the
-config's reshape, so a graph written in wire dims (``[1, patches, patch_dim]``) would never
-match the engine's rank-2 input and would silently never be captured.
+TensorRT backend passes a graph spec's shapes to ``setInputShape`` as they are, without a
+config's reshape, so a graph written in other dims than the engine's would never match and would
+silently never be captured.
 """
 
 from __future__ import annotations
@@ -30,16 +33,15 @@ ShapeRange = tuple[SizedShape, SizedShape, SizedShape]  # an input's (min, opt, 
 
 @dataclass(frozen=True)
 class TrtProfile:
-    """One optimisation profile: patch counts (all images of a call together) and images/call.
+    """The vision plan's one optimisation profile: the patches of the one image of a call.
 
-    Defaults fit the tiny default model (max_pixels 448*448 = 1024 patches per image) with up
-    to 8 images per call; a real checkpoint sets these from its max_pixels and batch policy.
+    Defaults fit the tiny default model (max_pixels 448*448 = 1024 patches); a real checkpoint
+    sets these from its pixel limits (:meth:`from_pixel_limits`).
     """
 
     min_patches: int = contract.default_of(contract.PROFILE_MIN_PATCHES)
     opt_patches: int = contract.default_of(contract.PROFILE_OPT_PATCHES)
     max_patches: int = contract.default_of(contract.PROFILE_MAX_PATCHES)
-    max_images: int = contract.default_of(contract.PROFILE_MAX_IMAGES)
 
     def validate(self, merge_size: int = 2) -> None:
         block = merge_size * merge_size
@@ -47,29 +49,25 @@ class TrtProfile:
             raise ValueError(f"need 0 < min <= opt <= max patches, got {self}")
         if any(n % block for n in (self.min_patches, self.opt_patches, self.max_patches)):
             raise ValueError(f"patch counts must be multiples of {block} (merge_size**2), got {self}")
-        if self.max_images <= 0:
-            raise ValueError(f"max_images must be positive, got {self.max_images}")
 
     @classmethod
-    def from_pixel_limits(
-        cls, min_pixels: int, max_pixels: int, patch_size: int, merge_size: int = 2, max_images: int | None = None
-    ) -> TrtProfile:
+    def from_pixel_limits(cls, min_pixels: int, max_pixels: int, patch_size: int, merge_size: int = 2) -> TrtProfile:
         """The profile a checkpoint's resize limits call for. The processor resizes every image to
         sides that are multiples of ``patch_size * merge_size`` with ``min_pixels <= h*w <=
         max_pixels``, so one image has between ceil(min/patch**2) and floor(max/patch**2) patches,
-        in whole merge blocks; ``opt`` is one image at the maximum, ``max`` ``max_images`` of them."""
+        in whole merge blocks; ``opt`` and ``max`` are one image at the maximum (a call is one
+        image, and large images are where the engine's time goes)."""
         block = merge_size * merge_size
         pixels_per_patch = patch_size * patch_size
-        images = max_images or contract.default_of(contract.PROFILE_MAX_IMAGES)
         smallest = -(-min_pixels // pixels_per_patch)
         smallest = max(block, -(-smallest // block) * block)
         largest = max_pixels // pixels_per_patch // block * block
         if largest < smallest:
             raise ValueError(f"max_pixels {max_pixels} is below min_pixels {min_pixels} at patch size {patch_size}")
-        return cls(min_patches=smallest, opt_patches=largest, max_patches=largest * images, max_images=images)
+        return cls(min_patches=smallest, opt_patches=largest, max_patches=largest)
 
     @classmethod
-    def from_preprocessor_config(cls, config: dict[str, Any], max_images: int | None = None) -> TrtProfile:
+    def from_preprocessor_config(cls, config: dict[str, Any]) -> TrtProfile:
         """:meth:`from_pixel_limits` with a checkpoint's ``preprocessor_config.json`` (its
         ``min_pixels``/``max_pixels``, or ``size.shortest_edge``/``longest_edge`` as transformers 5
         writes them)."""
@@ -79,49 +77,44 @@ class TrtProfile:
         if not min_pixels or not max_pixels:
             raise ValueError("preprocessor_config.json gives no min_pixels/max_pixels (or size.shortest/longest_edge)")
         return cls.from_pixel_limits(
-            int(min_pixels), int(max_pixels), int(config.get("patch_size", 14)), int(config.get("merge_size", 2)),
-            max_images,
+            int(min_pixels), int(max_pixels), int(config.get("patch_size", 14)), int(config.get("merge_size", 2))
         )
 
-    def input_shapes(self, patch_dim: int) -> dict[str, ShapeRange]:
-        """(min, opt, max) engine shape of each input (``build_tensorrt_plan``'s profile); one
-        frame per image at ``opt``. ValueError for a profile :meth:`validate` refuses."""
+    def engine_shapes(self, patches: int, image_patch_dim: int) -> dict[str, SizedShape]:
+        """The engine's input shapes for one image of ``patches`` patches: one frame of folded
+        rows, as the gpu target serves images only (no video on epd) and preprocess sends an
+        image's equal temporal copies once."""
+        return {contract.PIXEL_VALUES: (1, patches, image_patch_dim), contract.ROTARY_POS_IDS: (patches, 2)}
+
+    def input_shapes(self, image_patch_dim: int) -> dict[str, ShapeRange]:
+        """(min, opt, max) engine shape of each input (``build_tensorrt_plan``'s profile): frames
+        and row width fixed (1, ``image_patch_dim``), patches from min to max. ValueError for a
+        profile :meth:`validate` refuses."""
         self.validate()
-        return {
-            contract.PIXEL_VALUES: (
-                (self.min_patches, patch_dim), (self.opt_patches, patch_dim), (self.max_patches, patch_dim)
-            ),
-            contract.ROTARY_POS_IDS: ((self.min_patches, 2), (self.opt_patches, 2), (self.max_patches, 2)),
-            contract.CU_SEQLENS: ((2,), (2,), (self.max_images + 1,)),
-        }
+        low, opt, high = (
+            self.engine_shapes(n, image_patch_dim) for n in (self.min_patches, self.opt_patches, self.max_patches)
+        )
+        return {name: (low[name], opt[name], high[name]) for name in low}
 
     def parameters(self) -> dict[str, int]:
         return {
             contract.PROFILE_MIN_PATCHES: self.min_patches,
             contract.PROFILE_OPT_PATCHES: self.opt_patches,
             contract.PROFILE_MAX_PATCHES: self.max_patches,
-            contract.PROFILE_MAX_IMAGES: self.max_images,
         }
 
 
 def cuda_graph_shapes(
-    profile: TrtProfile, patch_dim: int, graph_patches: Sequence[int] | None = None
+    profile: TrtProfile, image_patch_dim: int, graph_patches: Sequence[int] | None = None
 ) -> list[dict[str, SizedShape]]:
     """Engine input shapes of each CUDA graph: one image of ``patches`` patches (by default the
-    profile's opt and max)."""
+    profile's opt and max, one graph where they are equal)."""
     profile.validate()
     patches_list = sorted(set(graph_patches or (profile.opt_patches, profile.max_patches)))
     for patches in patches_list:
         if not profile.min_patches <= patches <= profile.max_patches:
             raise ValueError(f"CUDA graph at {patches} patches is outside the profile {profile}")
-    return [
-        {
-            contract.PIXEL_VALUES: (patches, patch_dim),
-            contract.ROTARY_POS_IDS: (patches, 2),
-            contract.CU_SEQLENS: (2,),  # one image: [0, patches]
-        }
-        for patches in patches_list
-    ]
+    return [profile.engine_shapes(patches, image_patch_dim) for patches in patches_list]
 
 
 @dataclass(frozen=True)
@@ -210,8 +203,8 @@ def tensorrt_config(
     return _plan_config(
         target_name,
         contract.VIT_ENCODER_TENSORRT.sized(facts),
-        "One image per request (rows = patches).",
-        cuda_graph_shapes(profile, facts[contract.PATCH_DIM]),
+        "One image per request: [1 frame, patches, folded rows] in, [1, tokens, hidden] out.",
+        cuda_graph_shapes(profile, facts[contract.IMAGE_PATCH_DIM]),
         {**profile.parameters(), contract.PRECISION: precision, **facts},
         instances,
         gpu,

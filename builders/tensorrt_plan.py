@@ -8,7 +8,7 @@ optimisation profile, given as each input's (min, opt, max) shape: the vision en
 ``tensorrt`` imports and a GPU is visible: elsewhere :func:`tensorrt_unavailable_reason` says
 why, for skips and CLI errors.
 
-Both graphs have INT64 inputs (the ViT's ``rotary_pos_ids``/``cu_seqlens``, the audio encoder's
+Both graphs have INT64 inputs (the ViT's ``rotary_pos_ids``, the audio encoder's
 ``feature_lengths``) and the audio one an INT64 output (``audio_tokens``): TensorRT 10 (the NGC
 image's) takes INT64 I/O tensors as they are; TensorRT 8 would need them cast to INT32 in the
 graph and the configs.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from builders.encoder import EncoderBuildError, Precision
+from builders.checkpoint import EncoderBuildError, Precision
 from builders.tensorrt_config import ShapeRange
 
 # Where a container with GPUs has its /dev/nvidia0, /dev/nvidia1, ... device nodes.

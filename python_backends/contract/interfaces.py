@@ -161,7 +161,7 @@ _CLIENT_ABORT = (
 )
 _ERROR = _tensor(n.ERROR, "TYPE_STRING", 1)
 _STORE_USER = (*n.STORE_KEYS, n.SPATIAL_MERGE_SIZE)
-_CONTENT_KEYS = (n.PREPROCESSOR_CONFIG, n.ENCODER_FILE)
+_CONTENT_KEYS = (n.PREPROCESSOR_CONFIG, n.ENCODER_FILE, n.IMAGE_BACKEND)
 
 # ``llm``: one colocated vLLM engine. ``image`` (encoded files) or, instead, embeddings by value:
 # ``image_embeds`` [n, tokens, hidden] (encode's output as it is) with ``image_grid_thw`` [images, 3].
@@ -226,42 +226,43 @@ AUDIO_EPD = EPD.without(n.IMAGE, n.VIDEO)
 PREPROCESS = ModelInterface(
     n.PREPROCESS_MODEL,
     (_tensor(n.IMAGE, "TYPE_UINT8", -1, ragged=True),),
-    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.PATCH_DIM), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
-    (n.PIPELINE_FILE, n.PREPROCESSOR_CONFIG, n.DALI_NUM_THREADS, n.MAX_IMAGE_BYTES, n.MAX_IMAGE_PIXELS),
+    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.IMAGE_PATCH_DIM), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
+    (
+        n.IMAGE_BACKEND,
+        n.PIPELINE_FILE,
+        n.PREPROCESSOR_CONFIG,
+        n.DALI_NUM_THREADS,
+        n.MAX_IMAGE_BYTES,
+        n.MAX_IMAGE_PIXELS,
+    ),
 )
 _EMBEDS = _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, n.HIDDEN_SIZE)
-# ``vit_encoder`` (cpu): ONNX Runtime, dynamically batched, computes positions itself.
+# ``vit_encoder`` (cpu): ONNX Runtime, dynamically batched, computes positions itself. Rows are
+# folded (an image from preprocess, ``image_patch_dim`` wide) or full (a video's, ``patch_dim``).
 VIT_ENCODER = ModelInterface(
     n.VIT_ENCODER_MODEL,
-    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.PATCH_DIM, ragged=True), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
+    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, -1, ragged=True), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
     (_EMBEDS,),
-    (n.ONNX_FILE_KEY, n.INTRA_OP_THREADS, n.MAX_PATCHES_PER_RUN, *n.ENCODER_FACTS),
+    (n.ONNX_FILE_KEY, n.VIT_THREADS, *n.ENCODER_FACTS),
 )
 # ``vit_encoder`` (gpu): the TensorRT plan, one image per request (max_batch_size 0). pixel_values
-# and image_embeds carry a leading 1 on the wire so that ``encode`` has the cpu target's shapes;
-# Triton reshapes them to the engine's [patches, ...] (the engine's own input dims).
+# is the engine's own [frames, patches, width] with one frame of folded rows: preprocess's output
+# for one image as it is. image_embeds carries a leading 1 on the wire so that ``encode`` has the
+# cpu target's shapes; Triton reshapes it to the engine's [tokens, hidden].
 VIT_ENCODER_TENSORRT = ModelInterface(
     n.VIT_ENCODER_MODEL,
     (
-        _tensor(n.PIXEL_VALUES, "TYPE_FP32", 1, -1, n.PATCH_DIM, reshape=(-1, n.PATCH_DIM)),
+        _tensor(n.PIXEL_VALUES, "TYPE_FP32", 1, -1, n.IMAGE_PATCH_DIM),
         _tensor(n.ROTARY_POS_IDS, "TYPE_INT64", -1, 2),
-        _tensor(n.CU_SEQLENS, "TYPE_INT64", -1),
     ),
     (_tensor(n.IMAGE_EMBEDS, "TYPE_FP32", 1, -1, n.HIDDEN_SIZE, reshape=(-1, n.HIDDEN_SIZE)),),
-    (
-        n.PRECISION,
-        n.PROFILE_MIN_PATCHES,
-        n.PROFILE_OPT_PATCHES,
-        n.PROFILE_MAX_PATCHES,
-        n.PROFILE_MAX_IMAGES,
-        *n.ENCODER_FACTS,
-    ),
+    (n.PRECISION, n.PROFILE_MIN_PATCHES, n.PROFILE_OPT_PATCHES, n.PROFILE_MAX_PATCHES, *n.ENCODER_FACTS),
 )
-# ``vit_positions`` (gpu): rotary position ids and cu_seqlens for the plan, from the grid.
+# ``vit_positions`` (gpu): the plan's rotary position ids, one frame's, from one image's grid.
 VIT_POSITIONS = ModelInterface(
     n.VIT_POSITIONS_MODEL,
-    (_tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3),),
-    (_tensor(n.ROTARY_POS_IDS, "TYPE_INT64", -1, 2), _tensor(n.CU_SEQLENS, "TYPE_INT64", -1)),
+    (_tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 1, 3),),
+    (_tensor(n.ROTARY_POS_IDS, "TYPE_INT64", -1, 2),),
     (n.MERGE_SIZE,),
 )
 # ``encode``: image -> embeddings + grid by value. Batched (cpu: several images of one size) or

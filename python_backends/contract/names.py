@@ -58,7 +58,6 @@ PATH_POLICIES = (ADAPTIVE_POLICY, *SERVING_PATHS)
 PIXEL_VALUES = "pixel_values"
 IMAGE_GRID_THW = "image_grid_thw"
 ROTARY_POS_IDS = "rotary_pos_ids"
-CU_SEQLENS = "cu_seqlens"
 IMAGE_EMBEDS = "image_embeds"
 # The audio encode path (encoder_<i>: FFmpeg decode, DALI features -> audio_encoder), by value.
 INPUT_FEATURES = "input_features"  # Whisper log-mel features, [clips, mel bins, frames]
@@ -90,6 +89,8 @@ def timing_output(stage: str) -> str:
 # Sizes the exported encoder decides (EncoderFacts): a tensor dim may name one, filled in at
 # build time; they are vit_encoder parameters too.
 PATCH_DIM = "patch_dim"
+# An image's rows folded to one temporal copy (C*P*P): what preprocess sends (vit_onnx.py).
+IMAGE_PATCH_DIM = "image_patch_dim"
 HIDDEN_SIZE = "hidden_size"
 
 # Config parameter keys (their defaults: parameters.py).
@@ -197,7 +198,11 @@ DALI_NUM_THREADS = "dali_num_threads"
 # vit_encoder (cpu): ONNX Runtime.
 ONNX_FILE_KEY = "onnx_file"
 INTRA_OP_THREADS = "intra_op_threads"
-MAX_PATCHES_PER_RUN = "max_patches_per_run"
+# vit_encoder (cpu): images encoded at once, each on one ONNX Runtime thread (0: one per CPU of its set).
+VIT_THREADS = "vit_threads"
+# preprocess (cpu): "torchvision" (PIL + torchvision, vLLM's processor bit for bit) or "dali".
+IMAGE_BACKEND = "image_backend"
+IMAGE_BACKENDS = ("torchvision", "dali")
 # vit_encoder (both): the exported encoder's facts, checked at load and shown as metrics.
 MERGE_SIZE = "merge_size"  # also vit_positions'
 VISION_SHARDS = "vision_shards"
@@ -205,14 +210,20 @@ CHECKPOINT_SHARDS = "checkpoint_shards"
 VISION_WEIGHT_BYTES = "vision_weight_bytes"
 CHECKPOINT_WEIGHT_BYTES = "checkpoint_weight_bytes"
 ENCODER_FACTS = (
-    PATCH_DIM, HIDDEN_SIZE, MERGE_SIZE, VISION_SHARDS, CHECKPOINT_SHARDS, VISION_WEIGHT_BYTES, CHECKPOINT_WEIGHT_BYTES
+    PATCH_DIM,
+    IMAGE_PATCH_DIM,
+    HIDDEN_SIZE,
+    MERGE_SIZE,
+    VISION_SHARDS,
+    CHECKPOINT_SHARDS,
+    VISION_WEIGHT_BYTES,
+    CHECKPOINT_WEIGHT_BYTES,
 )
 # vit_encoder (gpu): the TensorRT plan's precision and optimisation profile (shown, not read).
 PRECISION = "precision"
 PROFILE_MIN_PATCHES = "profile_min_patches"
 PROFILE_OPT_PATCHES = "profile_opt_patches"
 PROFILE_MAX_PATCHES = "profile_max_patches"
-PROFILE_MAX_IMAGES = "profile_max_images"
 # audio_encoder (gpu): its plan's precision (above) and most clips per call (shown, not read).
 PROFILE_MAX_CLIPS = "profile_max_clips"
 

@@ -29,7 +29,9 @@ from python_backends.contract.names import (
     ENCODER_FILE,
     ENCODER_MODELS_KEY,
     HIDDEN_SIZE,
+    IMAGE_BACKEND,
     IMAGE_EMBEDS_HIDDEN_SIZE,
+    IMAGE_PATCH_DIM,
     INTRA_OP_THREADS,
     LIMITS,
     LOCAL_ENCODERS,
@@ -41,7 +43,6 @@ from python_backends.contract.names import (
     MAX_IMAGE_PIXELS,
     MAX_IMAGES,
     MAX_IMAGES_PER_REQUEST,
-    MAX_PATCHES_PER_RUN,
     MAX_TOKENS_LIMIT,
     MAX_VIDEO_BYTES,
     MAX_VIDEO_SECONDS,
@@ -58,7 +59,6 @@ from python_backends.contract.names import (
     PREFILL_MODEL_KEY,
     PREPROCESSOR_CONFIG,
     PROFILE_MAX_CLIPS,
-    PROFILE_MAX_IMAGES,
     PROFILE_MAX_PATCHES,
     PROFILE_MIN_PATCHES,
     PROFILE_OPT_PATCHES,
@@ -78,6 +78,7 @@ from python_backends.contract.names import (
     VIDEO_LIMITS,
     VISION_SHARDS,
     VISION_WEIGHT_BYTES,
+    VIT_THREADS,
     ContractError,
     encoder_model_names,
 )
@@ -163,8 +164,10 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(DALI_NUM_THREADS, 2, minimum=1),
         Parameter(ONNX_FILE_KEY, ONNX_FILE),
         Parameter(INTRA_OP_THREADS, 0, minimum=0),  # 0: ONNX Runtime's default
-        Parameter(MAX_PATCHES_PER_RUN, 1024, minimum=1),
+        Parameter(VIT_THREADS, 0, minimum=0),  # 0: one per CPU of the model's set
+        Parameter(IMAGE_BACKEND, "torchvision"),  # one of IMAGE_BACKENDS, checked at load
         Parameter(PATCH_DIM, None, minimum=1),
+        Parameter(IMAGE_PATCH_DIM, None, minimum=1),
         Parameter(HIDDEN_SIZE, None, minimum=1),
         Parameter(MERGE_SIZE, 2, minimum=1),
         Parameter(VISION_SHARDS, None, minimum=0),
@@ -174,8 +177,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(PRECISION, "fp16"),
         Parameter(PROFILE_MIN_PATCHES, 4, minimum=1),
         Parameter(PROFILE_OPT_PATCHES, 1024, minimum=1),
-        Parameter(PROFILE_MAX_PATCHES, 8192, minimum=1),
-        Parameter(PROFILE_MAX_IMAGES, 8, minimum=1),
+        Parameter(PROFILE_MAX_PATCHES, 1024, minimum=1),  # one image per call
         Parameter(PROFILE_MAX_CLIPS, 2, minimum=1),  # builders write the target's max_audios
     )
 }

@@ -1,8 +1,9 @@
 """Request-level logic of the ``vit_encoder`` python model (the ``cpu`` target).
 
 Triton's dynamic batcher hands ``vit_encoder`` a list of requests per ``execute``, each with
-``pixel_values`` float32 ``[b, patches, C*T*P*P]`` and ``image_grid_thw`` int64 ``[b, 3]``
-(``preprocess``'s outputs); :class:`EncoderStage` runs them through ONNX Runtime together and
+``pixel_values`` float32 ``[b, patches, width]`` (``C*P*P`` folded image rows, as ``preprocess``
+sends them, or ``C*T*P*P``) and ``image_grid_thw`` int64 ``[b, 3]``; :class:`EncoderStage`
+runs every image of them through ONNX Runtime (one call each, side by side) and
 answers ``image_embeds`` float32 ``[b, patches / merge**2, hidden]`` per request. A bad request
 fails alone. Plain Python: no Triton import.
 """
@@ -15,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from python_backends.encode.vit_onnx import encoder_inputs, patch_counts
+from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_calls, patch_counts
 from python_backends.errors import EpdError, invalid_arg
 from python_backends.preprocess.stage import Result, filled
 from python_backends.runtime.model_params import ModelParameters
@@ -24,11 +25,12 @@ from python_backends.runtime.model_params import ModelParameters
 class VisionEncoder(Protocol):
     """What :class:`EncoderStage` needs (``python_backends.encode.vit_onnx.OnnxVisionEncoder``)."""
 
+    shape: VisionShape
     merge_size: int
     patch_dim: int
     hidden_size: int
 
-    def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]: ...
+    def run_all(self, calls: Sequence[EncoderCall]) -> list[np.ndarray]: ...
 
 
 class EncoderStage:
@@ -38,34 +40,31 @@ class EncoderStage:
         self._encoder = encoder
 
     def run(self, requests: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Result[np.ndarray]]:
-        """``requests``: (pixel_values ``[b, patches, patch_dim]``, image_grid_thw ``[b, 3]``)
+        """``requests``: (pixel_values ``[b, patches, width]``, image_grid_thw ``[b, 3]``)
         each; returns ``image_embeds`` ``[b, tokens, hidden]`` or the request's error."""
         results: list[Result[np.ndarray] | None] = [None] * len(requests)
-        flat: list[tuple[int, np.ndarray, np.ndarray]] = []
+        checked: list[tuple[int, list[EncoderCall]]] = []
         for slot, (pixels, grid) in enumerate(requests):
             try:
-                flat.append((slot, *self._checked(pixels, grid)))
+                checked.append((slot, self._calls(pixels, grid)))
             except EpdError as exc:
                 results[slot] = exc
-        if flat:
-            pixel_rows = np.concatenate([rows for _, rows, _ in flat])
-            grids = np.concatenate([grid for _, _, grid in flat])
-            per_image = self._encoder.encode(pixel_rows, grids)
-            first = 0
-            for slot, _, grid in flat:
-                results[slot] = np.stack(per_image[first : first + len(grid)])
-                first += len(grid)
+        if not checked:
+            return filled(results)
+        per_image = iter(self._encoder.run_all([call for _, calls in checked for call in calls]))
+        for slot, calls in checked:
+            results[slot] = np.stack([next(per_image) for _ in calls])
         return filled(results)
 
-    def _checked(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows ``[b * patches, patch_dim]``, grid ``[b, 3]``) after checking they agree."""
+    def _calls(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[EncoderCall]:
+        """One encoder call per image of a request, after checking pixels and grid agree."""
         grid = np.asarray(image_grid_thw, dtype=np.int64)
         if grid.ndim == 1:
             grid = grid[None]
         if pixel_values.ndim != 3 or grid.ndim != 2 or len(grid) != len(pixel_values):
             raise invalid_arg(
                 f"pixel_values {list(pixel_values.shape)} and image_grid_thw {list(grid.shape)} must be "
-                "[images, patches, patch_dim] and [images, 3]"
+                "[images, patches, width] and [images, 3]"
             )
         counts = patch_counts(grid)  # also checks the grid's shape and signs
         if any(count != pixel_values.shape[1] for count in counts):
@@ -73,9 +72,7 @@ class EncoderStage:
                 f"image_grid_thw {grid.tolist()} needs {counts} patches per image, pixel_values has "
                 f"{pixel_values.shape[1]}"
             )
-        rows = pixel_values.reshape(-1, pixel_values.shape[-1])
-        encoder_inputs(rows, grid, self._encoder.merge_size, self._encoder.patch_dim)  # merge multiples, widths
-        return rows, grid
+        return encoder_calls(pixel_values.reshape(-1, pixel_values.shape[-1]), grid, self._encoder.shape)
 
 
 @dataclass(frozen=True)

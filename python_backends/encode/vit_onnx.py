@@ -1,21 +1,28 @@
 """ONNX Runtime runner of the exported Qwen2-VL vision tower (``builders/encoder.py``).
 
-The graph takes the data-dependent pieces as inputs, computed here in numpy from
-``image_grid_thw`` (one implementation, shared with the exporter and its tests):
+The graph encodes ONE image (or one video) per call, so attention needs no mask:
 
-- ``pixel_values``   ``[num_patches, C*T*P*P]`` float32, images concatenated (the preprocess output)
-- ``rotary_pos_ids`` ``[num_patches, 2]`` int64, (row, column) of each patch, merge-block order
-- ``cu_seqlens``     ``[num_frames + 1]`` int64, patch offsets of each frame (attention blocks)
+- ``pixel_values``   ``[frames, patches, width]`` float32: the image's (or video's) patch rows,
+  one frame after another (a video's grid ``t`` frames, an image's 1), merge-block order.
+  ``width`` is ``C*T*P*P`` (the processor's rows) or ``C*P*P`` for *folded* rows, where an
+  image's ``T`` temporal copies (equal by construction) are sent once.
+- ``rotary_pos_ids`` ``[patches, 2]`` int64: (row, column) of each patch of one frame.
 
-and returns ``image_embeds`` ``[num_patches / merge**2, hidden]``, which :class:`OnnxVisionEncoder`
-splits per image. The same graph is what a TensorRT plan is built from on the GPU target.
+and returns ``image_embeds`` ``[frames * patches / merge**2, hidden]``. Attention within a
+frame is all Qwen2-VL's vision tower does (its ``cu_seqlens`` are per frame), so a call per
+image gives transformers' numbers, and the same image always goes through the same arithmetic
+whatever else is being encoded: bit-identical embeddings on every encoder. Packing several
+images into one call needs a block-diagonal mask whose cost grows with the square of the total
+(docs/benchmarks/encode.md). The same graph is what the TensorRT plan is built from.
 
 Plain Python: no Triton import.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +30,14 @@ import numpy as np
 
 from python_backends.errors import invalid_arg
 
-INPUT_NAMES: tuple[str, str, str] = ("pixel_values", "rotary_pos_ids", "cu_seqlens")
+INPUT_NAMES: tuple[str, str] = ("pixel_values", "rotary_pos_ids")
 OUTPUT_NAME = "image_embeds"
 # ONNX metadata keys the exporter writes, so the runner needs no checkpoint config.
 META_MERGE_SIZE = "spatial_merge_size"
 META_PATCH_DIM = "patch_dim"
 META_HIDDEN_SIZE = "hidden_size"
+META_TEMPORAL_PATCH_SIZE = "temporal_patch_size"
+_CHANNELS = 3  # RGB: rows are laid out (channel, [temporal,] patch row, patch column)
 
 
 def _as_grid(image_grid_thw: np.ndarray | Sequence[Sequence[int]]) -> np.ndarray:
@@ -40,27 +49,24 @@ def _as_grid(image_grid_thw: np.ndarray | Sequence[Sequence[int]]) -> np.ndarray
     return grid
 
 
-def vision_position_ids(image_grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
-    """``[num_patches, 2]`` (row, column) per patch, in the merge-block order of ``pixel_values``.
+def frame_position_ids(height: int, width: int, merge_size: int) -> np.ndarray:
+    """``[height * width, 2]`` (row, column) of each patch of one frame, in merge-block order.
 
-    Same values as transformers' ``get_vision_position_ids``: each merge x merge block's
-    patches are adjacent, rows of blocks left to right, top to bottom, repeated per frame.
+    Same values as transformers' ``get_vision_position_ids`` for one frame: each merge x merge
+    block's patches adjacent, rows of blocks left to right, top to bottom.
     """
-    per_image = []
-    for t, h, w in _as_grid(image_grid_thw).tolist():
-        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block_shape = (h // merge_size, merge_size, w // merge_size, merge_size)
-        rows = rows.reshape(block_shape).transpose(0, 2, 1, 3).reshape(-1)
-        cols = cols.reshape(block_shape).transpose(0, 2, 1, 3).reshape(-1)
-        per_image.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
-    return np.concatenate(per_image).astype(np.int64)
+    rows, cols = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
+    block_shape = (height // merge_size, merge_size, width // merge_size, merge_size)
+    rows = rows.reshape(block_shape).transpose(0, 2, 1, 3).reshape(-1)
+    cols = cols.reshape(block_shape).transpose(0, 2, 1, 3).reshape(-1)
+    return np.stack([rows, cols], axis=-1).astype(np.int64)
 
 
-def vision_cu_seqlens(image_grid_thw: np.ndarray) -> np.ndarray:
-    """``[num_frames + 1]`` patch offsets: attention never crosses a frame (nor an image)."""
-    grid = _as_grid(image_grid_thw)
-    frame_lengths = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
-    return np.concatenate([[0], np.cumsum(frame_lengths)]).astype(np.int64)
+def vision_position_ids(image_grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
+    """``[num_patches, 2]`` for a batch of grids: each image's frames repeat its frame's ids."""
+    return np.concatenate(
+        [np.tile(frame_position_ids(h, w, merge_size), (t, 1)) for t, h, w in _as_grid(image_grid_thw).tolist()]
+    )
 
 
 def patch_counts(image_grid_thw: np.ndarray) -> list[int]:
@@ -72,107 +78,127 @@ def embedding_counts(image_grid_thw: np.ndarray, merge_size: int) -> list[int]:
     return [count // (merge_size * merge_size) for count in patch_counts(image_grid_thw)]
 
 
+def unfold_temporal(folded: np.ndarray, temporal_patch_size: int) -> np.ndarray:
+    """Folded rows ``[n, C*P*P]`` -> the processor's rows ``[n, C*T*P*P]`` (each channel's
+    ``P*P`` values repeated ``T`` times, as ``Qwen2VLImageProcessor`` repeats an image)."""
+    rows, width = folded.shape
+    per_channel = folded.reshape(rows, _CHANNELS, 1, width // _CHANNELS)
+    return np.repeat(per_channel, temporal_patch_size, axis=2).reshape(rows, width * temporal_patch_size)
+
+
 @dataclass(frozen=True)
-class EncoderInputs:
-    pixel_values: np.ndarray
-    rotary_pos_ids: np.ndarray
-    cu_seqlens: np.ndarray
+class VisionShape:
+    """What the exported graph takes: merge size, full and folded row widths, output width."""
+
+    merge_size: int
+    patch_dim: int
+    temporal_patch_size: int
+    hidden_size: int
+
+    @property
+    def folded_patch_dim(self) -> int:
+        """Width of a folded row (one temporal copy of an image's patch)."""
+        return self.patch_dim // self.temporal_patch_size
+
+    def check_width(self, width: int) -> None:
+        if width not in (self.patch_dim, self.folded_patch_dim):
+            raise invalid_arg(
+                f"pixel_values rows have {width} values; the encoder takes {self.patch_dim} "
+                f"(C*T*P*P) or {self.folded_patch_dim} (folded: one temporal copy)"
+            )
+
+
+@dataclass(frozen=True)
+class EncoderCall:
+    """The graph's inputs for one image or video."""
+
+    pixel_values: np.ndarray  # [frames, patches, width]
+    rotary_pos_ids: np.ndarray  # [patches, 2]
 
     def as_feed(self) -> dict[str, np.ndarray]:
-        return dict(zip(INPUT_NAMES, (self.pixel_values, self.rotary_pos_ids, self.cu_seqlens), strict=True))
+        return dict(zip(INPUT_NAMES, (self.pixel_values, self.rotary_pos_ids), strict=True))
 
 
-def encoder_inputs(
-    pixel_values: np.ndarray, image_grid_thw: np.ndarray, merge_size: int, patch_dim: int | None = None
-) -> EncoderInputs:
-    """The graph's inputs for a batch, after checking that pixels and grid agree."""
+def encoder_calls(pixel_values: np.ndarray, image_grid_thw: np.ndarray, shape: VisionShape) -> list[EncoderCall]:
+    """One call per image of a batch (rows concatenated in grid order), after checking that
+    pixels and grid agree."""
     grid = _as_grid(image_grid_thw)
-    if ((grid[:, 1] % merge_size) != 0).any() or ((grid[:, 2] % merge_size) != 0).any():
-        raise invalid_arg(f"image_grid_thw heights and widths must be multiples of {merge_size}")
+    merge = shape.merge_size
+    if ((grid[:, 1] % merge) != 0).any() or ((grid[:, 2] % merge) != 0).any():
+        raise invalid_arg(f"image_grid_thw heights and widths must be multiples of {merge}")
     pixels = np.ascontiguousarray(pixel_values, dtype=np.float32)
     expected_rows = sum(patch_counts(grid))
     if pixels.ndim != 2 or pixels.shape[0] != expected_rows:
-        raise invalid_arg(
-            f"pixel_values has shape {list(pixels.shape)}, image_grid_thw needs {expected_rows} rows"
-        )
-    if patch_dim is not None and pixels.shape[1] != patch_dim:
-        raise invalid_arg(f"pixel_values rows have {pixels.shape[1]} values, the encoder takes {patch_dim}")
-    return EncoderInputs(pixels, vision_position_ids(grid, merge_size), vision_cu_seqlens(grid))
+        raise invalid_arg(f"pixel_values has shape {list(pixels.shape)}, image_grid_thw needs {expected_rows} rows")
+    shape.check_width(pixels.shape[1])
+    calls, first = [], 0
+    for t, h, w in grid.tolist():
+        rows = pixels[first : first + t * h * w]
+        calls.append(EncoderCall(rows.reshape(t, h * w, -1), frame_position_ids(h, w, merge)))
+        first += t * h * w
+    return calls
 
 
-def group_images_by_patches(image_grid_thw: np.ndarray, max_patches_per_run: int) -> list[slice]:
-    """Consecutive image ranges of at most ``max_patches_per_run`` patches (an image larger than
-    the budget runs alone). Attention over a packed call costs (sum of patches)^2 although only
-    the diagonal blocks are used, so large batches run in several calls."""
-    groups: list[slice] = []
-    start, total = 0, 0
-    for index, count in enumerate(patch_counts(image_grid_thw)):
-        if index > start and total + count > max_patches_per_run:
-            groups.append(slice(start, index))
-            start, total = index, 0
-        total += count
-    groups.append(slice(start, len(image_grid_thw)))
-    return groups
+def threads_of_cpu_set(requested: int) -> int:
+    """``requested``, or with 0 one thread per CPU this process may run on (ONNX Runtime's own
+    default counts the machine's cores and oversubscribes a CPU set: docs/benchmarks/encode.md)."""
+    return requested if requested > 0 else len(os.sched_getaffinity(0))
 
 
 class OnnxVisionEncoder:
-    """One ONNX Runtime session; ``encode`` may be called from one thread at a time per
-    instance (ORT sessions are thread-safe, but the Triton model instance is the unit here)."""
+    """One ONNX Runtime session, each call on ONE thread, up to ``threads`` calls (images) at once.
 
-    # Packing beyond this costs more in masked attention than it saves in per-call overhead on
-    # CPU (measured with the tiny model: 8 images in one call were 4x slower than one by one).
-    DEFAULT_MAX_PATCHES_PER_RUN = 1024
+    Why not ONNX Runtime's intra-op threads: MLAS splits a small matrix product differently with
+    another thread count, so an image's embeddings would change (by ~1e-6) with the CPU set of
+    the encoder that served it, and greedy tokens with them. One thread per call gives the same
+    bits everywhere; parallelism comes from the images of a batch, run side by side
+    (``session.run`` releases the GIL). ``encode`` may be called from one thread at a time.
+    """
 
     def __init__(
-        self,
-        onnx_path: str | Path,
-        providers: Sequence[str] = ("CPUExecutionProvider",),
-        intra_op_threads: int = 0,
-        max_patches_per_run: int = DEFAULT_MAX_PATCHES_PER_RUN,
+        self, onnx_path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0
     ) -> None:
         import onnxruntime as ort  # heavy import stays out of callers that only need the helpers
 
-        if max_patches_per_run <= 0:
-            raise ValueError(f"max_patches_per_run must be positive, got {max_patches_per_run}")
-        self._max_patches_per_run = max_patches_per_run
-
         options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads  # 0: ORT's default (all cores)
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
         self._session = ort.InferenceSession(str(onnx_path), sess_options=options, providers=list(providers))
+        self._threads = threads_of_cpu_set(threads)
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="vit") if self._threads > 1 else None
         metadata = self._session.get_modelmeta().custom_metadata_map
-        missing = [key for key in (META_MERGE_SIZE, META_PATCH_DIM, META_HIDDEN_SIZE) if key not in metadata]
+        keys = (META_MERGE_SIZE, META_PATCH_DIM, META_TEMPORAL_PATCH_SIZE, META_HIDDEN_SIZE)
+        missing = [key for key in keys if key not in metadata]
         if missing:
             raise ValueError(f"{onnx_path} lacks metadata {missing}: export it with builders.encoder")
-        self.merge_size = int(metadata[META_MERGE_SIZE])
-        self.patch_dim = int(metadata[META_PATCH_DIM])
-        self.hidden_size = int(metadata[META_HIDDEN_SIZE])
+        self.shape = VisionShape(*(int(metadata[key]) for key in keys))
+
+    @property
+    def merge_size(self) -> int:
+        return self.shape.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return self.shape.patch_dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self.shape.hidden_size
 
     def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]:
         """Embeddings per image, ``[tokens_i, hidden]`` float32, in ``image_grid_thw`` order."""
-        embeds = self.encode_concatenated(pixel_values, image_grid_thw)
-        bounds = np.cumsum(embedding_counts(image_grid_thw, self.merge_size))[:-1]
-        return np.split(embeds, bounds)
+        return self.run_all(encoder_calls(pixel_values, image_grid_thw, self.shape))
+
+    def run_all(self, calls: Sequence[EncoderCall]) -> list[np.ndarray]:
+        """Each call's embeddings, in order; up to ``threads`` calls at once."""
+        if self._pool is None or len(calls) <= 1:
+            return [self.run(call) for call in calls]
+        return list(self._pool.map(self.run, calls))
 
     def encode_concatenated(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> np.ndarray:
-        """``[sum(tokens_i), hidden]``: all images' embeddings in order, in as few calls as the
-        patch budget allows."""
-        inputs = encoder_inputs(pixel_values, image_grid_thw, self.merge_size, self.patch_dim)
-        grid = np.asarray(image_grid_thw, dtype=np.int64)
-        groups = group_images_by_patches(grid, self._max_patches_per_run)
-        if len(groups) == 1:
-            return self._run(inputs)
-        row_bounds = np.cumsum([0, *patch_counts(grid)])
-        outputs = []
-        for group in groups:
-            rows = slice(int(row_bounds[group.start]), int(row_bounds[group.stop]))
-            part = EncoderInputs(
-                inputs.pixel_values[rows],
-                inputs.rotary_pos_ids[rows],
-                vision_cu_seqlens(grid[group]),
-            )
-            outputs.append(self._run(part))
-        return np.concatenate(outputs)
+        """``[sum(tokens_i), hidden]``: all images' embeddings in order."""
+        return np.concatenate(self.encode(pixel_values, image_grid_thw))
 
-    def _run(self, inputs: EncoderInputs) -> np.ndarray:
-        (embeds,) = self._session.run([OUTPUT_NAME], inputs.as_feed())
+    def run(self, call: EncoderCall) -> np.ndarray:
+        (embeds,) = self._session.run([OUTPUT_NAME], call.as_feed())
         return embeds

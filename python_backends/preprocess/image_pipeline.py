@@ -11,7 +11,9 @@ palette, RGBA and CMYK converted as PIL's ``convert("RGB")`` does; alpha dropped
 orientation applied, as transformers' ``load_image`` and vLLM do), Qwen2-VL's ``smart_resize``
 computed *inside* the graph from the peeked header shape, bicubic resize, rescale + normalize,
 and ``[1, grid_h, grid_w]`` (``image_grid_thw``). The last step, the patch layout
-``[grid_h * grid_w, C * T * P * P]`` (``pixel_values``), is in the graph for the GPU target
+``[grid_h * grid_w, C * P * P]`` (``pixel_values``, temporally folded: one copy of the image per
+row where the processor repeats it T times; ``images.unfold_temporal`` restores that), is in
+the graph for the GPU target
 (the DALI backend's output feeds the encoder directly) and in numpy for the CPU target
 (:func:`python_backends.preprocess.images.patchify`): DALI's CPU transpose of that 7-D layout costs
 ~13 ms per image, numpy's 0.6 ms. Both give identical numbers (tested).
@@ -43,7 +45,7 @@ Device = Literal["cpu", "gpu"]
 
 # Names are a contract with the Triton DALI backend's config.pbtxt (input = external source
 # name, outputs in this order) and with python_backends.preprocess.images. Output 0 is
-# ``pixel_values`` [patches, C*T*P*P] when the graph makes the patch layout, else the
+# ``pixel_values`` [patches, C*P*P] (folded) when the graph makes the patch layout, else the
 # normalized frame [C, H, W].
 INPUT_NAME = "image"
 OUTPUT_NAMES: tuple[str, str] = ("pixel_values", "image_grid_thw")
@@ -80,8 +82,14 @@ class ImageTransformConfig:
 
     @property
     def patch_dim(self) -> int:
-        """Length of one row of ``pixel_values``."""
+        """Length of one unfolded row (the processor's, and videos'): C * T * P * P."""
         return _RGB_CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def folded_patch_dim(self) -> int:
+        """Length of one row of preprocessed images' ``pixel_values``: C * P * P (one temporal
+        copy; the encoder repeats it T times, or folds its patch embedding to match)."""
+        return _RGB_CHANNELS * self.patch_size * self.patch_size
 
     def validate(self) -> None:
         problems = []
@@ -258,12 +266,12 @@ def _int64_vector(*values: DataNode | int, like: DataNode) -> DataNode:
 def patchify(
     normalized_chw: DataNode, out_height: DataNode, out_width: DataNode, config: ImageTransformConfig
 ) -> DataNode:
-    """``[C, H, W]`` -> ``[grid_h * grid_w, C * T * P * P]`` in Qwen2VLImageProcessor's order.
+    """``[C, H, W]`` -> ``[grid_h * grid_w, C * P * P]`` in Qwen2VLImageProcessor's row order.
 
     Rows go merge-block by merge-block (so the merger sees its m x m neighbours adjacent); each
-    row is C x T x P x P, the single image repeated T times along the temporal axis.
+    row is C x P x P, one temporal copy (folded: the processor's row repeats it T times).
     """
-    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    p, m = config.patch_size, config.merge_size
     grid_h, grid_w = out_height // p, out_width // p
     blocks = fn.reshape(
         normalized_chw,
@@ -273,10 +281,9 @@ def patchify(
     )
     # (C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, P, P)
     ordered = fn.transpose(blocks, perm=[1, 4, 2, 5, 0, 3, 6], name="order_patches")
-    repeated = fn.stack(*([ordered] * t), axis=5, name="repeat_temporal")
     return fn.reshape(
-        repeated,
-        shape=_int64_vector(grid_h * grid_w, config.patch_dim, like=grid_h),
+        ordered,
+        shape=_int64_vector(grid_h * grid_w, config.folded_patch_dim, like=grid_h),
         name="flatten_patches",
     )
 

@@ -1,13 +1,21 @@
 """CPU runner of the serialized DALI image pipeline (``python_backends/preprocess/image_pipeline.py``).
 
-This is the ``cpu`` target's ``preprocess``: the pipeline definition that Triton's DALI backend
-runs on a GPU, serialized for the CPU and deserialized here with ``device_id=None``. It takes
+This is the ``cpu`` target's ``preprocess`` with ``image_backend: dali``: the pipeline
+definition that Triton's DALI backend runs on a GPU, serialized for the CPU and deserialized
+here with ``device_id=None``. It takes
 a batch of encoded images (raw bytes or base64, as clients send them), rejects bad ones with
 an :class:`EpdError` (``INVALID_ARG``) before any pixel is decoded where the header allows,
-and returns what transformers' ``Qwen2VLImageProcessor`` returns: ``pixel_values``
-``[sum(t*h*w), C*T*P*P]`` float32 and ``image_grid_thw`` ``[num_images, 3]`` int64. The
-patch layout is made here in numpy when the serialized graph stops at the normalized frame
-(the CPU default, see ``python_backends/preprocess/image_pipeline.py``).
+and returns what transformers' ``Qwen2VLImageProcessor`` returns, temporally folded:
+``pixel_values`` ``[sum(h*w), C*P*P]`` float32 (one temporal copy per row: an image's T copies
+are identical; :func:`python_backends.encode.vit_onnx.unfold_temporal` gives back the processor's ``C*T*P*P`` rows) and
+``image_grid_thw`` ``[num_images, 3]`` int64. The patch layout is made here in numpy when the
+serialized graph stops at the normalized frame (the CPU default, see
+``python_backends/preprocess/image_pipeline.py``).
+
+The ``cpu`` target's default backend is
+:class:`python_backends.preprocess.torch_images.TorchImagePreprocessor` (bit-exact with the
+processor, ~6x cheaper on one core); this runner keeps the ``gpu`` target's pipeline definition
+tested on the CPU. Both share :class:`PreprocessedImages`.
 
 Plain Python: no Triton import. One :class:`DaliImagePreprocessor` per model instance; it is
 not thread-safe (a DALI pipeline runs one batch at a time).
@@ -50,7 +58,7 @@ DALI_FORMATS = "JPEG, PNG, WebP, BMP, TIFF"
 class PreprocessedImages:
     """The processor's outputs for a batch, images in request order."""
 
-    pixel_values: np.ndarray  # [sum(t*h*w), C*T*P*P] float32
+    pixel_values: np.ndarray  # [sum(h*w), C*P*P] float32: folded, one temporal copy per row
     image_grid_thw: np.ndarray  # [num_images, 3] int64
 
     def patch_counts(self) -> list[int]:
@@ -59,14 +67,14 @@ class PreprocessedImages:
 
 
 def patchify(frame: np.ndarray, config: ImageTransformConfig) -> np.ndarray:
-    """``[C, H, W]`` -> ``[grid_h * grid_w, C * T * P * P]``, the processor's row order: merge
-    blocks row by row, the m x m patches of a block adjacent, the frame repeated T times."""
-    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    """``[C, H, W]`` -> ``[grid_h * grid_w, C * P * P]``, the processor's row order (merge
+    blocks row by row, the m x m patches of a block adjacent), each row one temporal copy laid
+    out (c, p, p): the folded layout (:func:`python_backends.encode.vit_onnx.unfold_temporal` repeats it T times)."""
+    p, m = config.patch_size, config.merge_size
     channels, height, width = frame.shape
     grid_h, grid_w = height // p, width // p
     blocks = frame.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-    repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-    return repeated.reshape(grid_h * grid_w, channels * t * p * p)  # one copy, out of DALI's buffer
+    return blocks.reshape(grid_h * grid_w, channels * p * p)  # one copy, out of DALI's buffer
 
 
 def _dali_format(data: bytes) -> str | None:
@@ -123,6 +131,10 @@ class DaliImagePreprocessor(DaliCpuRunner):
     @property
     def limits(self) -> ImageLimits:
         return self._limits
+
+    def validate(self, item: bytes, index: int) -> bytes:
+        """:func:`validate_encoded_image` with this preprocessor's limits (header only)."""
+        return validate_encoded_image(item, index, self._limits)
 
     def preprocess(self, items: Sequence[bytes]) -> PreprocessedImages:
         """Validate, then decode + transform every image; all-or-nothing for the batch."""

@@ -3,14 +3,14 @@
 Triton's dynamic batcher hands ``preprocess`` and ``vit_encoder`` a list of requests per
 ``execute``; each request carries one image per row of its batch dimension (the interface of
 Triton's DALI backend, which the ``gpu`` target's ``preprocess`` is). This module turns such a
-list into as few runs as possible -- one DALI run over every image, ONNX Runtime calls packed
+list into as few runs as possible -- one preprocessing run over every image, ONNX Runtime calls packed
 up to the patch budget -- and back into one result per request. A bad request fails alone:
 its slot holds an :class:`EpdError` and the others are served.
 
 Wire shapes (per request, ``b`` images of one size):
 
 - ``preprocess``: ``image`` uint8 ``[b, bytes]`` -> ``pixel_values`` float32
-  ``[b, patches, C*T*P*P]`` + ``image_grid_thw`` int64 ``[b, 3]``
+  ``[b, patches, C*P*P]`` (folded: one temporal copy per row) + ``image_grid_thw`` int64 ``[b, 3]``
 
 Images of one request must share a grid (a tensor is not ragged); send images of different
 sizes as separate requests, which the dynamic batcher puts into one run anyway.
@@ -28,7 +28,7 @@ from typing import Protocol, TypeAlias, TypeVar
 import numpy as np
 
 from python_backends.errors import EpdError, invalid_arg
-from python_backends.preprocess.images import PreprocessedImages, validate_encoded_image
+from python_backends.preprocess.images import PreprocessedImages
 from python_backends.request.images import ImageLimits
 
 T = TypeVar("T")
@@ -66,16 +66,22 @@ def _one_grid(image_grid_thw: np.ndarray) -> None:
 
 
 class ImagePreprocessor(Protocol):
-    """What :class:`PreprocessStage` needs (``python_backends.preprocess.images.DaliImagePreprocessor``)."""
+    """What :class:`PreprocessStage` needs (``torch_images.TorchImagePreprocessor``, the cpu
+    default, or ``images.DaliImagePreprocessor``)."""
 
     @property
     def limits(self) -> ImageLimits: ...
+
+    def validate(self, item: bytes, index: int) -> bytes:
+        """The encoded bytes if the header passes this preprocessor's checks (its limits, and
+        the formats it decodes); else :class:`EpdError`. Header only."""
+        ...
 
     def preprocess(self, items: Sequence[bytes]) -> PreprocessedImages: ...
 
 
 class PreprocessStage:
-    """All images of a list of requests through the DALI pipeline, in as few runs as allowed."""
+    """All images of a list of requests through the preprocessor, in as few runs as allowed."""
 
     def __init__(self, preprocessor: ImagePreprocessor) -> None:
         # limits.max_images caps the images of one preprocess() call (the model sets it to
@@ -117,7 +123,7 @@ class PreprocessStage:
         if len(images) > limits.max_images:
             raise invalid_arg(f"{len(images)} images in one request, above the limit of {limits.max_images}")
         for index, item in enumerate(images):  # header only: bombs cost nothing here
-            validate_encoded_image(item, index, limits)
+            self._preprocessor.validate(item, index)
 
     def _groups(self, slots: list[int], requests: Sequence[Sequence[bytes]]) -> list[list[int]]:
         """Consecutive requests whose images fit in one preprocess() call."""

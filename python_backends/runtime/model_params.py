@@ -118,4 +118,5 @@ class ModelParameters:
             Path(self.string(contract.PREPROCESSOR_CONFIG)),
             repository / self.string(contract.ENCODER_FILE),
             video_sampling,
+            image_backend=self.string(contract.IMAGE_BACKEND),
         )

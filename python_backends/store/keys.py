@@ -88,17 +88,23 @@ class KeyConfig:
     beside the image one, when there is one) and the frame sampling (``video_sampling``: fps,
     frame bounds, as :class:`python_backends.request.videos.VideoSamplingConfig` gives them): other
     frames or another frame size are other embeddings. An audio clip's key covers the feature
-    extractor's config (an audio checkpoint's ``preprocessor_config.json``). Image keys are what
-    they always were."""
+    extractor's config (an audio checkpoint's ``preprocessor_config.json``). An image's key also
+    covers the preprocessing kernels (``image_backend``): torchvision and DALI pixels differ."""
 
     preprocess_config: Mapping[str, Any]
     encoder_version: str
     video_config: Mapping[str, Any] = field(default_factory=dict)
     video_sampling: Mapping[str, Any] = field(default_factory=dict)
+    # The kernels that made an image's pixels ("torchvision", "dali"); they differ in the last bits.
+    image_backend: str = "torchvision"
 
     @classmethod
     def from_files(
-        cls, preprocessor_config: Path, encoder_file: Path, video_sampling: Mapping[str, Any] | None = None
+        cls,
+        preprocessor_config: Path,
+        encoder_file: Path,
+        video_sampling: Mapping[str, Any] | None = None,
+        image_backend: str = "torchvision",
     ) -> KeyConfig:
         if not encoder_file.is_file():
             raise ValueError(f"encoder file {encoder_file} does not exist; regenerate the repository")
@@ -109,11 +115,11 @@ class KeyConfig:
         video_file = preprocessor_config.parent / "video_preprocessor_config.json"
         video_config = json.loads(video_file.read_text()) if video_file.is_file() else {}
         image_config = json.loads(preprocessor_config.read_text())
-        return cls(image_config, digest.hexdigest(), video_config, dict(video_sampling or {}))
+        return cls(image_config, digest.hexdigest(), video_config, dict(video_sampling or {}), image_backend)
 
     def _config_of(self, modality: str) -> Mapping[str, Any]:
         if modality == "image":
-            return self.preprocess_config
+            return {"image": self.preprocess_config, "backend": self.image_backend}
         if modality == "video":
             return {
                 "modality": "video",

@@ -1,8 +1,10 @@
 """The TensorRT plans (FP32 and FP16) against the same ONNX graphs under ONNX Runtime.
 
 ``vit_encoder``: builds the tiny default model's ONNX encoder and a plan per precision with the
-profile derived from the checkpoint's pixel limits (what the gpu target serves), then runs
-one-image and several-image calls through both. ``audio_encoder``: the tiny Qwen2-Audio
+profile derived from the checkpoint's pixel limits (what the gpu target serves), then feeds both
+one image per call with folded rows (``vit_onnx.encoder_calls``, as preprocess and
+``vit_positions`` feed the plan), batches of one and of several images, and checks the plan
+against ONNX Runtime and against transformers (the processor's full rows). ``audio_encoder``: the tiny Qwen2-Audio
 checkpoint's encoder with the gpu target's audio profile, one clip (what ``encoder_<i>`` sends), a
 short one and the profile's most clips. Skipped where TensorRT or a GPU is missing (CI); run with
 ``bash tests/gpu/check_gpu.sh`` on a GPU machine.
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from builders.targets import TARGETS
-from python_backends.encode.vit_onnx import OUTPUT_NAME, encoder_inputs
+from python_backends.encode.vit_onnx import OUTPUT_NAME, OnnxVisionEncoder, encoder_calls, unfold_temporal
 
 
 def _missing() -> str | None:
@@ -40,15 +42,15 @@ GRIDS = ([[1, 4, 4]], [[1, 16, 16]], [[1, 32, 32]], [[1, 8, 12], [1, 4, 4]])
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, object]:
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, object]:
     from builders.default_model import build_default_model
-    from builders.encoder import export_onnx, load_vision_tower, load_vision_weights, tower_dims
+    from builders.encoder import export_onnx, load_vision_tower, load_vision_weights
 
     model_dir = build_default_model()
     tower = load_vision_tower(model_dir, load_vision_weights(model_dir))
     onnx_path = export_onnx(tower, tmp_path_factory.mktemp("onnx"))
     profile = TARGETS["gpu"].fitted_to_checkpoint(model_dir).encode.trt_profile
-    return onnx_path, tower_dims(tower)["patch_dim"], profile
+    return onnx_path, tower, profile
 
 
 def run_plan(
@@ -80,26 +82,29 @@ def run_plan(
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_plan_matches_onnx_runtime(precision: str, exported: tuple[Path, int, object], tmp_path: Path) -> None:
-    import onnxruntime as ort
-
+def test_plan_matches_onnx_runtime(precision: str, exported: tuple[Path, object, object], tmp_path: Path) -> None:
+    from builders.encoder import torch_reference
     from builders.tensorrt_plan import build_tensorrt_plan
 
-    onnx_path, patch_dim, profile = exported
-    plan = build_tensorrt_plan(onnx_path, tmp_path / "model.plan", profile.input_shapes(patch_dim), precision)  # type: ignore[arg-type]
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    onnx_path, tower, profile = exported
+    encoder = OnnxVisionEncoder(onnx_path, threads=1)
+    shape = encoder.shape
+    shapes = profile.input_shapes(shape.folded_patch_dim)  # frames 1, folded rows: what the gpu target serves
+    plan = build_tensorrt_plan(onnx_path, tmp_path / "model.plan", shapes, precision)  # type: ignore[arg-type]
     rng = np.random.default_rng(0)
-    worst = {}
+    worst: dict[str, tuple[float, float]] = {}
     for grid_rows in GRIDS:
         grid = np.asarray(grid_rows, dtype=np.int64)
         rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
-        feed = encoder_inputs(rng.standard_normal((rows, patch_dim), dtype=np.float32), grid, 2).as_feed()
-        expected = session.run([OUTPUT_NAME], feed)[0]
-        actual = run_plan(plan, feed)[OUTPUT_NAME]
-        assert actual.shape == expected.shape
-        worst[str(grid_rows)] = float(np.abs(actual - expected).max())
-    print(f"{precision} plan vs ONNX Runtime, max-abs per grid: {worst}")
-    assert max(worst.values()) <= TOLERANCE[precision], worst
+        folded = rng.standard_normal((rows, shape.folded_patch_dim), dtype=np.float32)
+        calls = encoder_calls(folded, grid, shape)  # one per image: [1, patches, folded row] + its ids
+        expected = np.concatenate([encoder.run(call) for call in calls])
+        actual = np.concatenate([run_plan(plan, call.as_feed())[OUTPUT_NAME] for call in calls])
+        reference = torch_reference(tower, unfold_temporal(folded, shape.temporal_patch_size), grid)
+        assert actual.shape == expected.shape == reference.shape
+        worst[str(grid_rows)] = (float(np.abs(actual - expected).max()), float(np.abs(actual - reference).max()))
+    print(f"{precision} plan vs (ONNX Runtime, transformers), max-abs per grid batch: {worst}")
+    assert max(max(pair) for pair in worst.values()) <= TOLERANCE[precision], worst
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

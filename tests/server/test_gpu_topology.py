@@ -4,10 +4,11 @@ Triton's DALI backend, TensorRT and a GPU are absent here, so the two gpu-only m
 python stand-ins that keep the *generated* gpu configs (inputs, outputs with their reshapes,
 batch sizes) and swap only the backend: ``preprocess`` runs the cpu pipeline (the same
 outputs as the gpu one, tests/unit/test_preprocess_parity.py), ``vit_encoder`` feeds ONNX
-Runtime the TensorRT engine's own inputs (pixel_values, rotary_pos_ids, cu_seqlens: the graph
-the plan is built from). The rest is the generated gpu repository as is: the ensemble with
-max_batch_size 0, ``vit_positions``, the one-image reshape. What this cannot show: nvJPEG
-decoding, the TensorRT engine, CUDA graphs (GPU-only tests, skipped here).
+Runtime the TensorRT engine's own inputs (pixel_values [1 frame, patches, folded row] and one
+frame's rotary_pos_ids: the graph the plan is built from). The rest is the generated gpu
+repository as is: the ensemble with max_batch_size 0, ``vit_positions``, the one-image reshape of
+image_embeds. What this cannot show: nvJPEG decoding, the TensorRT engine, CUDA graphs (GPU-only
+tests, skipped here).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tests.server.test_encode import grpc_infer
 
 pytestmark = pytest.mark.server
 
-# Stand-in for the tensorrt_plan: the engine's inputs as Triton hands them (after reshape).
+# Stand-in for the tensorrt_plan: the engine's inputs as Triton hands them.
 TRT_STAND_IN = '''
 import json
 from pathlib import Path
@@ -40,7 +41,7 @@ from pathlib import Path
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
-INPUTS = ("pixel_values", "rotary_pos_ids", "cu_seqlens")
+INPUTS = ("pixel_values", "rotary_pos_ids")
 
 
 class TritonPythonModel:
@@ -54,12 +55,13 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             feed = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in INPUTS}
-            if feed["pixel_values"].ndim != 2:  # the engine takes [patches, patch_dim]
-                error = pb_utils.TritonError(f"reshape not applied: {feed['pixel_values'].shape}")
+            pixels = feed["pixel_values"]
+            if pixels.ndim != 3 or pixels.shape[0] != 1:  # the engine takes [1 frame, patches, row]
+                error = pb_utils.TritonError(f"not one frame of one image: {pixels.shape}")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
             fed = {name: list(array.shape) for name, array in feed.items()}
-            same_patches = [g for g in self.graphs if g["pixel_values"][0] == fed["pixel_values"][0]]
+            same_patches = [g for g in self.graphs if g["pixel_values"][1] == fed["pixel_values"][1]]
             if any(graph != fed for graph in same_patches):
                 error = pb_utils.TritonError(f"CUDA graph shapes {same_patches} are not the engine's inputs {fed}")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
@@ -138,9 +140,10 @@ def test_gpu_encode_wiring_gives_the_cpu_numbers(server: TritonServer, gpu_like_
 
 
 def test_cuda_graph_shapes_are_what_the_engine_is_fed(gpu_like_server: TritonServer) -> None:
-    """A one-image request of the profile's opt patch count reaches the engine (after Triton's
-    reshape) with exactly the shapes the config's CUDA graph was declared for; the stand-in
-    refuses the request otherwise (a graph in wire dims would never be used by TensorRT)."""
+    """A one-image request of the profile's opt patch count reaches the engine with exactly the
+    shapes the config's CUDA graph was declared for (one frame of folded rows, one frame's ids);
+    the stand-in refuses the request otherwise (a graph in other dims would never be used by
+    TensorRT)."""
     client = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
     opt_patches = TARGETS["gpu"].encode.trt_profile.opt_patches
     out = grpc_infer(client, "encode", synthetic_image(448, 448, 5))  # 32 x 32 patches of 14 px

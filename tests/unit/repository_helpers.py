@@ -15,6 +15,7 @@ from python_backends import contract
 # What the tiny default model's encoder export reports, without exporting it.
 FACTS = EncoderFacts(
     patch_dim=1176,
+    image_patch_dim=588,
     hidden_size=128,
     merge_size=2,
     vision_shards=1,

@@ -3,7 +3,7 @@ the cpu target runs under ONNX Runtime, checked offline (no GPU, no TensorRT her
 
 - the plan's profile and CUDA graph against what the export declares, and the config's tensors as
   Triton's TensorRT backend compares them with the engine's;
-- ``build_tensorrt_plan`` given each encoder's (min, opt, max) shapes (the ViT's as before), through
+- ``build_tensorrt_plan`` given each encoder's (min, opt, max) shapes (the ViT's: one image), through
   a stand-in of TensorRT's builder API;
 - the gpu repository of an audio checkpoint against the contract, and the plan left for the first
   start on a GPU with a warning.
@@ -170,8 +170,8 @@ def with_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, graph_inputs: Sequence[s
 def test_each_encoders_plan_gets_its_own_shapes(
     audio_model: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The artefact builders hand ``build_tensorrt_plan`` the ViT's profile (patches, as before the
-    shapes were generalised) and the audio encoder's (clips), and stamp what they built."""
+    """The artefact builders hand ``build_tensorrt_plan`` the ViT's profile (patches of one image)
+    and the audio encoder's (clips), and stamp what they built."""
     vit_dir, audio_dir, stamps = tmp_path / "vit_encoder" / "1", tmp_path / "audio_encoder" / "1", tmp_path / "stamps"
     for folder in (vit_dir, audio_dir):
         folder.mkdir(parents=True)
@@ -180,11 +180,10 @@ def test_each_encoders_plan_gets_its_own_shapes(
     vit = vit_target.encode.trt_profile
     shapes = with_fake_tensorrt(monkeypatch, contract.VIT_ENCODER_TENSORRT.input_names)
     assert build_plan_artifact(vit_target, FACTS, vit_dir, {}, stamps)
-    patches = [(n, FACTS.patch_dim) for n in (vit.min_patches, vit.opt_patches, vit.max_patches)]
-    assert shapes == {
-        contract.PIXEL_VALUES: tuple(patches),
-        contract.ROTARY_POS_IDS: tuple((n, 2) for n, _ in patches),
-        contract.CU_SEQLENS: ((2,), (2,), (vit.max_images + 1,)),
+    patches = (vit.min_patches, vit.opt_patches, vit.max_patches)
+    assert shapes == {  # one image of folded rows per call: only the patch count varies
+        contract.PIXEL_VALUES: tuple((1, n, FACTS.image_patch_dim) for n in patches),
+        contract.ROTARY_POS_IDS: tuple((n, 2) for n in patches),
     }
     audio = audio_plan_profile(GPU, audio_model)
     shapes = with_fake_tensorrt(monkeypatch, contract.AUDIO_ENCODER.input_names)

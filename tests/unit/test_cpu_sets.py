@@ -85,7 +85,7 @@ def test_each_model_gets_its_set_and_threads_capped_at_it(tmp_path: Path, model_
     assert llm[contract.CPUS] == "0-1" and llm["OMP_NUM_THREADS"] == "1"
     assert epd[contract.CPUS] == decode[contract.CPUS] == "1" and decode["OMP_NUM_THREADS"] == "1"
     assert _parameters(out, "preprocess")[contract.DALI_NUM_THREADS] == "1"
-    assert _parameters(out, "vit_encoder")[contract.INTRA_OP_THREADS] == "1"
+    assert _parameters(out, "vit_encoder")[contract.VIT_THREADS] == "1"
     assert _parameters(out, "encoder_0")[contract.CPUS] == "0"
     assert epd[contract.SHARED_COMPUTE].lower() == "true"  # epd's engine shares CPU 1 with prefill and decode
     assert contract.CPUS not in _parameters(out, "encode")  # an ensemble: no process to pin
@@ -93,7 +93,7 @@ def test_each_model_gets_its_set_and_threads_capped_at_it(tmp_path: Path, model_
     write_repository("cpu", model_dir, out, tmp_path / "stamps", cpus=["encoders=0-1", "llm=0-1"], engine_threads=4)
     assert _parameters(out, "llm")["OMP_NUM_THREADS"] == "2"  # 4 asked, 2 cores
     assert _parameters(out, "preprocess")[contract.DALI_NUM_THREADS] == "2"  # 2 declared, 2 cores
-    assert _parameters(out, "vit_encoder")[contract.INTRA_OP_THREADS] == "2"  # 0 (one per core): the set's size
+    assert _parameters(out, "vit_encoder")[contract.VIT_THREADS] == "2"  # 0 (one per core): the set's size
     write_repository("cpu", model_dir, out, tmp_path / "stamps", cpus=["engines=1", "epd=0"])
     assert _parameters(out, "epd")[contract.SHARED_COMPUTE].lower() == "false"
     write_repository("cpu", model_dir, out, tmp_path / "stamps")

@@ -1,5 +1,6 @@
-"""Request-level batching of the cpu encode models (python_backends/encode/stage.py): every
-request of a dynamic batch in one run, results back in order, a bad request fails alone."""
+"""Request-level batching of the cpu preprocess and encode models (python_backends/preprocess/stage.py,
+python_backends/encode/stage.py): every request of a dynamic batch in one run, results back in
+order, a bad request fails alone. The preprocess side runs with both image backends."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from PIL import Image
 
 from builders.default_model import build_default_model
 from python_backends.encode.stage import EncoderProvenance, EncoderStage
+from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_calls
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.preprocess.image_pipeline import ImageTransformConfig
 from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages
-from python_backends.preprocess.stage import PixelBatch, PreprocessStage, encoded_images
+from python_backends.preprocess.stage import ImagePreprocessor, PixelBatch, PreprocessStage, encoded_images
+from python_backends.preprocess.torch_images import TorchImagePreprocessor
 from python_backends.request.images import ImageLimits
 from python_backends.runtime.model_params import ModelParameters
 
@@ -27,9 +30,9 @@ def png(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
 
 
 class CountingPreprocessor:
-    """The real DALI preprocessor, counting its runs."""
+    """A real preprocessor (torchvision or DALI), counting its runs."""
 
-    def __init__(self, inner: DaliImagePreprocessor) -> None:
+    def __init__(self, inner: ImagePreprocessor) -> None:
         self.inner = inner
         self.calls: list[int] = []
 
@@ -37,24 +40,42 @@ class CountingPreprocessor:
     def limits(self) -> ImageLimits:
         return self.inner.limits
 
+    def validate(self, item: bytes, index: int) -> bytes:
+        return self.inner.validate(item, index)
+
     def preprocess(self, items):
         self.calls.append(len(items))
         return self.inner.preprocess(items)
 
 
 @pytest.fixture(scope="module")
-def dali() -> DaliImagePreprocessor:
-    config = ImageTransformConfig.from_file(build_default_model())
-    return DaliImagePreprocessor.for_config(config, limits=ImageLimits(max_images=4), max_batch_size=4)
+def transform_config() -> ImageTransformConfig:
+    return ImageTransformConfig.from_file(build_default_model())
+
+
+@pytest.fixture(scope="module")
+def dali_preprocessor(transform_config: ImageTransformConfig) -> DaliImagePreprocessor:
+    return DaliImagePreprocessor.for_config(transform_config, limits=ImageLimits(max_images=4), max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def torch_preprocessor(transform_config: ImageTransformConfig) -> TorchImagePreprocessor:
+    return TorchImagePreprocessor(transform_config, limits=ImageLimits(max_images=4))
+
+
+@pytest.fixture(params=["torchvision", "dali"])
+def preprocessor(request: pytest.FixtureRequest) -> ImagePreprocessor:
+    """Each image backend of the preprocess model in turn."""
+    return request.getfixturevalue(f"{'torch' if request.param == 'torchvision' else 'dali'}_preprocessor")
 
 
 @pytest.fixture
-def counting(dali: DaliImagePreprocessor) -> CountingPreprocessor:
-    return CountingPreprocessor(dali)
+def counting(preprocessor: ImagePreprocessor) -> CountingPreprocessor:
+    return CountingPreprocessor(preprocessor)
 
 
-def _alone(dali: DaliImagePreprocessor, images: list[bytes]) -> PreprocessedImages:
-    return dali.preprocess(images)
+def _alone(preprocessor: ImagePreprocessor, images: list[bytes]) -> PreprocessedImages:
+    return preprocessor.preprocess(images)
 
 
 def _error(result: object, fragment: str) -> None:
@@ -62,13 +83,15 @@ def _error(result: object, fragment: str) -> None:
     assert result.code == ErrorCode.INVALID_ARG and fragment in result.message, result.message
 
 
-def test_requests_of_different_sizes_share_one_run(counting: CountingPreprocessor, dali: DaliImagePreprocessor) -> None:
+def test_requests_of_different_sizes_share_one_run(
+    counting: CountingPreprocessor, preprocessor: ImagePreprocessor
+) -> None:
     a, b, c = png(64, 48, 1), png(200, 120, 2, "JPEG"), png(33, 90, 3)
     results = PreprocessStage(counting).run([[a], [b], [c]])
     assert counting.calls == [3]
     for image, result in zip((a, b, c), results, strict=True):
         assert isinstance(result, PixelBatch)
-        alone = _alone(dali, [image])
+        alone = _alone(preprocessor, [image])
         np.testing.assert_array_equal(result.pixel_values[0], alone.pixel_values)
         np.testing.assert_array_equal(result.image_grid_thw, alone.image_grid_thw)
         assert result.pixel_values.shape == (1, *alone.pixel_values.shape)
@@ -90,7 +113,7 @@ def test_images_of_different_sizes_in_one_request_fail_that_request_only(countin
 
 def test_a_bad_request_fails_alone(counting: CountingPreprocessor) -> None:
     good = png(64, 48, 1)
-    truncated = png(300, 200, 4, "JPEG")[:2000]  # header fine, pixels cut: found by DALI
+    truncated = png(300, 200, 4, "JPEG")[:2000]  # header fine, pixels cut: found when decoded
     results = PreprocessStage(counting).run([[good], [b""], [good, truncated], [b"not an image"], [good]])
     assert isinstance(results[0], PixelBatch) and isinstance(results[4], PixelBatch)
     _error(results[1], "image[0] is empty")
@@ -98,6 +121,20 @@ def test_a_bad_request_fails_alone(counting: CountingPreprocessor) -> None:
     _error(results[3], "image[0] is neither")
     # Header checks keep two bad requests out of the run; the decode failure costs a retry.
     assert counting.calls[0] == 4
+
+
+def test_folded_rows_and_formats_follow_the_backend(
+    preprocessor: ImagePreprocessor, transform_config: ImageTransformConfig
+) -> None:
+    """Rows are folded (C*P*P) with either backend; GIF is decoded by PIL (torchvision backend,
+    as ``llm`` decodes it) and refused by name where DALI cannot decode it."""
+    (still,) = PreprocessStage(preprocessor).run([[png(64, 48, 1)]])
+    assert isinstance(still, PixelBatch) and still.pixel_values.shape == (1, 16, transform_config.folded_patch_dim)
+    (gif,) = PreprocessStage(preprocessor).run([[png(64, 48, 5, "GIF")]])
+    if isinstance(preprocessor, TorchImagePreprocessor):
+        assert isinstance(gif, PixelBatch) and gif.image_grid_thw.tolist() == [[1, 4, 4]]
+    else:
+        _error(gif, "format not supported")
 
 
 def test_more_images_than_one_run_takes_are_split(counting: CountingPreprocessor) -> None:
@@ -135,16 +172,18 @@ class FakeEncoder:
     """Per merged token: the mean of its merge**2 patch rows (routing is what is tested)."""
 
     merge_size, patch_dim, hidden_size = 2, 6, 6
+    shape = VisionShape(merge_size=2, patch_dim=6, temporal_patch_size=2, hidden_size=6)
 
     def __init__(self) -> None:
-        self.calls: list[int] = []
+        self.calls: list[int] = []  # images per run_all
+
+    def run_all(self, calls: list[EncoderCall]) -> list[np.ndarray]:
+        self.calls.append(len(calls))
+        block = self.merge_size**2
+        return [call.pixel_values.reshape(-1, block, self.patch_dim).mean(axis=1) for call in calls]
 
     def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]:
-        self.calls.append(len(image_grid_thw))
-        block = self.merge_size**2
-        tokens = pixel_values.reshape(-1, block, self.patch_dim).mean(axis=1)
-        bounds = np.cumsum([t * h * w // block for t, h, w in image_grid_thw])[:-1]
-        return np.split(tokens, bounds)
+        return self.run_all(encoder_calls(pixel_values, image_grid_thw, self.shape))
 
 
 def _pixels(images: int, grid: tuple[int, int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +196,7 @@ def test_encoder_packs_all_requests_into_one_call_and_splits_back() -> None:
     encoder = FakeEncoder()
     requests = [_pixels(1, (1, 2, 2), 1), _pixels(2, (1, 4, 6), 2), _pixels(1, (1, 8, 2), 3)]
     results = EncoderStage(encoder).run(requests)
-    assert encoder.calls == [4]
+    assert encoder.calls == [4]  # every image of every request in one run, one call each
     for (pixels, grid), result in zip(requests, results, strict=True):
         assert isinstance(result, np.ndarray)
         expected = np.stack(FakeEncoder().encode(pixels.reshape(-1, 6), grid))
@@ -186,8 +225,8 @@ def test_encoder_rejects_inconsistent_requests_alone() -> None:
     _error(results[1], "needs [16] patches")
     _error(results[2], "multiples of 2")
     _error(results[3], "the encoder takes 6")
-    _error(results[4], "[images, patches, patch_dim]")
-    _error(results[5], "[images, patches, patch_dim]")
+    _error(results[4], "[images, patches, width]")
+    _error(results[5], "[images, patches, width]")
     assert encoder.calls == [2]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+from transformers.vision_utils import get_vision_position_ids
 
 from builders.encoder import (
     PARITY_TOLERANCE,
@@ -30,8 +30,8 @@ from builders.tensorrt_plan import build_tensorrt_plan, tensorrt_unavailable_rea
 from python_backends.encode.vit_onnx import (
     OnnxVisionEncoder,
     embedding_counts,
-    group_images_by_patches,
-    vision_cu_seqlens,
+    frame_position_ids,
+    unfold_temporal,
     vision_position_ids,
 )
 from python_backends.errors import EpdError, ErrorCode
@@ -121,12 +121,21 @@ def test_checkpoint_without_vision_weights_is_refused(model_dir: Path, tmp_path:
 
 
 @pytest.mark.parametrize("grid", GRIDS_FOR_IDS)
-def test_position_ids_and_cu_seqlens_match_transformers(grid: list[list[int]]) -> None:
+def test_position_ids_match_transformers(grid: list[list[int]]) -> None:
     grid_np = np.array(grid, dtype=np.int64)
     expected_ids = get_vision_position_ids(torch.tensor(grid), 2).numpy()
-    expected_cu = get_vision_cu_seqlens(torch.tensor(grid)).numpy()
     np.testing.assert_array_equal(vision_position_ids(grid_np, 2), expected_ids)
-    np.testing.assert_array_equal(vision_cu_seqlens(grid_np), expected_cu)
+    t, h, w = grid[0]
+    np.testing.assert_array_equal(frame_position_ids(h, w, 2), expected_ids[: h * w])
+
+
+def test_unfold_temporal_gives_the_processors_rows() -> None:
+    """A folded row is one temporal copy of each channel's P*P values; the processor repeats it T
+    times inside each channel (C, T, P, P)."""
+    folded = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 12)  # 2 rows, C=3, P*P=4
+    full = unfold_temporal(folded, 2)
+    assert full.shape == (2, 24)
+    np.testing.assert_array_equal(full[0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,27 +145,31 @@ def test_position_ids_and_cu_seqlens_match_transformers(grid: list[list[int]]) -
 
 def test_onnx_matches_torch_over_many_grids(onnx_path: Path, tower) -> None:
     report = validate_onnx(onnx_path, tower)
-    assert len(report.grids) >= 10 and report.grids == VALIDATION_GRIDS
+    image_batches = sum(all(t == 1 for t, _, _ in batch) for batch in VALIDATION_GRIDS)
+    assert len(report.grids) == len(VALIDATION_GRIDS) + image_batches  # images: full and folded rows
+    assert set(report.grids) == set(VALIDATION_GRIDS)
     print(f"\nONNX Runtime vs torch, max-abs per grid batch: {[f'{e:.1e}' for e in report.max_abs]}")
     assert report.ok, report
     assert report.worst <= PARITY_TOLERANCE
 
 
-def test_runner_splits_per_image_and_packing_changes_nothing(onnx_path: Path) -> None:
-    packed = OnnxVisionEncoder(onnx_path, max_patches_per_run=1 << 30)
-    grouped = OnnxVisionEncoder(onnx_path, max_patches_per_run=40)  # -> [24, 4], [40] patches
-    grids = np.array([[1, 4, 6], [1, 2, 2], [1, 10, 4]])
-    assert group_images_by_patches(grids, 40) == [slice(0, 2), slice(2, 3)]
+def test_an_image_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(onnx_path: Path) -> None:
+    """One call per image, one thread per call: an image's embeddings never depend on what else
+    was encoded with it, nor on the encoder's CPU set (ONNX Runtime's own intra-op threads change
+    small products by ~1e-6)."""
+    one, many = OnnxVisionEncoder(onnx_path, threads=1), OnnxVisionEncoder(onnx_path, threads=3)
+    grids = np.array([[1, 4, 6], [1, 2, 2], [1, 10, 4], [2, 4, 4]])
     rows = [int(t * h * w) for t, h, w in grids]
-    pixels = np.random.default_rng(2).standard_normal((sum(rows), packed.patch_dim), dtype=np.float32)
-    together = packed.encode(pixels, grids)
-    assert [e.shape for e in together] == [(n, packed.hidden_size) for n in embedding_counts(grids, 2)]
-    for ours, theirs in zip(together, grouped.encode(pixels, grids), strict=True):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
-    offsets = np.cumsum([0, *rows])
-    for i, embeds in enumerate(together):
-        alone = packed.encode(pixels[offsets[i] : offsets[i + 1]], grids[i : i + 1])[0]
-        np.testing.assert_allclose(embeds, alone, atol=1e-5, rtol=0)
+    rng = np.random.default_rng(2)
+    images = [rng.standard_normal((n, one.shape.folded_patch_dim), dtype=np.float32) for n in rows[:3]]
+    video = rng.standard_normal((rows[3], one.patch_dim), dtype=np.float32)
+    together = many.encode(np.concatenate([unfold_temporal(i, 2) for i in images] + [video]), grids)
+    assert [e.shape for e in together] == [(n, one.hidden_size) for n in embedding_counts(grids, 2)]
+    for i, folded in enumerate(images):
+        alone = one.encode(folded, grids[i : i + 1])[0]
+        np.testing.assert_array_equal(many.encode(folded, grids[i : i + 1])[0], alone)
+        np.testing.assert_allclose(together[i], alone, atol=1e-5, rtol=0)  # full rows: the unfolded weights
+    np.testing.assert_array_equal(one.encode(video, grids[3:])[0], together[3])
 
 
 def test_runner_rejects_inconsistent_inputs(onnx_path: Path) -> None:
@@ -165,7 +178,7 @@ def test_runner_rejects_inconsistent_inputs(onnx_path: Path) -> None:
     cases = [
         (pixels, np.array([[1, 4, 4]]), "needs 16 rows"),
         (pixels, np.array([[1, 3, 8]]), "multiples of 2"),
-        (pixels[:, :10], np.array([[1, 4, 6]]), "encoder takes 1176"),
+        (pixels[:, :10], np.array([[1, 4, 6]]), "encoder takes 1176 .* or 588"),
         (pixels, np.array([1, 4, 6]), r"shape \[num_images, 3\]"),
         (pixels, np.array([[0, 4, 6]]), "positive"),
     ]
@@ -184,9 +197,10 @@ def test_runner_rejects_inconsistent_inputs(onnx_path: Path) -> None:
 @pytest.mark.skipif(tensorrt_unavailable_reason() is not None, reason=str(tensorrt_unavailable_reason()))
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_tensorrt_plan_builds(onnx_path: Path, tower, precision: str) -> None:
-    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=4096, max_images=4)
+    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=4096)
     plan_path = onnx_path.parent / f"model-{precision}.plan"
-    shapes = profile.input_shapes(tower_dims(tower)["patch_dim"])
+    dims = tower_dims(tower)
+    shapes = profile.input_shapes(dims["patch_dim"] // dims["temporal_patch_size"])  # folded image rows
     plan = build_tensorrt_plan(onnx_path, plan_path, shapes, precision)  # type: ignore[arg-type]
     assert plan.stat().st_size > 0
 
@@ -195,7 +209,7 @@ def test_tensorrt_unavailable_is_a_clear_error_here(onnx_path: Path) -> None:
     if tensorrt_unavailable_reason() is None:
         pytest.skip("tensorrt is importable here; the GPU test covers the build")
     with pytest.raises(EncoderBuildError, match="tensorrt is not importable"):
-        build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", TrtProfile().input_shapes(1176))
+        build_tensorrt_plan(onnx_path, onnx_path.parent / "model.plan", TrtProfile().input_shapes(588))
 
 
 def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
@@ -215,7 +229,7 @@ def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
     reason = tensorrt_unavailable_reason()
     assert reason is not None and "no GPU visible (nvidia-smi not found)" in reason and "first start" in reason
     with pytest.raises(EncoderBuildError, match="no GPU visible"):
-        build_tensorrt_plan(onnx_path, tmp_path / "model.plan", TrtProfile().input_shapes(1176))
+        build_tensorrt_plan(onnx_path, tmp_path / "model.plan", TrtProfile().input_shapes(588))
     (tmp_path / "nvidia0").touch()  # a GPU's device node, where nvidia-smi is missing
     assert tensorrt_unavailable_reason() is None
     (tmp_path / "nvidia0").unlink()
@@ -227,8 +241,10 @@ def test_tensorrt_without_a_gpu_leaves_the_plan_for_the_first_start(
 def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> None:
     """The gpu vit_encoder config against what the export declares (the ONNX graph the plan is
     built from, not the builder's own description): the engine's inputs and output as Triton
-    hands them over (after the config's reshape), and every CUDA graph and profile shape with
-    the rank and fixed dims of the graph input it is set on (TensorRT's setInputShape)."""
+    hands them over (after the config's reshape) fit the graph's (its frames, patches and row
+    width are dynamic; the config fixes frames at 1 and rows folded), and every CUDA graph and
+    profile shape has the rank and fixed dims of the graph input it is set on (TensorRT's
+    setInputShape)."""
     import onnx
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
@@ -245,15 +261,22 @@ def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> N
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
     engine_inputs, engine_outputs = declared(graph.input), declared(graph.output)
     dims = tower_dims(tower)
-    facts = {**dims, "vision_shards": 1, "checkpoint_shards": 2, "vision_weight_bytes": 1, "checkpoint_weight_bytes": 2}
-    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=8192, max_images=8)
+    image_patch_dim = dims["patch_dim"] // dims["temporal_patch_size"]
+    facts = {
+        **dims, "image_patch_dim": image_patch_dim,
+        "vision_shards": 1, "checkpoint_shards": 2, "vision_weight_bytes": 1, "checkpoint_weight_bytes": 2,
+    }  # fmt: skip
+    profile = TrtProfile(min_patches=4, opt_patches=1024, max_patches=4096)
     config = text_format.Parse(tensorrt_config("gpu", facts, profile, "fp16", 1), model_config_pb2.ModelConfig())
     assert config.platform == "tensorrt_plan" and config.max_batch_size == 0
 
     def as_engine_sees(tensors) -> dict[str, list[int]]:
         return {t.name: list(t.reshape.shape) if t.HasField("reshape") else list(t.dims) for t in tensors}
 
-    assert as_engine_sees(config.input) == engine_inputs
+    inputs = as_engine_sees(config.input)
+    assert set(inputs) == set(engine_inputs)
+    assert all(fits(shape, engine_inputs[name]) for name, shape in inputs.items()), (inputs, engine_inputs)
+    assert inputs["pixel_values"] == [1, -1, image_patch_dim]
     assert as_engine_sees(config.output) == engine_outputs
     graphs = config.optimization.cuda.graph_spec
     assert config.optimization.cuda.graphs and len(graphs) == 2
@@ -261,8 +284,8 @@ def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> N
         assert set(spec.input) == set(engine_inputs)
         for name, shape in spec.input.items():
             assert fits(list(shape.dim), engine_inputs[name]), (name, list(shape.dim), engine_inputs[name])
-    assert sorted(spec.input["pixel_values"].dim[0] for spec in graphs) == [1024, 8192]
-    for name, shapes in profile.input_shapes(dims["patch_dim"]).items():
+    assert sorted(spec.input["pixel_values"].dim[1] for spec in graphs) == [1024, 4096]
+    for name, shapes in profile.input_shapes(image_patch_dim).items():
         assert all(fits(list(shape), engine_inputs[name]) for shape in shapes), name
 
 
@@ -271,9 +294,8 @@ def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> N
     [
         (TrtProfile(min_patches=8, opt_patches=4, max_patches=16), "min <= opt <= max"),
         (TrtProfile(min_patches=4, opt_patches=6, max_patches=16), "multiples of 4"),
-        (TrtProfile(max_images=0), "max_images"),
     ],
 )
 def test_tensorrt_profile_is_checked(profile: TrtProfile, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        cuda_graph_shapes(profile, patch_dim=1176)
+        cuda_graph_shapes(profile, image_patch_dim=588)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from builders.model_configs import checkpoint_positions, repository_files
+from builders.checkpoint import checkpoint_positions
+from builders.model_configs import repository_files
 from builders.preflight import DALI_BACKEND_PYTHONPATH, DALI_BACKEND_VERSION, DALI_PACKAGE, PINNED_PACKAGES
 from builders.targets import ENGINE_ROLES, GPU_DEVICE_ENV, GPU_LAYOUTS, TARGETS, GpuBudget, Target, resolved_target
 from builders.tensorrt_config import TrtProfile, cuda_graph_shapes
@@ -156,23 +157,23 @@ def test_positions_from_a_nested_text_config(tmp_path: Path) -> None:
 
 def test_profile_follows_the_tiny_models_pixel_limits(tiny_model: Path) -> None:
     profile = GPU.fitted_to_checkpoint(tiny_model).encode.trt_profile
-    # min 56*56 -> 16 patches, max 448*448 -> 1024 patches per image, 8 images per call.
-    assert profile == TrtProfile(min_patches=16, opt_patches=1024, max_patches=8192, max_images=8)
+    # min 56*56 -> 16 patches, max 448*448 -> 1024 patches; one image per call.
+    assert profile == TrtProfile(min_patches=16, opt_patches=1024, max_patches=1024)
     profile.validate()
 
 
 def test_profile_follows_a_qwen2_vl_2b_shaped_checkpoint(qwen2_vl_2b: Path) -> None:
     profile = GPU.fitted_to_checkpoint(qwen2_vl_2b).encode.trt_profile
     assert profile.opt_patches == 12845056 // (14 * 14)  # one image at max_pixels: 65536 patches
-    assert profile.min_patches == 16 and profile.max_patches == profile.opt_patches * profile.max_images
+    assert profile.min_patches == 16 and profile.max_patches == profile.opt_patches
     profile.validate()
 
 
 def test_profile_from_transformers_5_size_keys_and_odd_limits() -> None:
     config = {"size": {"shortest_edge": 3000, "longest_edge": 100_000}, "patch_size": 14, "merge_size": 2}
-    profile = TrtProfile.from_preprocessor_config(config, max_images=2)
+    profile = TrtProfile.from_preprocessor_config(config)
     # ceil(3000/196)=16 (a whole merge block); floor(100000/196)=510 -> 508 (multiple of 4).
-    assert (profile.min_patches, profile.opt_patches, profile.max_patches) == (16, 508, 1016)
+    assert (profile.min_patches, profile.opt_patches, profile.max_patches) == (16, 508, 508)
     with pytest.raises(ValueError, match="min_pixels"):
         TrtProfile.from_preprocessor_config({"patch_size": 14})
 
@@ -181,9 +182,15 @@ def test_cuda_graph_shapes_are_the_models_input_dims(tiny_model: Path) -> None:
     from tests.unit.test_repository import engine_input_shapes
 
     profile = GPU.fitted_to_checkpoint(tiny_model).encode.trt_profile
-    for graph in cuda_graph_shapes(profile, FACTS.patch_dim):
-        patches = graph["pixel_values"][0]
+    graphs = cuda_graph_shapes(profile, FACTS.image_patch_dim)
+    assert len(graphs) == 1  # opt == max: one graph, one image at max_pixels
+    for graph in graphs:
+        patches = graph["pixel_values"][1]  # [frames, patches, folded row]
         assert {name: list(shape) for name, shape in graph.items()} == engine_input_shapes(patches)
+    # The profile's range in the same dims: frames and row width fixed, patches min..max.
+    shapes = profile.input_shapes(FACTS.image_patch_dim)
+    assert shapes["pixel_values"] == ((1, 16, 588), (1, 1024, 588), (1, 1024, 588))
+    assert shapes["rotary_pos_ids"] == ((16, 2), (1024, 2), (1024, 2))
 
 
 # ---------------------------------------------------------------------------------------------

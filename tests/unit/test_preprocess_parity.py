@@ -1,5 +1,10 @@
 """The DALI pipeline (run on the CPU) against transformers' Qwen2VLImageProcessor.
 
+The pipeline emits images temporally folded (one copy of the T identical temporal copies per
+row, ``C*P*P`` wide); comparisons go through ``unfold_temporal``, and the folded patch layout
+itself is checked exactly against the processor's ``patchify``. The cpu target's default
+preprocessor, bit-exact with the processor, is tested in tests/unit/test_torch_preprocess.py.
+
 Reference: the torchvision ("fast") ``Qwen2VLImageProcessor``, which is what
 ``AutoImageProcessor`` and vLLM load in transformers 5. We compare against it rather than the
 PIL ("slow") ``Qwen2VLImageProcessorPil`` because Pillow >= 13 runs the vertical pass first
@@ -45,6 +50,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
 )
 
 from builders.default_model import build_default_model
+from python_backends.encode.vit_onnx import unfold_temporal
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.preprocess.image_pipeline import (
     ImageTransformConfig,
@@ -53,7 +59,7 @@ from python_backends.preprocess.image_pipeline import (
     smart_resize,
     smart_resize_nodes,
 )
-from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages
+from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages, patchify
 from python_backends.request.images import ImageLimits
 from tests.images import bilevel_png, zero_width_png
 
@@ -220,7 +226,8 @@ def test_parity_with_transformers_processor(
         ours = result.pixel_values[offsets[index] : offsets[index + 1]]
         ref_pixels, ref_grid = reference_outputs(reference_processor, data)
         assert result.image_grid_thw[index].tolist() == ref_grid[0].tolist(), case.name
-        assert ours.shape == ref_pixels.shape and ours.dtype == np.float32, case.name
+        assert ours.shape == (ref_pixels.shape[0], 3 * 14 * 14) and ours.dtype == np.float32, case.name
+        assert unfold_temporal(ours, 2).shape == ref_pixels.shape, case.name
 
         diff = np.abs(unpatchify(ours, ref_grid[0]) - unpatchify(ref_pixels, ref_grid[0])).max(axis=0)
         with Image.open(io.BytesIO(data)) as header:
@@ -251,6 +258,25 @@ def test_patch_layout_in_graph_equals_numpy_patchify(
     graph_result, numpy_result = in_graph.preprocess(encoded), preprocessor.preprocess(encoded)
     np.testing.assert_array_equal(graph_result.image_grid_thw, numpy_result.image_grid_thw)
     np.testing.assert_array_equal(graph_result.pixel_values, numpy_result.pixel_values)
+
+
+def test_folded_patch_layout_is_the_processors_unfolded(
+    transform_config: ImageTransformConfig, reference_processor: Qwen2VLImageProcessor
+) -> None:
+    """Exact, no tolerance: numpy ``patchify`` (the DALI runner's, and the graph's, tested equal
+    above) then ``unfold_temporal`` gives the processor's ``patchify`` of the same frame."""
+    import torch
+
+    assert transform_config.folded_patch_dim == 3 * 14 * 14
+    assert transform_config.patch_dim == 2 * transform_config.folded_patch_dim
+    rng = np.random.default_rng(5)
+    for height, width in ((28, 28), (56, 84), (112, 28), (336, 448)):
+        frame = rng.standard_normal((3, height, width)).astype(np.float32)
+        folded = patchify(frame, transform_config)
+        assert folded.shape == ((height // 14) * (width // 14), transform_config.folded_patch_dim)
+        theirs, grid_h, grid_w = reference_processor.patchify(torch.from_numpy(frame)[None], 14, 2, 2)
+        assert (grid_h, grid_w) == (height // 14, width // 14)
+        np.testing.assert_array_equal(unfold_temporal(folded, 2), theirs[0].numpy())
 
 
 def test_smart_resize_in_graph_matches_transformers(transform_config: ImageTransformConfig) -> None:
@@ -306,6 +332,7 @@ def test_gpu_target_uses_mixed_decoder_without_needing_a_gpu(transform_config: I
     assert b"mixed" in gpu and b"mixed" not in cpu
     assert b"jpeg_fancy_upsampling" in gpu  # nvJPEG chroma upsampling like libjpeg-turbo
     assert b"order_patches" in gpu and b"order_patches" not in cpu  # patch layout: graph vs numpy
+    assert b"repeat_temporal" not in gpu  # folded: one temporal copy per row
 
 
 def _config_dict(config: ImageTransformConfig) -> dict[str, object]:

@@ -28,7 +28,7 @@ from python_backends import contract
 from python_backends.contract import ContractError
 from python_backends.encode.vit_onnx import INPUT_NAMES as VIT_INPUT_NAMES
 from python_backends.encode.vit_onnx import OUTPUT_NAME as VIT_OUTPUT_NAME
-from python_backends.encode.vit_onnx import encoder_inputs
+from python_backends.encode.vit_onnx import VisionShape, encoder_calls
 from tests.unit.repository_helpers import FACTS
 
 Config = model_config_pb2.ModelConfig
@@ -132,10 +132,11 @@ def test_cpu_preprocess_is_the_python_model_with_dynamic_batching(model_dir: Pat
     assert config.HasField("dynamic_batching")
     image = tensor(config, "image")
     assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [-1] and image.allow_ragged_batch
-    assert list(tensor(config, "pixel_values").dims) == [-1, FACTS.patch_dim]
+    assert list(tensor(config, "pixel_values").dims) == [-1, FACTS.image_patch_dim]  # folded image rows
     assert list(tensor(config, "image_grid_thw").dims) == [3]
     assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["image_backend"] == "torchvision"
     assert params["pipeline_file"] == "model.dali"
     assert Path(params["preprocessor_config"]) == model_dir / "preprocessor_config.json"
     limits = TARGETS["cpu"].limits
@@ -160,10 +161,11 @@ def test_gpu_preprocess_is_the_dali_backend(model_dir: Path) -> None:
 def test_cpu_vit_encoder_runs_onnx_runtime_with_dynamic_batching(model_dir: Path) -> None:
     config = configs("cpu", model_dir)["vit_encoder"]
     assert config.backend == "python" and config.max_batch_size == 8 and config.HasField("dynamic_batching")
-    assert tensor(config, "pixel_values").allow_ragged_batch
+    pixels = tensor(config, "pixel_values")
+    assert pixels.allow_ragged_batch and list(pixels.dims) == [-1, -1]  # folded image or full video rows
     assert list(tensor(config, "image_embeds").dims) == [-1, FACTS.hidden_size]
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["onnx_file"] == "model.onnx"
+    assert params["onnx_file"] == "model.onnx" and params["vit_threads"] == "0"
     for name, value in vars(FACTS).items():  # shapes checked at load, provenance shown as metrics
         assert params[name] == str(value)
 
@@ -175,11 +177,13 @@ def one_image_grid(patches: int, merge_size: int) -> np.ndarray:
 
 def engine_input_shapes(patches: int) -> dict[str, list[int]]:
     """The plan's input shapes for one image of ``patches`` patches, as the serving code builds
-    them: python_backends.encode.vit_onnx.encoder_inputs, the function that feeds the exported graph
-    (the ONNX Runtime model and, through vit_positions, the plan). Independent of the builder."""
+    them: python_backends.encode.vit_onnx.encoder_calls, the function that feeds the exported graph
+    (the ONNX Runtime model and, through vit_positions, the plan), with folded image rows as
+    preprocess sends them. Independent of the builder."""
     grid = one_image_grid(patches, FACTS.merge_size)
-    inputs = encoder_inputs(np.zeros((patches, FACTS.patch_dim), np.float32), grid, FACTS.merge_size)
-    return {name: list(getattr(inputs, name).shape) for name in VIT_INPUT_NAMES}
+    shape = VisionShape(FACTS.merge_size, FACTS.patch_dim, FACTS.patch_dim // FACTS.image_patch_dim, FACTS.hidden_size)
+    (call,) = encoder_calls(np.zeros((patches, FACTS.image_patch_dim), np.float32), grid, shape)
+    return {name: list(getattr(call, name).shape) for name in VIT_INPUT_NAMES}
 
 
 def test_gpu_vit_encoder_is_the_tensorrt_plan(model_dir: Path) -> None:
@@ -189,28 +193,50 @@ def test_gpu_vit_encoder_is_the_tensorrt_plan(model_dir: Path) -> None:
     # The engine's inputs and output are the exported graph's (vit_onnx names them).
     assert [i.name for i in config.input] == list(VIT_INPUT_NAMES)
     assert [o.name for o in config.output] == [VIT_OUTPUT_NAME]
-    # One image per request: a leading 1 on the wire, the engine's [patches, ...] inside.
-    for name, width in (("pixel_values", FACTS.patch_dim), ("image_embeds", FACTS.hidden_size)):
-        entry = tensor(config, name)
-        assert list(entry.dims) == [1, -1, width] and list(entry.reshape.shape) == [-1, width]
+    # One image per request: pixel_values is the engine's own [frames 1, patches, folded row]
+    # (no reshape); image_embeds has a leading 1 on the wire, the engine's [tokens, hidden] inside.
+    pixels, positions = tensor(config, "pixel_values"), tensor(config, "rotary_pos_ids")
+    embeds = tensor(config, "image_embeds")
+    assert list(pixels.dims) == [1, -1, FACTS.image_patch_dim] and not pixels.HasField("reshape")
+    assert list(positions.dims) == [-1, 2] and not positions.HasField("reshape")
+    assert list(embeds.dims) == [1, -1, FACTS.hidden_size] and list(embeds.reshape.shape) == [-1, FACTS.hidden_size]
     # CUDA graphs are captured at the shapes the TensorRT backend gives setInputShape: the
-    # engine's own, without the config's reshape (a wire shape [1, p, patch_dim] never matches
-    # the rank-2 engine input, and the graph would silently never be captured).
+    # engine's own, as vit_onnx.encoder_calls builds them (a graph in other dims would never
+    # match the engine's inputs, and would silently never be captured); opt == max: one graph.
     cuda = config.optimization.cuda
     assert cuda.graphs
     graphs = [{name: list(shape.dim) for name, shape in spec.input.items()} for spec in cuda.graph_spec]
-    assert graphs == [engine_input_shapes(p) for p in (profile.opt_patches, profile.max_patches)]
+    assert graphs == [engine_input_shapes(p) for p in sorted({profile.opt_patches, profile.max_patches})]
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["precision"] == TARGETS["gpu"].encode.trt_precision
     assert params["profile_max_patches"] == str(profile.max_patches)
+    assert "profile_max_images" not in params  # one image per call: nothing to size by images
 
 
 def test_gpu_vit_positions_feeds_the_plan(model_dir: Path) -> None:
+    """``vit_positions`` gives the plan one image's rotary ids, the rows vit_onnx.encoder_calls
+    feeds the ONNX graph, and refuses a grid the plan's profile (one frame) cannot take."""
+    import types
+
+    from python_backends.errors import EpdError
+
     config = configs("gpu", model_dir)["vit_positions"]
     assert config.backend == "python" and config.max_batch_size == 0
-    assert {o.name for o in config.output} == {"rotary_pos_ids", "cu_seqlens"}
-    files = repository_files(TARGETS["gpu"], model_dir, FACTS)
-    assert "vision_position_ids" in files["vit_positions/1/model.py"]
+    assert list(tensor(config, "image_grid_thw").dims) == [1, 3]
+    assert [o.name for o in config.output] == ["rotary_pos_ids"]
+    assert list(tensor(config, "rotary_pos_ids").dims) == [-1, 2]
+    module = types.ModuleType("vit_positions_model")
+    exec(repository_files(TARGETS["gpu"], model_dir, FACTS)["vit_positions/1/model.py"], module.__dict__)
+    model = module.TritonPythonModel()
+    model.merge_size = FACTS.merge_size  # what setup reads from the config's parameters
+    grid = one_image_grid(24, FACTS.merge_size)
+    shape = VisionShape(FACTS.merge_size, FACTS.patch_dim, FACTS.patch_dim // FACTS.image_patch_dim, FACTS.hidden_size)
+    (call,) = encoder_calls(np.zeros((24, FACTS.image_patch_dim), np.float32), grid, shape)
+    bad = ([[1, 2, 2], [1, 2, 2]], [[2, 2, 2]], [[1, 3, 2]])  # two images, a video, a side off the merge grid
+    results = model.run([{"image_grid_thw": grid}, *({"image_grid_thw": np.array(g)} for g in bad)])
+    np.testing.assert_array_equal(results[0]["rotary_pos_ids"], call.rotary_pos_ids)
+    for result in results[1:]:
+        assert isinstance(result, EpdError) and "one image's grid" in str(result)
 
 
 def assert_wired(models: dict[str, Config], name: str) -> list[str]:
@@ -505,9 +531,9 @@ def test_gpu_plan_config_follows_the_checkpoints_pixel_limits(model_dir: Path) -
     config = text_format.Parse(repository_files(target, model_dir, FACTS)["vit_encoder/config.pbtxt"], Config())
     specs = config.optimization.cuda.graph_spec
     graphs = [{name: list(shape.dim) for name, shape in spec.input.items()} for spec in specs]
-    assert graphs == [engine_input_shapes(p) for p in (profile.opt_patches, profile.max_patches)]
+    assert graphs == [engine_input_shapes(1024)]  # opt == max: one image at max_pixels
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["profile_min_patches"] == "16" and params["profile_max_patches"] == str(profile.max_patches)
+    assert params["profile_min_patches"] == "16" and params["profile_max_patches"] == "1024"
 
 
 def test_engine_threads_reach_every_engine(tmp_path: Path, model_dir: Path, fast_build: None) -> None:

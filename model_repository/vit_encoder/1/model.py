@@ -1,8 +1,8 @@
 """`vit_encoder` (cpu target): ONNX Runtime on the exported vision tower + merger.
 
-Thin by design: python_backends.encode.stage packs every request of a dynamic batch into as few
-ONNX Runtime calls as the patch budget allows (python_backends.encode.vit_onnx) and gives one result
-or one coded error per request (python_backends.triton_edge.batched).
+Thin by design: python_backends.encode.stage runs every image of a dynamic batch through ONNX
+Runtime, one call per image, several at once (python_backends.encode.vit_onnx), and gives one
+result or one coded error per request (python_backends.triton_edge.batched).
 """
 
 import time
@@ -22,11 +22,7 @@ class TritonPythonModel(BatchedModel):
         provenance = EncoderProvenance.from_parameters(params)
         onnx_path = Path(args["model_repository"]) / args["model_version"] / params.string(contract.ONNX_FILE_KEY)
         started = time.perf_counter()
-        encoder = OnnxVisionEncoder(
-            onnx_path,
-            intra_op_threads=params.integer(contract.INTRA_OP_THREADS),
-            max_patches_per_run=params.integer(contract.MAX_PATCHES_PER_RUN),
-        )
+        encoder = OnnxVisionEncoder(onnx_path, threads=params.integer(contract.VIT_THREADS))
         seconds = time.perf_counter() - started
         provenance.check(encoder, params)
         megabytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*")) / 1e6
