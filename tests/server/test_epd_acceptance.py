@@ -341,6 +341,36 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
     print(f"adaptive epd served the 18 prompts on: new images {adaptive_new_paths}, store hits {adaptive_paths}")
 
 
+@pytest.mark.parametrize("workload", ["article", "long-answer", "reuse"])
+def test_the_benchmarks_workloads_give_llms_tokens_on_both_paths(server, workload):
+    """The requests of docs/benchmarks/epd-pays.md's workloads (a) 4 new images of 0.26-1.0 MP,
+    (b) one image and 256 tokens, (c) 80% of images from a pool), one at a time (greedy and
+    deterministic): ``epd`` on each path answers ``llm``'s tokens, so a speed-up there is the
+    same answers faster, whichever encoder made the embeddings."""
+    import argparse
+
+    from bench.cli_args import workload_spec
+    from bench.workload import WorkloadBuilder
+
+    args = argparse.Namespace(
+        workload=workload, seed=3, prompt_tokens=None, output_tokens=None, images_per_request=None,
+        image_size=None, image_format="JPEG", image_dir=None, reuse_ratio=None, repeated_reuse_ratio=1.0,
+        media_pool=None, no_ignore_eos=False, temperature=0.0, tokenizer=None, media_salt=secrets.token_hex(4),
+    )  # fmt: skip
+    spec = workload_spec(args)
+    requests = WorkloadBuilder(spec).build(3 if workload == "long-answer" else 6, spec.reuse_ratio)
+    differ = []
+    for request in requests:
+        prompt, images = request.prompt, list(request.images)
+        sampling = {**GREEDY, **request.sampling}
+        llm = tokens_of(server, "llm", prompt, images, sampling).result.token_ids
+        for path in (COLOCATED_PATH, DISAGGREGATED_PATH):
+            epd = tokens_of(server, "epd", prompt, images, sampling, path=path).result.token_ids
+            if epd != llm:
+                differ.append(f"{request.key} {path}: llm {llm}\n  epd {epd}")
+    assert not differ, "\n".join(differ)
+
+
 def test_a_near_tie_image_gives_llms_tokens_because_the_pixels_are_vllms(server, model_dir):
     """An image on which the random-weight model is near a tie: with DALI's pixels (up to ~2
     levels off the processor's) ``epd`` and ``ensemble`` answered other tokens than ``llm``. The
