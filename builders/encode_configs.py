@@ -77,6 +77,7 @@ def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
     parameters = {
         contract.ONNX_FILE_KEY: contract.ONNX_FILE,
         contract.VIT_THREADS: serving.vit_threads,
+        contract.VIT_PRECISION: serving.vit_precision,
         # Checked against the ONNX file's metadata at load, and shown as metrics.
         **facts.parameters(),
     }

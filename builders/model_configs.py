@@ -224,6 +224,7 @@ def _key_parameters(target: Target, model_dir: Path) -> dict[str, Any]:
         contract.ENCODER_FILE: _served_encoder_file(target, contract.VIT_ENCODER_MODEL),
         # torchvision and DALI give different pixels (docs/benchmarks/encode.md): other embeddings.
         contract.IMAGE_BACKEND: target.encode.image_backend,
+        contract.VIT_PRECISION: target.encode.vit_precision,  # bf16 embeddings are other embeddings
     }
 
 

@@ -53,6 +53,8 @@ class EncodeServing:
     # encodes at once, one thread each (0: one per CPU of its set; vit_onnx.py says why).
     ort_intra_op_threads: int = contract.default_of(contract.INTRA_OP_THREADS)
     vit_threads: int = contract.default_of(contract.VIT_THREADS)
+    # cpu: fp32 (ONNX Runtime) or bf16 (OpenVINO; faster, embeddings ~1e-2 off: docs/benchmarks/encode.md).
+    vit_precision: str = contract.default_of(contract.VIT_PRECISION)
     # cpu: preprocess's kernels (docs/benchmarks/encode.md); the gpu target's is the DALI backend.
     image_backend: str = contract.default_of(contract.IMAGE_BACKEND)
     # gpu: TensorRT plan precision and optimisation profile.
@@ -242,6 +244,15 @@ class Target:
             env[OMP_THREADS_ENV] = str(threads)
         return dataclasses.replace(self, vllm_env=env)
 
+    def with_vit_precision(self, precision: str) -> Target:
+        """The vision encoder in ``precision``: bf16 runs on the cpu target's OpenVINO runner; the gpu
+        target's plan has a precision of its own (``trt_precision``)."""
+        if precision not in contract.VIT_PRECISIONS:
+            raise ValueError(f"vit precision {precision!r}: use one of {', '.join(contract.VIT_PRECISIONS)}")
+        if precision != "fp32" and self.encode.device == "gpu":
+            raise ValueError("--vit-precision is for the cpu target; the gpu target's TensorRT plan is fp16 already")
+        return dataclasses.replace(self, encode=dataclasses.replace(self.encode, vit_precision=precision))
+
     def fitted_to_checkpoint(self, model_dir: Path) -> Target:
         """gpu: the TensorRT profile derived from the checkpoint's pixel limits (the plan and its
         config both read ``encode.trt_profile``); other targets unchanged, and audio checkpoints
@@ -397,6 +408,14 @@ def add_engine_threads_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-threads", type=_threads, metavar="N",
         help="OpenMP threads of each vLLM engine (default: the target's, 1 on cpu); 0: torch's default, one per core",
+    )  # fmt: skip
+
+
+def add_vit_precision_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vit-precision", choices=contract.VIT_PRECISIONS,
+        help="cpu target: the vision encoder in fp32 (ONNX Runtime, default) or bf16 (OpenVINO, on CPUs with "
+        "avx512_bf16/amx_bf16: faster, embeddings ~1e-2 off fp32; docs/benchmarks/encode.md)",
     )  # fmt: skip
 
 

@@ -161,7 +161,7 @@ _CLIENT_ABORT = (
 )
 _ERROR = _tensor(n.ERROR, "TYPE_STRING", 1)
 _STORE_USER = (*n.STORE_KEYS, n.SPATIAL_MERGE_SIZE)
-_CONTENT_KEYS = (n.PREPROCESSOR_CONFIG, n.ENCODER_FILE, n.IMAGE_BACKEND)
+_CONTENT_KEYS = (n.PREPROCESSOR_CONFIG, n.ENCODER_FILE, n.IMAGE_BACKEND, n.VIT_PRECISION)
 
 # ``llm``: one colocated vLLM engine. ``image`` (encoded files) or, instead, embeddings by value:
 # ``image_embeds`` [n, tokens, hidden] (encode's output as it is) with ``image_grid_thw`` [images, 3].
@@ -243,7 +243,7 @@ VIT_ENCODER = ModelInterface(
     n.VIT_ENCODER_MODEL,
     (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, -1, ragged=True), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
     (_EMBEDS,),
-    (n.ONNX_FILE_KEY, n.VIT_THREADS, *n.ENCODER_FACTS),
+    (n.ONNX_FILE_KEY, n.VIT_THREADS, n.VIT_PRECISION, *n.ENCODER_FACTS),
 )
 # ``vit_encoder`` (gpu): the TensorRT plan, one image per request (max_batch_size 0). pixel_values
 # is the engine's own [frames, patches, width] with one frame of folded rows: preprocess's output

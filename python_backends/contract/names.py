@@ -200,6 +200,9 @@ ONNX_FILE_KEY = "onnx_file"
 INTRA_OP_THREADS = "intra_op_threads"
 # vit_encoder (cpu): images encoded at once, each on one ONNX Runtime thread (0: one per CPU of its set).
 VIT_THREADS = "vit_threads"
+# vit_encoder (cpu): "fp32" (ONNX Runtime, the default) or "bf16" (OpenVINO, on CPUs with bf16 dot products).
+VIT_PRECISION = "vit_precision"
+VIT_PRECISIONS = ("fp32", "bf16")
 # preprocess (cpu): "torchvision" (PIL + torchvision, vLLM's processor bit for bit) or "dali".
 IMAGE_BACKEND = "image_backend"
 IMAGE_BACKENDS = ("torchvision", "dali")

@@ -78,6 +78,7 @@ from python_backends.contract.names import (
     VIDEO_LIMITS,
     VISION_SHARDS,
     VISION_WEIGHT_BYTES,
+    VIT_PRECISION,
     VIT_THREADS,
     ContractError,
     encoder_model_names,
@@ -165,6 +166,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(ONNX_FILE_KEY, ONNX_FILE),
         Parameter(INTRA_OP_THREADS, 0, minimum=0),  # 0: ONNX Runtime's default
         Parameter(VIT_THREADS, 0, minimum=0),  # 0: one per CPU of the model's set
+        Parameter(VIT_PRECISION, "fp32"),  # one of VIT_PRECISIONS, checked at load
         Parameter(IMAGE_BACKEND, "torchvision"),  # one of IMAGE_BACKENDS, checked at load
         Parameter(PATCH_DIM, None, minimum=1),
         Parameter(IMAGE_PATCH_DIM, None, minimum=1),

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from python_backends import contract
 from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_calls, patch_counts
 from python_backends.errors import EpdError, invalid_arg
 from python_backends.preprocess.stage import Result, filled
@@ -25,12 +27,30 @@ from python_backends.runtime.model_params import ModelParameters
 class VisionEncoder(Protocol):
     """What :class:`EncoderStage` needs (``python_backends.encode.vit_onnx.OnnxVisionEncoder``)."""
 
-    shape: VisionShape
-    merge_size: int
-    patch_dim: int
-    hidden_size: int
+    @property
+    def shape(self) -> VisionShape: ...
+    @property
+    def merge_size(self) -> int: ...
+    @property
+    def patch_dim(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
 
     def run_all(self, calls: Sequence[EncoderCall]) -> list[np.ndarray]: ...
+
+
+def open_vision_encoder(onnx_path: Path, precision: str, threads: int) -> VisionEncoder:
+    """The runner of ``precision`` (``contract.VIT_PRECISIONS``) on the exported graph: fp32 on
+    ONNX Runtime, the reference; bf16 on OpenVINO, where the CPU has bfloat16 dot products."""
+    if precision == "fp32":
+        from python_backends.encode.vit_onnx import OnnxVisionEncoder
+
+        return OnnxVisionEncoder(onnx_path, threads=threads)
+    if precision == "bf16":
+        from python_backends.encode.vit_openvino import OpenVinoVisionEncoder
+
+        return OpenVinoVisionEncoder(onnx_path, threads=threads, precision="bf16")
+    raise ValueError(f"vit precision {precision!r}: use one of {', '.join(contract.VIT_PRECISIONS)}")
 
 
 class EncoderStage:

@@ -119,4 +119,5 @@ class ModelParameters:
             repository / self.string(contract.ENCODER_FILE),
             video_sampling,
             image_backend=self.string(contract.IMAGE_BACKEND),
+            vit_precision=self.string(contract.VIT_PRECISION),
         )

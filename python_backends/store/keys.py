@@ -97,6 +97,8 @@ class KeyConfig:
     video_sampling: Mapping[str, Any] = field(default_factory=dict)
     # The kernels that made an image's pixels ("torchvision", "dali"); they differ in the last bits.
     image_backend: str = "torchvision"
+    # The vision encoder's precision ("fp32", "bf16"): one file, other embeddings.
+    vit_precision: str = "fp32"
 
     @classmethod
     def from_files(
@@ -105,6 +107,7 @@ class KeyConfig:
         encoder_file: Path,
         video_sampling: Mapping[str, Any] | None = None,
         image_backend: str = "torchvision",
+        vit_precision: str = "fp32",
     ) -> KeyConfig:
         if not encoder_file.is_file():
             raise ValueError(f"encoder file {encoder_file} does not exist; regenerate the repository")
@@ -115,7 +118,8 @@ class KeyConfig:
         video_file = preprocessor_config.parent / "video_preprocessor_config.json"
         video_config = json.loads(video_file.read_text()) if video_file.is_file() else {}
         image_config = json.loads(preprocessor_config.read_text())
-        return cls(image_config, digest.hexdigest(), video_config, dict(video_sampling or {}), image_backend)
+        version = digest.hexdigest() if vit_precision == "fp32" else f"{digest.hexdigest()}:{vit_precision}"
+        return cls(image_config, version, video_config, dict(video_sampling or {}), image_backend, vit_precision)
 
     def _config_of(self, modality: str) -> Mapping[str, Any]:
         if modality == "image":

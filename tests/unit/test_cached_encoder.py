@@ -232,3 +232,16 @@ def test_a_video_key_covers_the_video_config_and_the_frame_sampling(tmp_path: Pa
     assert KEYS.key(media, modality="audio") not in (KEYS.key(media), KEYS.key(media, modality="video"))
     with pytest.raises(EpdError, match="no content key for modality 'text'"):
         KEYS.key(media, modality="text")
+
+
+def test_the_encoders_precision_and_image_backend_are_part_of_the_key(tmp_path: Path) -> None:
+    """One graph file, other pixels (DALI) or other arithmetic (bf16): other embeddings, other keys."""
+    config, encoder = tmp_path / "preprocessor_config.json", tmp_path / "model.onnx"
+    config.write_text(json.dumps({"max_pixels": 100352}))
+    encoder.write_bytes(b"graph")
+    keys = {
+        (backend, precision): KeyConfig.from_files(config, encoder, image_backend=backend, vit_precision=precision)
+        for backend in ("torchvision", "dali")
+        for precision in ("fp32", "bf16")
+    }
+    assert len({k.key(b"image") for k in keys.values()}) == 4

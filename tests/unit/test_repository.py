@@ -556,3 +556,23 @@ def test_engine_threads_reach_every_engine(tmp_path: Path, model_dir: Path, fast
     assert omp_threads() == {"2"}
     with pytest.raises(SystemExit):
         repository.main(["--model", str(model_dir), "--out", str(out), "--engine-threads", "-1"])
+
+
+def test_vit_precision_reaches_the_encoder_and_every_content_key(
+    tmp_path: Path, model_dir: Path, fast_build: None
+) -> None:
+    """bf16 (OpenVINO) embeddings are other embeddings of the same graph file: the encoder runs it
+    and every model that computes content keys covers it; the gpu target refuses it (its plan
+    has a precision of its own)."""
+    out, stamps = tmp_path / "repo", tmp_path / "stamps"
+
+    def precision_of(model: str) -> str | None:
+        config = text_format.Parse((out / model / "config.pbtxt").read_text(), Config())
+        return {k: v.string_value for k, v in config.parameters.items()}.get("vit_precision")
+
+    write_repository("cpu", model_dir, out, stamps)
+    assert {precision_of(m) for m in ("vit_encoder", "encoder_0", "epd")} == {"fp32"}
+    repository.main(["--model", str(model_dir), "--out", str(out), "--vit-precision", "bf16"])
+    assert {precision_of(m) for m in ("vit_encoder", "encoder_0", "epd")} == {"bf16"}
+    with pytest.raises(ValueError, match="for the cpu target"):
+        write_repository("gpu", model_dir, tmp_path / "gpu", stamps, vit_precision="bf16")

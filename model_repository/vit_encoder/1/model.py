@@ -1,16 +1,16 @@
-"""`vit_encoder` (cpu target): ONNX Runtime on the exported vision tower + merger.
+"""`vit_encoder` (cpu target): the exported vision tower + merger, fp32 on ONNX Runtime (the
+default) or bf16 on OpenVINO (``vit_precision``).
 
-Thin by design: python_backends.encode.stage runs every image of a dynamic batch through ONNX
-Runtime, one call per image, several at once (python_backends.encode.vit_onnx), and gives one
-result or one coded error per request (python_backends.triton_edge.batched).
+Thin by design: python_backends.encode.stage runs every image of a dynamic batch through the
+runner, one call per image, several at once (python_backends.encode.vit_onnx, vit_openvino), and
+gives one result or one coded error per request (python_backends.triton_edge.batched).
 """
 
 import time
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.encode.stage import EncoderProvenance, EncoderStage
-from python_backends.encode.vit_onnx import OnnxVisionEncoder
+from python_backends.encode.stage import EncoderProvenance, EncoderStage, open_vision_encoder
 from python_backends.triton_edge.batched import BatchedModel
 
 
@@ -22,7 +22,8 @@ class TritonPythonModel(BatchedModel):
         provenance = EncoderProvenance.from_parameters(params)
         onnx_path = Path(args["model_repository"]) / args["model_version"] / params.string(contract.ONNX_FILE_KEY)
         started = time.perf_counter()
-        encoder = OnnxVisionEncoder(onnx_path, threads=params.integer(contract.VIT_THREADS))
+        precision = params.string(contract.VIT_PRECISION)
+        encoder = open_vision_encoder(onnx_path, precision, params.integer(contract.VIT_THREADS))
         seconds = time.perf_counter() - started
         provenance.check(encoder, params)
         megabytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*")) / 1e6
