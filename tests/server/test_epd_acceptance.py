@@ -347,18 +347,9 @@ def test_the_benchmarks_workloads_give_llms_tokens_on_both_paths(server, workloa
     (b) one image and 256 tokens, (c) 80% of images from a pool), one at a time (greedy and
     deterministic): ``epd`` on each path answers ``llm``'s tokens, so a speed-up there is the
     same answers faster, whichever encoder made the embeddings."""
-    import argparse
+    from bench.token_agreement import workload_requests
 
-    from bench.cli_args import workload_spec
-    from bench.workload import WorkloadBuilder
-
-    args = argparse.Namespace(
-        workload=workload, seed=3, prompt_tokens=None, output_tokens=None, images_per_request=None,
-        image_size=None, image_format="JPEG", image_dir=None, reuse_ratio=None, repeated_reuse_ratio=1.0,
-        media_pool=None, no_ignore_eos=False, temperature=0.0, tokenizer=None, media_salt=secrets.token_hex(4),
-    )  # fmt: skip
-    spec = workload_spec(args)
-    requests = WorkloadBuilder(spec).build(3 if workload == "long-answer" else 6, spec.reuse_ratio)
+    requests = workload_requests(workload, 3 if workload == "long-answer" else 6)
     differ = []
     for request in requests:
         prompt, images = request.prompt, list(request.images)
