@@ -145,33 +145,13 @@ def threads_of_cpu_set(requested: int) -> int:
     return requested if requested > 0 else len(os.sched_getaffinity(0))
 
 
-class OnnxVisionEncoder:
-    """One ONNX Runtime session, each call on ONE thread, up to ``threads`` calls (images) at once.
+class VisionRunner:
+    """What every runner of the graph shares: its shape (from the model's metadata), one call per
+    image, and the calls of a batch side by side on ``_pool`` (None: one after another). A
+    subclass sets ``shape`` and ``_pool`` and runs one call in :meth:`run`."""
 
-    Why not ONNX Runtime's intra-op threads: MLAS splits a small matrix product differently with
-    another thread count, so an image's embeddings would change (by ~1e-6) with the CPU set of
-    the encoder that served it, and greedy tokens with them. One thread per call gives the same
-    bits everywhere; parallelism comes from the images of a batch, run side by side
-    (``session.run`` releases the GIL). ``encode`` may be called from one thread at a time.
-    """
-
-    def __init__(
-        self, onnx_path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0
-    ) -> None:
-        import onnxruntime as ort  # heavy import stays out of callers that only need the helpers
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(str(onnx_path), sess_options=options, providers=list(providers))
-        self._threads = threads_of_cpu_set(threads)
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="vit") if self._threads > 1 else None
-        metadata = self._session.get_modelmeta().custom_metadata_map
-        keys = (META_MERGE_SIZE, META_PATCH_DIM, META_TEMPORAL_PATCH_SIZE, META_HIDDEN_SIZE)
-        missing = [key for key in keys if key not in metadata]
-        if missing:
-            raise ValueError(f"{onnx_path} lacks metadata {missing}: export it with builders.encoder")
-        self.shape = VisionShape(*(int(metadata[key]) for key in keys))
+    shape: VisionShape
+    _pool: ThreadPoolExecutor | None = None
 
     @property
     def merge_size(self) -> int:
@@ -190,7 +170,7 @@ class OnnxVisionEncoder:
         return self.run_all(encoder_calls(pixel_values, image_grid_thw, self.shape))
 
     def run_all(self, calls: Sequence[EncoderCall]) -> list[np.ndarray]:
-        """Each call's embeddings, in order; up to ``threads`` calls at once."""
+        """Each call's embeddings, in order, side by side where there is a pool."""
         if self._pool is None or len(calls) <= 1:
             return [self.run(call) for call in calls]
         return list(self._pool.map(self.run, calls))
@@ -198,6 +178,42 @@ class OnnxVisionEncoder:
     def encode_concatenated(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> np.ndarray:
         """``[sum(tokens_i), hidden]``: all images' embeddings in order."""
         return np.concatenate(self.encode(pixel_values, image_grid_thw))
+
+    def run(self, call: EncoderCall) -> np.ndarray:
+        raise NotImplementedError
+
+
+def side_by_side(calls: int, name: str) -> ThreadPoolExecutor | None:
+    """A pool for ``calls`` concurrent calls, or None for one at a time."""
+    return ThreadPoolExecutor(calls, thread_name_prefix=name) if calls > 1 else None
+
+
+class OnnxVisionEncoder(VisionRunner):
+    """One ONNX Runtime session, each call on ONE thread, up to ``threads`` calls (images) at once.
+
+    Why not ONNX Runtime's intra-op threads: MLAS splits a small matrix product differently with
+    another thread count, so an image's embeddings would change (by ~1e-6) with the CPU set of
+    the encoder that served it, and greedy tokens with them. One thread per call gives the same
+    bits everywhere; parallelism comes from the images of a batch, run side by side
+    (``session.run`` releases the GIL). ``encode`` may be called from one thread at a time.
+    """
+
+    def __init__(
+        self, onnx_path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0
+    ) -> None:
+        import onnxruntime as ort  # heavy import stays out of callers that only need the helpers
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(str(onnx_path), sess_options=options, providers=list(providers))
+        self._pool = side_by_side(threads_of_cpu_set(threads), "vit")
+        metadata = self._session.get_modelmeta().custom_metadata_map
+        keys = (META_MERGE_SIZE, META_PATCH_DIM, META_TEMPORAL_PATCH_SIZE, META_HIDDEN_SIZE)
+        missing = [key for key in keys if key not in metadata]
+        if missing:
+            raise ValueError(f"{onnx_path} lacks metadata {missing}: export it with builders.encoder")
+        self.shape = VisionShape(*(int(metadata[key]) for key in keys))
 
     def run(self, call: EncoderCall) -> np.ndarray:
         (embeds,) = self._session.run([OUTPUT_NAME], call.as_feed())

@@ -27,8 +27,6 @@ Plain Python: no Triton import.
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -41,8 +39,9 @@ from python_backends.encode.vit_onnx import (
     META_TEMPORAL_PATCH_SIZE,
     OUTPUT_NAME,
     EncoderCall,
+    VisionRunner,
     VisionShape,
-    encoder_calls,
+    side_by_side,
     threads_of_cpu_set,
 )
 
@@ -104,7 +103,7 @@ def _metadata(model: ov.Model, onnx_path: Path) -> dict[str, str]:
     return found
 
 
-class OpenVinoVisionEncoder:
+class OpenVinoVisionEncoder(VisionRunner):
     """One OpenVINO compiled model on CPU, ``threads`` streams of one thread each, an infer
     request per stream; the public surface of :class:`~python_backends.encode.vit_onnx.OnnxVisionEncoder`.
     Thread-safe: concurrent calls wait for a free infer request."""
@@ -145,33 +144,7 @@ class OpenVinoVisionEncoder:
         self._requests: queue.SimpleQueue[ov.InferRequest] = queue.SimpleQueue()
         for _ in range(streams):
             self._requests.put(self._compiled.create_infer_request())
-        self._pool = ThreadPoolExecutor(streams, thread_name_prefix="vit-ov") if streams > 1 else None
-
-    @property
-    def merge_size(self) -> int:
-        return self.shape.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return self.shape.patch_dim
-
-    @property
-    def hidden_size(self) -> int:
-        return self.shape.hidden_size
-
-    def encode(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[np.ndarray]:
-        """Embeddings per image, ``[tokens_i, hidden]`` float32, in ``image_grid_thw`` order."""
-        return self.run_all(encoder_calls(pixel_values, image_grid_thw, self.shape))
-
-    def run_all(self, calls: Sequence[EncoderCall]) -> list[np.ndarray]:
-        """Each call's embeddings, in order; up to one call per stream at once."""
-        if self._pool is None or len(calls) <= 1:
-            return [self.run(call) for call in calls]
-        return list(self._pool.map(self.run, calls))
-
-    def encode_concatenated(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> np.ndarray:
-        """``[sum(tokens_i), hidden]``: all images' embeddings in order."""
-        return np.concatenate(self.encode(pixel_values, image_grid_thw))
+        self._pool = side_by_side(streams, "vit-ov")
 
     def run(self, call: EncoderCall) -> np.ndarray:
         """One image's (or video's) embeddings, on a free infer request (waits for one)."""
