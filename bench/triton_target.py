@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.metrics import RequestRecord
 from bench.workload import BenchRequest
-from client.epd_client import ONE_IMAGE_MODELS, build_inputs
+from client.epd_client import ONE_IMAGE_MODELS, build_inputs, takes_one_uint8_image
 from client.grpc_streams import GRACE_S, InBandAbort, StreamEnds
 
 TIMING_PREFIX, TIMING_SUFFIX = "timing_", "_ms"
@@ -50,6 +50,7 @@ class TritonGrpcTarget:
         # and cancelled only if still open after the grace (never at once: Triton 2.51's leak).
         self.stream_ends = StreamEnds()
         self.aborts = InBandAbort(self.client, grpcclient)
+        self._one_image_uint8: dict[str, bool] = {}  # model -> its image is one UINT8 file
 
     async def close(self) -> None:
         await self.stream_ends.wait(GRACE_S + 1.0)
@@ -62,13 +63,17 @@ class TritonGrpcTarget:
                 return f"server at {self.url} is not live"
             if await self.client.is_model_ready(model):
                 await self.aborts.supported(model)  # learnt here, off the timed path
+                if model in ONE_IMAGE_MODELS:  # the gpu target's ensemble takes one UINT8 image
+                    metadata = await self.client.get_model_metadata(model, as_json=True)
+                    self._one_image_uint8[model] = takes_one_uint8_image(metadata)
                 return None
         except Exception as exc:  # any transport failure is a reason to skip
             return f"cannot reach {self.url}: {exc}"
         return f"model '{model}' is not loaded on {self.url}"
 
     def prepare(self, request: BenchRequest, model: str, parameters: dict[str, Any] | None = None) -> PreparedRequest:
-        # The same tensors the client library sends (ensemble takes its image as UINT8).
+        # The same tensors the client library sends (the gpu target's ensemble takes its one image
+        # as UINT8, learnt by not_ready_reason; every other model, BYTES).
         inputs = build_inputs(
             self._grpc,
             request.prompt,
@@ -76,7 +81,7 @@ class TritonGrpcTarget:
             True,
             request.sampling,
             True,
-            one_image_uint8=model in ONE_IMAGE_MODELS,
+            one_image_uint8=self._one_image_uint8.get(model, False),
         )
         return PreparedRequest(request, inputs, parameters)
 

@@ -3,18 +3,22 @@ the ``encode`` ensemble and the ``ensemble`` (encode's steps -> ``llm``), per ta
 
 - ``preprocess``: ``cpu``: a python-backend model running PIL + torchvision (vLLM's processor
   bit for bit; ``python_backends/preprocess/torch_images.py``) or, with ``image_backend``
-  ``dali``, the serialized DALI pipeline with ``device_id=None``; ``gpu``: Triton's DALI backend
-  with the mixed (nvJPEG) decoder, the same pipeline (``python_backends/preprocess/image_pipeline.py``).
-  Images go out folded (one temporal copy per patch row, ``image_patch_dim`` wide).
+  ``dali``, the serialized DALI pipeline with ``device_id=None``, not batched: one request's
+  0..N images at once, rows concatenated; ``gpu``: Triton's DALI backend with the mixed (nvJPEG)
+  decoder, the same pipeline (``python_backends/preprocess/image_pipeline.py``), dynamically
+  batched, one image per batch row. Images go out folded (one temporal copy per patch row,
+  ``image_patch_dim`` wide).
 - ``vit_encoder``: the vision tower + merger exported from the checkpoint's vision shards only
   (``builders/encoder.py``) to ``vit_encoder/1/model.onnx``, one image per graph call. ``cpu``:
-  ONNX Runtime in a python-backend model; ``gpu``: a ``tensorrt_plan`` (``model.plan``, built
-  where TensorRT imports) with CUDA graphs (``builders/tensorrt_config.py``).
+  ONNX Runtime in a python-backend model, one request's images side by side (not batched);
+  ``gpu``: a ``tensorrt_plan`` (``model.plan``, built where TensorRT imports) with CUDA graphs
+  (``builders/tensorrt_config.py``), one image per request.
 - ``vit_positions`` (``gpu`` only): the image's rotary position ids for the plan, from its grid
   (on ``cpu`` the ONNX Runtime model computes them itself).
-- ``encode``: ensemble ``preprocess -> [vit_positions ->] vit_encoder``: image in, embeddings
-  and grid out, by value.
-- ``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
+- ``encode``: ensemble ``preprocess -> [vit_positions ->] vit_encoder``: images in (cpu: 0..N,
+  gpu: one), embeddings and grid out, by value.
+- ``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG (cpu: 0
+  to ``max_images`` images per request; gpu: one).
 """
 
 from __future__ import annotations
@@ -41,18 +45,21 @@ def encode_gpu(target: Target) -> int:
 
 def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str, str]:
     serving = target.encode
-    interface = contract.PREPROCESS.sized(facts.parameters())
-    values = {
-        "target": target.name,
-        "max_batch_size": str(serving.max_batch_size),
-        "max_queue_delay_us": str(serving.max_queue_delay_us),
-        "inputs": render_tensors(interface.inputs),
-        "outputs": render_tensors(interface.outputs),
-        "instances": str(serving.preprocess_instances),
-    }
     if serving.device == "gpu":
-        values["gpu"] = str(encode_gpu(target))
+        # Triton's DALI backend: dynamically batched, one image per batch row.
+        interface = contract.PREPROCESS_DALI.sized(facts.parameters())
+        values = {
+            "target": target.name,
+            "max_batch_size": str(serving.max_batch_size),
+            "max_queue_delay_us": str(serving.max_queue_delay_us),
+            "inputs": render_tensors(interface.inputs),
+            "outputs": render_tensors(interface.outputs),
+            "instances": str(serving.preprocess_instances),
+            "gpu": str(encode_gpu(target)),
+        }
         return {"preprocess/config.pbtxt": render_template("preprocess_dali.pbtxt", values)}
+    # cpu: the python model, one request's images at once (not batched).
+    interface = contract.PREPROCESS.sized(facts.parameters())
     parameters = {
         contract.IMAGE_BACKEND: serving.image_backend,
         contract.PIPELINE_FILE: contract.DALI_FILE,
@@ -60,9 +67,24 @@ def preprocess_files(target: Target, model_dir: Path, facts: EncoderFacts) -> di
         contract.DALI_NUM_THREADS: serving.dali_threads,
         contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
         contract.MAX_IMAGE_PIXELS: target.limits[contract.MAX_IMAGE_PIXELS],
+        contract.MAX_IMAGES_PER_REQUEST: max_images_per_request(target),
     }
-    values["parameters"] = render_parameters(target.placed(contract.PREPROCESS_MODEL, parameters))
+    values = {
+        "target": target.name,
+        "inputs": render_tensors(interface.inputs),
+        "outputs": render_tensors(interface.outputs),
+        "instances": str(serving.preprocess_instances),
+        "parameters": render_parameters(target.placed(contract.PREPROCESS_MODEL, parameters)),
+    }
     return {"preprocess/config.pbtxt": render_template("preprocess_python.pbtxt", values)}
+
+
+def max_images_per_request(target: Target) -> int:
+    """The most images one request may bring to ``preprocess`` (cpu) and the encoders: the
+    target's ``max_images_per_request`` if it sets one, else the contract's default (``llm``
+    enforces its own ``max_images`` on the embeddings it receives)."""
+    default = int(contract.default_of(contract.MAX_IMAGES_PER_REQUEST))
+    return int(target.limits.get(contract.MAX_IMAGES_PER_REQUEST, default))
 
 
 def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
@@ -85,8 +107,6 @@ def vit_encoder_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
         "vit_encoder_onnxruntime.pbtxt",
         {
             "target": target.name,
-            "max_batch_size": str(serving.max_batch_size),
-            "max_queue_delay_us": str(serving.max_queue_delay_us),
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
             "instances": str(serving.encoder_instances),
@@ -134,16 +154,31 @@ def encode_steps(target: Target) -> list[EnsembleStep]:
     return [preprocess, EnsembleStep(contract.VIT_ENCODER_MODEL, encoder_in, embeds)]
 
 
+# What ``encode`` and ``ensemble`` take per target, said in their configs' comments.
+_ENCODE_SHAPES = {
+    "cpu": "0..N encoded images per request (image: BYTES [n], raw or base64) -> every image's\n"
+    "# embeddings concatenated in order (image_embeds [1, tokens, hidden]) + image_grid_thw [n, 3].",
+    "gpu": "exactly one image per request (image: UINT8 [1, bytes]; the TensorRT plan takes one\n"
+    "# image) -> image_embeds [1, tokens, hidden] + image_grid_thw [1, 3].",
+}
+_ENSEMBLE_SHAPES = {
+    "cpu": "0 to max_images encoded images per request (image: BYTES [n], optional, raw or base64,\n"
+    "# as llm takes them): preprocess and vit_encoder take a request's images at once.",
+    "gpu": "exactly one image per request (image: UINT8 [1, bytes]), as this target's encode takes\n"
+    "# it (a static DAG cannot loop); use llm or epd for 0 or several.",
+}
+
+
 def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
-    serving = target.encode
-    # gpu: the plan runs one image per request (max_batch_size 0): the batch row is explicit.
-    one_image = serving.device == "gpu"
-    interface = (contract.ENCODE_ONE_IMAGE if one_image else contract.ENCODE).sized(facts.parameters())
+    """``encode``: not batched on either target. ``cpu``: a request's images at once (BYTES
+    ``[n]``); ``gpu``: one image per request with the batch row explicit (the plan takes one)."""
+    device = target.encode.device
+    interface = (contract.ENCODE_ONE_IMAGE if device == "gpu" else contract.ENCODE).sized(facts.parameters())
     config = render_template(
         "encode.pbtxt",
         {
             "target": target.name,
-            "max_batch_size": "0" if one_image else str(serving.max_batch_size),
+            "shapes": _ENCODE_SHAPES[device],
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
             "steps": render_steps(encode_steps(target)),
@@ -155,13 +190,17 @@ def encode_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
 def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
     """``ensemble``: encode's steps -> ``llm`` with the embeddings by value, one static DAG.
 
-    Exactly one image per request (``image``: UINT8 [1, bytes], as ``encode`` takes it): a
-    static DAG runs each step once and cannot loop over images or skip the encoder, so 0 or
-    several images are refused by Triton's shape check (use ``llm`` or ``epd`` for those).
-    Decoupled streaming passes through: ``llm``'s responses are the ensemble's.
+    ``cpu``: 0 to ``max_images`` images per request (``image``: BYTES ``[n]``, optional, as
+    ``llm`` takes them): ``preprocess`` and ``vit_encoder`` take all of a request's images at once
+    and answer empty tensors for none (an absent ``image`` reaches preprocess as no input), which
+    ``llm`` reads as no image. ``gpu``: exactly one image per request (``image``: UINT8
+    ``[1, bytes]``, as its ``encode`` takes it): the TensorRT plan takes one image per call and a
+    static DAG cannot loop, so 0 or several are refused by Triton's shape check (use ``llm`` or
+    ``epd`` for those). Decoupled streaming passes through: ``llm``'s responses are the ensemble's.
     """
     del facts  # the llm step's own config carries the hidden size
-    interface = contract.ENSEMBLE
+    device = target.encode.device
+    interface = contract.ENSEMBLE_ONE_IMAGE if device == "gpu" else contract.ENSEMBLE
     options = _same_names(*(spec.name for spec in contract.GENERATE_OPTIONS))
     llm_in = _same_names(contract.TEXT_INPUT, contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW)
     llm = EnsembleStep(contract.LLM_MODEL, {**llm_in, **options}, _same_names(*contract.LLM.output_names))
@@ -169,6 +208,7 @@ def ensemble_files(target: Target, facts: EncoderFacts) -> dict[str, str]:
         "ensemble.pbtxt",
         {
             "target": target.name,
+            "shapes": _ENSEMBLE_SHAPES[device],
             "inputs": render_tensors(interface.inputs),
             "outputs": render_tensors(interface.outputs),
             "steps": render_steps([*encode_steps(target), llm]),

@@ -249,6 +249,8 @@ def encoder_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[
         **_store_parameters(target, facts.merge_size),
         **_key_parameters(target, model_dir),
         contract.ENCODE_MODEL_KEY: contract.ENCODE_MODEL,
+        # gpu: encode takes one image as UINT8 [1, bytes]; cpu: a request's images as BYTES [n].
+        contract.ENCODE_ONE_IMAGE_KEY: target.encode.device == "gpu",
         contract.MAX_IMAGE_BYTES: target.limits[contract.MAX_IMAGE_BYTES],
         **epd_video_limits(target),
         contract.DALI_NUM_THREADS: target.encode.dali_threads,

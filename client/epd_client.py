@@ -12,7 +12,7 @@ import base64
 import json
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,13 +101,21 @@ class GenerateResult:
                 self.timings_ms[name[len("timing_") : -len("_ms")]] = float(value.reshape(-1)[0])
 
 
-# Models whose ``image`` is the one encoded file as UINT8 [1, bytes] (what ``preprocess`` takes):
-# the static ``ensemble`` DAG encodes exactly one image per request.
+# Models that may take their ``image`` as the one encoded file, UINT8 [1, bytes]: the gpu target's
+# ``ensemble`` (its encode runs the TensorRT plan, one image per request, in a static DAG). The
+# cpu target's ``ensemble`` takes 0 or more encoded images as BYTES, like ``llm`` and ``epd``: the
+# clients ask these models' metadata once (:func:`takes_one_uint8_image`).
 ONE_IMAGE_MODELS = frozenset({"ensemble"})
 
 
-def check_images_for(model: str, images: Sequence[bytes]) -> None:
-    if model in ONE_IMAGE_MODELS and len(images) != 1:
+def takes_one_uint8_image(metadata: Mapping[str, Any]) -> bool:
+    """Whether a model's metadata (``get_model_metadata(..., as_json=True)``) declares ``image``
+    as UINT8: exactly one encoded file per request, ``[1, bytes]``."""
+    return any(i.get("name") == "image" and i.get("datatype") == "UINT8" for i in metadata.get("inputs", []))
+
+
+def check_images_for(model: str, images: Sequence[bytes], one_image_uint8: bool) -> None:
+    if one_image_uint8 and len(images) != 1:
         raise ClientError(
             f"model '{model}' takes exactly one image per request (a static ensemble cannot loop "
             f"over images), got {len(images)}; use 'llm' or 'epd' for 0 or several images"
@@ -168,6 +176,23 @@ class GrpcClient:
         self.model = model
         self.grace_s = grace_s  # a request given up on: its stream is read on this long, then cancelled
         self._client = grpcclient.InferenceServerClient(url)
+        self._one_image_uint8: bool | None = None  # learnt from the model's metadata, once
+
+    def one_image_uint8(self) -> bool:
+        """Whether the model takes one image as UINT8 (the gpu target's ``ensemble``); asked of
+        the server once, for :data:`ONE_IMAGE_MODELS` only. An unreachable or unknown model reads
+        as BYTES: the request itself then says what is wrong."""
+        if self._one_image_uint8 is None:
+            self._one_image_uint8 = False
+            if self.model in ONE_IMAGE_MODELS:
+                try:
+                    self._one_image_uint8 = takes_one_uint8_image(
+                        self._client.get_model_metadata(self.model, as_json=True)
+                    )
+                except Exception:
+                    self._one_image_uint8 = None  # asked again next time
+                    return False
+        return self._one_image_uint8
 
     def _start_stream(self) -> queue.Queue[tuple[Any, Any]]:
         """Open the client's (one) gRPC stream; its responses and errors land in the queue."""
@@ -206,7 +231,8 @@ class GrpcClient:
         request parameters (``epd``: ``{"encoder": "encoder_1"}`` pins its encodes). An
         image item ``b"mm_hash:<hex>"`` names an image pre-encoded with :meth:`warm_up`.
         """
-        check_images_for(self.model, images)
+        one_image_uint8 = self.one_image_uint8()
+        check_images_for(self.model, images, one_image_uint8)
         result = GenerateResult(started_at=time.perf_counter())
         responses = self._start_stream()
         finished = False  # its final (or an error) response came: the server closes the stream
@@ -214,7 +240,7 @@ class GrpcClient:
             self._client.async_stream_infer(
                 self.model,
                 build_inputs(
-                    self._module, prompt, images, True, sampling, None, self.model in ONE_IMAGE_MODELS, videos, audios
+                    self._module, prompt, images, True, sampling, None, one_image_uint8, videos, audios
                 ),
                 enable_empty_final_response=True,  # every output the model sends
                 parameters=parameters,

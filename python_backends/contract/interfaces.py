@@ -26,6 +26,7 @@ __all__ = [
     "ENCODER",
     "ENCODE_ONE_IMAGE",
     "ENSEMBLE",
+    "ENSEMBLE_ONE_IMAGE",
     "EPD",
     "GENERATE_OPTIONS",
     "GENERATE_OUTPUTS",
@@ -33,6 +34,7 @@ __all__ = [
     "LLM",
     "PREFILL",
     "PREPROCESS",
+    "PREPROCESS_DALI",
     "VIT_ENCODER",
     "VIT_ENCODER_TENSORRT",
     "VIT_POSITIONS",
@@ -183,8 +185,11 @@ LLM = ModelInterface(
 )
 # ``llm`` of an audio checkpoint (Qwen2-Audio: audio in, no image or video).
 AUDIO_LLM = LLM.without(n.IMAGE, n.VIDEO, n.IMAGE_EMBEDS, n.IMAGE_GRID_THW)
-# ``ensemble``: encode's steps -> llm; exactly one image per request, as encode takes it.
-ENSEMBLE = ModelInterface(
+# ``ensemble`` (cpu): encode's steps -> llm; 0 to max_images encoded images per request, as llm
+# takes them (absent: preprocess gets no image and llm no embeddings, Triton's optional inputs).
+ENSEMBLE = ModelInterface(n.ENSEMBLE_MODEL, (_PROMPT, _ENCODED_IMAGES, *GENERATE_OPTIONS), GENERATE_OUTPUTS)
+# ``ensemble`` (gpu): exactly one image per request, as the gpu target's ``encode`` takes it.
+ENSEMBLE_ONE_IMAGE = ModelInterface(
     n.ENSEMBLE_MODEL, (_PROMPT, _tensor(n.IMAGE, "TYPE_UINT8", 1, -1), *GENERATE_OPTIONS), GENERATE_OUTPUTS
 )
 # ``epd``: the main entry point; llm's interface plus per-stage timings and the path that served
@@ -221,28 +226,44 @@ EPD = ModelInterface(
 )
 # ``epd`` of an audio checkpoint: audio in (its encoders, prefill and decode take audio references).
 AUDIO_EPD = EPD.without(n.IMAGE, n.VIDEO)
-# ``preprocess``: the file's bytes, one image per batch row; rows of different requests differ in
-# length, hence ragged (the DALI backend's input convention). Output order is the pipeline's.
+_PREPROCESS_PARAMETERS = (
+    n.IMAGE_BACKEND,
+    n.PIPELINE_FILE,
+    n.PREPROCESSOR_CONFIG,
+    n.DALI_NUM_THREADS,
+    n.MAX_IMAGE_BYTES,
+    n.MAX_IMAGE_PIXELS,
+)
+# ``preprocess`` (cpu): a python model, not batched: one request's 0..N encoded images (raw bytes
+# or base64, as llm takes them; at most ``max_images_per_request``) -> every image's folded rows
+# concatenated in order, and one grid row per image. No image: [0, image_patch_dim] and [0, 3].
 PREPROCESS = ModelInterface(
+    n.PREPROCESS_MODEL,
+    (_ENCODED_IMAGES,),
+    (
+        _tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.IMAGE_PATCH_DIM),
+        _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3),
+    ),
+    (*_PREPROCESS_PARAMETERS, n.MAX_IMAGES_PER_REQUEST),
+)
+# ``preprocess`` (gpu): Triton's DALI backend, dynamically batched: the file's bytes, one image per
+# batch row; rows of different requests differ in length, hence ragged (the DALI backend's input
+# convention). Output order is the pipeline's. (tests/server/test_gpu_topology.py serves it with the
+# cpu model.py, which takes this interface too when its config batches.)
+PREPROCESS_DALI = ModelInterface(
     n.PREPROCESS_MODEL,
     (_tensor(n.IMAGE, "TYPE_UINT8", -1, ragged=True),),
     (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, n.IMAGE_PATCH_DIM), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
-    (
-        n.IMAGE_BACKEND,
-        n.PIPELINE_FILE,
-        n.PREPROCESSOR_CONFIG,
-        n.DALI_NUM_THREADS,
-        n.MAX_IMAGE_BYTES,
-        n.MAX_IMAGE_PIXELS,
-    ),
+    _PREPROCESS_PARAMETERS,
 )
-_EMBEDS = _tensor(n.IMAGE_EMBEDS, "TYPE_FP32", -1, n.HIDDEN_SIZE)
-# ``vit_encoder`` (cpu): ONNX Runtime, dynamically batched, computes positions itself. Rows are
-# folded (an image from preprocess, ``image_patch_dim`` wide) or full (a video's, ``patch_dim``).
+# ``vit_encoder`` (cpu): ONNX Runtime (or OpenVINO), not batched, computes positions itself: one
+# request's images (or one video) as rows concatenated in grid order, folded (an image from
+# preprocess, ``image_patch_dim`` wide) or full (a video's, ``patch_dim``); every image's tokens
+# concatenated in order ([1, 0, hidden] for no image), the leading 1 as llm takes them.
 VIT_ENCODER = ModelInterface(
     n.VIT_ENCODER_MODEL,
-    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, -1, ragged=True), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3)),
-    (_EMBEDS,),
+    (_tensor(n.PIXEL_VALUES, "TYPE_FP32", -1, -1), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3)),
+    (_tensor(n.IMAGE_EMBEDS, "TYPE_FP32", 1, -1, n.HIDDEN_SIZE),),
     (n.ONNX_FILE_KEY, n.VIT_THREADS, n.VIT_PRECISION, *n.ENCODER_FACTS),
 )
 # ``vit_encoder`` (gpu): the TensorRT plan, one image per request (max_batch_size 0). pixel_values
@@ -265,11 +286,15 @@ VIT_POSITIONS = ModelInterface(
     (_tensor(n.ROTARY_POS_IDS, "TYPE_INT64", -1, 2),),
     (n.MERGE_SIZE,),
 )
-# ``encode``: image -> embeddings + grid by value. Batched (cpu: several images of one size) or
-# one image per request with the batch row explicit (gpu: the plan takes one image).
+# ``encode`` (cpu): a request's encoded images (BYTES, 0..N) -> every image's embeddings
+# concatenated in order + one grid row per image, by value (not batched: preprocess and
+# vit_encoder take one request's images at once).
 ENCODE = ModelInterface(
-    n.ENCODE_MODEL, (_tensor(n.IMAGE, "TYPE_UINT8", -1),), (_EMBEDS, _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", 3))
+    n.ENCODE_MODEL,
+    (_tensor(n.IMAGE, "TYPE_STRING", -1),),
+    (_tensor(n.IMAGE_EMBEDS, "TYPE_FP32", 1, -1, n.HIDDEN_SIZE), _tensor(n.IMAGE_GRID_THW, "TYPE_INT64", -1, 3)),
 )
+# ``encode`` (gpu): one image per request, its bytes as UINT8 [1, bytes] (the plan takes one image).
 ENCODE_ONE_IMAGE = ModelInterface(
     n.ENCODE_MODEL,
     (_tensor(n.IMAGE, "TYPE_UINT8", 1, -1),),
@@ -300,6 +325,7 @@ ENCODER = ModelInterface(
         *_STORE_USER,
         *_CONTENT_KEYS,
         n.ENCODE_MODEL_KEY,
+        n.ENCODE_ONE_IMAGE_KEY,
         n.MAX_IMAGE_BYTES,
         n.MAX_IMAGES_PER_REQUEST,
         *n.VIDEO_LIMITS,
@@ -367,9 +393,9 @@ DECODE = ModelInterface(
 # models that take video one without ``video`` for ``max_videos`` 0 (``taking_videos``).
 INTERFACES: dict[str, tuple[ModelInterface, ...]] = {
     n.LLM_MODEL: (LLM.taking_audios(0), LLM.taking_audios(0).taking_videos(0), AUDIO_LLM),
-    n.ENSEMBLE_MODEL: (ENSEMBLE,),
+    n.ENSEMBLE_MODEL: (ENSEMBLE, ENSEMBLE_ONE_IMAGE),
     n.EPD_MODEL: (EPD.taking_audios(0), EPD.taking_audios(0).taking_videos(0), AUDIO_EPD),
-    n.PREPROCESS_MODEL: (PREPROCESS,),
+    n.PREPROCESS_MODEL: (PREPROCESS, PREPROCESS_DALI),
     n.VIT_ENCODER_MODEL: (VIT_ENCODER, VIT_ENCODER_TENSORRT),
     n.VIT_POSITIONS_MODEL: (VIT_POSITIONS,),
     n.ENCODE_MODEL: (ENCODE, ENCODE_ONE_IMAGE),

@@ -127,6 +127,9 @@ IMAGE_EMBEDS_HIDDEN_SIZE = "image_embeds_hidden_size"
 SPATIAL_MERGE_SIZE = "spatial_merge_size"
 # The models a model calls over BLS.
 ENCODE_MODEL_KEY = "encode_model"
+# encoder_<i>: the encode model takes one image as UINT8 [1, bytes] (the gpu target's one-image
+# DAG) instead of a request's encoded images as BYTES [n] (the cpu target's).
+ENCODE_ONE_IMAGE_KEY = "encode_one_image"
 ENCODER_MODELS_KEY = "encoder_models"
 PREFILL_MODEL_KEY = "prefill_model"
 DECODE_MODEL_KEY = "decode_model"

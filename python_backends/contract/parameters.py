@@ -26,6 +26,7 @@ from python_backends.contract.names import (
     DECODE_MODEL_KEY,
     ENCODE_MODEL,
     ENCODE_MODEL_KEY,
+    ENCODE_ONE_IMAGE_KEY,
     ENCODER_FILE,
     ENCODER_MODELS_KEY,
     HIDDEN_SIZE,
@@ -142,6 +143,7 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(IMAGE_EMBEDS_HIDDEN_SIZE, 0, minimum=1),  # 0: embeddings by value refused
         Parameter(SPATIAL_MERGE_SIZE, 2, minimum=1),
         Parameter(ENCODE_MODEL_KEY, ENCODE_MODEL),
+        Parameter(ENCODE_ONE_IMAGE_KEY, False),
         Parameter(ENCODER_MODELS_KEY, None),
         Parameter(PREFILL_MODEL_KEY, PREFILL_MODEL),
         Parameter(DECODE_MODEL_KEY, DECODE_MODEL),

@@ -9,7 +9,11 @@ call them directly to pre-encode media (warm-up) and later send only the ``mm_ha
 Per image: content key -> ``claim``: HIT (a reference at once), JOIN (another request, in
 any process, is encoding it: wait) or PRODUCE (encode, then ``fulfil``; ``abandon`` on
 failure so joined waiters get the error instead of a hang). The embeddings are written here,
-on the encode side; only the reference (<= 1 KB) goes back through Triton.
+on the encode side; only the reference (<= 1 KB) goes back through Triton. The images of one
+request that it must encode itself (its PRODUCE claims) go to ``encode`` in one request when the
+encoder has ``encode_many`` (the cpu target's ``encode`` takes a request's images at once):
+fewer BLS hops; if that call refuses the input, each image is encoded alone so that the error
+names the right ``image[i]``.
 
 Leases are taken for ``lease_owner`` (the caller's pid: ``epd`` releases them when its
 request ends, and the store reaps them if that process dies) or not at all (warm-up).
@@ -26,21 +30,30 @@ same tenant sends back to ``epd`` as ``mm_hash:<hex>``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from python_backends import contract
-from python_backends.errors import EpdError, invalid_arg, item_renamed
+from python_backends.encode.vit_onnx import embedding_counts
+from python_backends.errors import EpdError, ErrorCode, invalid_arg, item_renamed
 from python_backends.request.audios import audio_bytes
 from python_backends.request.images import image_bytes
 from python_backends.request.tenants import key_space
 from python_backends.request.videos import VideoLimits, sized_video_bytes
-from python_backends.store import ClaimKind, EmbeddingStore, EntryMeta, KeyConfig, Reference, StoreFullError
+from python_backends.store import (
+    Claim,
+    ClaimKind,
+    EmbeddingStore,
+    EntryMeta,
+    KeyConfig,
+    Reference,
+    StoreFullError,
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,9 @@ class EncodedImage:
 
     embeds: np.ndarray | Any  # [tokens, hidden]; a CUDA tensor on the gpu target
     grid_thw: tuple[int, int, int] | None  # None: audio (no grid; its tokens are the rows)
+
+
+T = TypeVar("T")
 
 
 class Outcome(str, Enum):
@@ -73,6 +89,38 @@ class EncoderAnswer:
 
 
 EncodeFn = Callable[[bytes], Awaitable[EncodedImage]]
+# Several images in one call (one ``encode`` request): their embeddings, in order.
+EncodeManyFn = Callable[[Sequence[bytes]], Awaitable[list[EncodedImage]]]
+
+
+def split_encoded(embeds: Any, grid_thw: Any, merge_size: int, images: int) -> list[EncodedImage]:
+    """``encode``'s answer for several images (every image's embeddings concatenated,
+    ``[1, tokens, hidden]``, and ``image_grid_thw`` ``[images, 3]``) split per image by its grid."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    if len(grid) != images:
+        raise EpdError(f"encode answered {len(grid)} grids for {images} images", ErrorCode.INTERNAL)
+    flat = embeds.reshape(-1, embeds.shape[-1])
+    counts = embedding_counts(grid, merge_size) if images else []
+    if sum(counts) != flat.shape[0]:
+        raise EpdError(
+            f"encode answered {flat.shape[0]} embedding rows, the grids {grid.tolist()} need {sum(counts)}",
+            ErrorCode.INTERNAL,
+        )
+    bounds = np.cumsum([0, *counts]).tolist()
+    return [
+        EncodedImage(flat[bounds[i] : bounds[i + 1]], (int(t), int(h), int(w)))
+        for i, (t, h, w) in enumerate(grid.tolist())
+    ]
+
+
+@dataclass(frozen=True)
+class _Miss:
+    """An image of a request that the request must encode itself (a PRODUCE claim)."""
+
+    index: int  # in the request
+    image: bytes
+    claim: Claim
+    public: str  # the client's mm_hash
 
 
 def parse_encoder_videos(inputs: Mapping[str, np.ndarray], limits: VideoLimits | None) -> list[bytes] | None:
@@ -165,10 +213,13 @@ class CachedEncoder:
         run_blocking: Callable[..., Awaitable[Any]] | None = None,
         encode_video: EncodeFn | None = None,
         encode_audio: EncodeFn | None = None,
+        encode_many: EncodeManyFn | None = None,
     ) -> None:
         """``encode``: one image -> its embeddings; ``encode_video``: one video -> its
         embeddings (the same vision tower over its frames), None when this encoder takes none;
-        ``encode_audio``: one audio file -> its embeddings (an audio checkpoint's encoder)."""
+        ``encode_audio``: one audio file -> its embeddings (an audio checkpoint's encoder);
+        ``encode_many``: several images -> their embeddings in one call, for the images of one
+        request that it must encode (None: one ``encode`` call per image)."""
         self.store = store
         self.keys = keys
         self.namespace = namespace
@@ -179,6 +230,7 @@ class CachedEncoder:
             self._encoders["video"] = encode_video
         if encode_audio is not None:
             self._encoders["audio"] = encode_audio
+        self._encode_many = encode_many
         self._full_store_wait_s = full_store_wait_s
         # Waiting for another process's encode polls LMDB: off the event loop.
         self._run_blocking = run_blocking or (lambda fn, *args, **kwargs: asyncio.to_thread(fn, *args, **kwargs))
@@ -192,12 +244,16 @@ class CachedEncoder:
     ) -> list[EncoderAnswer]:
         """Every item (images, or videos) at once. All or nothing: if one fails, the leases
         taken for the others are released (their owner never sees them) and the first error is
-        raised; an error names its item by its index in ``images``."""
-        answers = (
-            _named(self.reference(image, lease_owner, tenant, modality), modality, index)
-            for index, image in enumerate(images)
-        )
-        results = await asyncio.gather(*answers, return_exceptions=True)
+        raised; an error names its item by its index in ``images``. Images this request must
+        encode go to ``encode_many`` together, when the encoder has it."""
+        if modality == "image" and self._encode_many is not None and len(images) > 1:
+            results = await self._coalesced(images, lease_owner, tenant)
+        else:
+            answers = (
+                _named(self.reference(image, lease_owner, tenant, modality), modality, index)
+                for index, image in enumerate(images)
+            )
+            results = await asyncio.gather(*answers, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if not failures:
             return [r for r in results if isinstance(r, EncoderAnswer)]
@@ -228,12 +284,115 @@ class CachedEncoder:
                 continue  # the producer vanished or its entry went at once: claim again
             try:
                 encoded = await encode(image)
-                meta = EntryMeta(modality=modality, grid_thw=encoded.grid_thw)  # mm_hash = the key
-                reference = await self._fulfil(claim, encoded, meta, lease_owner)
             except BaseException as exc:  # the mark must go whatever happened, or waiters hang
                 self.store.abandon(claim, exc)
                 raise
-            return EncoderAnswer(reference, Outcome.MISS, public)
+            return await self._stored(claim, encoded, public, modality, lease_owner)
+
+    async def _stored(
+        self, claim: Claim, encoded: EncodedImage, public: str, modality: str, lease_owner: int | None
+    ) -> EncoderAnswer:
+        """The PRODUCE ``claim`` fulfilled with ``encoded`` (abandoned if that fails)."""
+        try:
+            meta = EntryMeta(modality=modality, grid_thw=encoded.grid_thw)  # mm_hash = the key
+            reference = await self._fulfil(claim, encoded, meta, lease_owner)
+        except BaseException as exc:  # the mark must go whatever happened, or waiters hang
+            self.store.abandon(claim, exc)
+            raise
+        return EncoderAnswer(reference, Outcome.MISS, public)
+
+    async def _coalesced(
+        self, images: list[bytes], lease_owner: int | None, tenant: str | None
+    ) -> list[EncoderAnswer | BaseException]:
+        """Every image of one request claimed at once: HITs answer, JOINs wait (side by side with
+        this request's own encode: the same image twice in a request joins itself), and the PRODUCE
+        claims go to ``encode_many`` in one call. One result per image, in order."""
+        space = key_space(tenant, self.tenant_policy)
+        lease = lease_owner is not None
+        results: list[EncoderAnswer | BaseException | None] = [None] * len(images)
+        joins: list[tuple[int, Awaitable[EncoderAnswer]]] = []
+        misses: list[_Miss] = []
+        for index, image in enumerate(images):
+            try:
+                public, key = self.keys.scoped(image, space, self.namespace, "image")
+                claim = self.store.claim(key, lease=lease, owner_pid=lease_owner)
+            except Exception as exc:
+                results[index] = exc
+                continue
+            if claim.kind is ClaimKind.HIT:
+                assert claim.reference is not None  # a HIT always carries one
+                results[index] = EncoderAnswer(claim.reference, Outcome.HIT, public)
+            elif claim.kind is ClaimKind.JOIN:
+                joins.append((index, _named(self._joined(image, claim, public, lease_owner, tenant), "image", index)))
+            else:
+                misses.append(_Miss(index, image, claim, public))
+
+        async def produce() -> None:
+            for miss, answer in zip(misses, await self._produce_many(misses, lease_owner), strict=True):
+                results[miss.index] = answer
+
+        joined = await asyncio.gather(produce(), *(wait for _, wait in joins), return_exceptions=True)
+        if isinstance(joined[0], BaseException):  # the produce step itself failed (cancelled): every miss
+            for miss in misses:
+                results[miss.index] = joined[0]
+        for (index, _), answer in zip(joins, joined[1:], strict=True):
+            results[index] = answer
+        missing = EpdError("an image was left without an answer", ErrorCode.INTERNAL)  # a bug here, not input
+        return [missing if result is None else result for result in results]
+
+    async def _joined(
+        self, image: bytes, claim: Claim, public: str, lease_owner: int | None, tenant: str | None
+    ) -> EncoderAnswer:
+        """Wait for the production ``claim`` joined; if it vanished, claim the image again."""
+        lease = lease_owner is not None
+        found = await self._run_blocking(self.store.wait_for, claim, lease=lease, owner_pid=lease_owner)
+        if found is not None:
+            return EncoderAnswer(found, Outcome.JOIN, public)
+        return await self.reference(image, lease_owner, tenant, "image")
+
+    async def _produce_many(self, misses: list[_Miss], lease_owner: int | None) -> list[EncoderAnswer | BaseException]:
+        """The PRODUCE claims encoded (together when there are several) and stored; each claim is
+        fulfilled or abandoned whatever happens. One result per miss; an error names its image by
+        its index in the request."""
+        if not misses:
+            return []
+        settled: set[int] = set()  # misses whose claim is fulfilled or abandoned
+
+        async def store(position: int, miss: _Miss, encoded: EncodedImage | BaseException) -> EncoderAnswer:
+            settled.add(position)  # _stored fulfils or abandons from here on
+            if isinstance(encoded, BaseException):
+                self.store.abandon(miss.claim, encoded)
+                raise encoded
+            return await self._stored(miss.claim, encoded, miss.public, "image", lease_owner)
+
+        try:
+            encoded = await self._encode_together(misses)
+            pairs = enumerate(zip(misses, encoded, strict=True))
+            stores = (store(position, miss, item) for position, (miss, item) in pairs)
+            return list(await asyncio.gather(*stores, return_exceptions=True))
+        except BaseException as exc:  # the encode failed or this request was cancelled
+            for position, miss in enumerate(misses):
+                if position not in settled:
+                    self.store.abandon(miss.claim, exc)
+            if isinstance(exc, Exception):
+                return [exc] * len(misses)
+            raise
+
+    async def _encode_together(self, misses: list[_Miss]) -> list[EncodedImage | BaseException]:
+        """The misses' embeddings: one ``encode_many`` call, or (one miss, or that call refused
+        the input) one ``encode`` call per image, whose errors name ``image[index]``."""
+        if len(misses) > 1 and self._encode_many is not None:
+            try:
+                encoded = list(await self._encode_many([miss.image for miss in misses]))
+            except EpdError as exc:
+                if exc.code is not ErrorCode.INVALID_ARG:
+                    raise
+            else:
+                if len(encoded) != len(misses):
+                    raise EpdError(f"encode answered {len(encoded)} images for {len(misses)}", ErrorCode.INTERNAL)
+                return list(encoded)
+        alone = (_named(self._encoders["image"](miss.image), "image", miss.index) for miss in misses)
+        return list(await asyncio.gather(*alone, return_exceptions=True))
 
     async def _fulfil(self, claim: Any, encoded: EncodedImage, meta: EntryMeta, lease_owner: int | None) -> Reference:
         """Store the embedding; when leases of running requests fill the store, wait (bounded)
@@ -252,7 +411,7 @@ class CachedEncoder:
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
 
-async def _named(answer: Awaitable[EncoderAnswer], modality: str, index: int) -> EncoderAnswer:
+async def _named(answer: Awaitable[T], modality: str, index: int) -> T:
     """``answer``, with an error about item 0 (the video preprocessing sees one video at a
     time) renamed to the item's index in the request."""
     try:

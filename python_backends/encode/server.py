@@ -63,7 +63,8 @@ class EncoderServer:
     @classmethod
     def build(cls, params: ModelParameters, repository: Path, model_name: str, stages: Any) -> EncoderServer:
         """``stages``: the BLS client of the ``encode`` ensemble (``triton_edge.bls.BlsEncode``): a
-        call encodes one image; ``encode_pixels`` runs a video's pixels through ``vit_encoder``,
+        call encodes one image, ``encode_many`` (None where ``encode`` takes one image) several
+        in one request; ``encode_pixels`` runs a video's pixels through ``vit_encoder``,
         ``encode_audio_features`` a clip's features through ``audio_encoder``."""
         store = EmbeddingStore(params.store_config())
         audio = AudioInput.from_params(params)  # an audio checkpoint's encoder takes audio only
@@ -74,6 +75,7 @@ class EncoderServer:
             store, keys, _no_images if audio else stages, namespace=cache_namespace(policy.scope, model_name),
             tenant_policy=policy.tenants, encode_video=_video_encode(params, repository, videos, stages),
             encode_audio=_audio_encode(params, repository, audio, stages),
+            encode_many=None if audio else getattr(stages, "encode_many", None),
         )  # fmt: skip
         if audio is not None:
             return cls(encoder, store, 0, 0, None, audio)

@@ -1,11 +1,13 @@
 """Request-level logic of the ``vit_encoder`` python model (the ``cpu`` target).
 
-Triton's dynamic batcher hands ``vit_encoder`` a list of requests per ``execute``, each with
-``pixel_values`` float32 ``[b, patches, width]`` (``C*P*P`` folded image rows, as ``preprocess``
-sends them, or ``C*T*P*P``) and ``image_grid_thw`` int64 ``[b, 3]``; :class:`EncoderStage`
-runs every image of them through ONNX Runtime (one call each, side by side) and
-answers ``image_embeds`` float32 ``[b, patches / merge**2, hidden]`` per request. A bad request
-fails alone. Plain Python: no Triton import.
+``vit_encoder`` is not batched: each request carries one request's images (or one video) as
+``pixel_values`` float32 ``[rows, width]`` (every image's rows concatenated in grid order;
+``C*P*P`` folded image rows, as ``preprocess`` sends them, or a video's ``C*T*P*P``) and
+``image_grid_thw`` int64 ``[n, 3]``; :class:`EncoderStage` runs every image through the
+encoder (one call each, side by side) and answers ``image_embeds`` float32
+``[1, sum(tokens), hidden]``, every image's tokens concatenated in order (``[1, 0, hidden]`` for
+no image), the shape ``llm`` takes. Given several requests (one ``execute``), all their images run
+together and a bad request fails alone. Plain Python: no Triton import.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from python_backends import contract
-from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_calls, patch_counts
+from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_calls
 from python_backends.errors import EpdError, invalid_arg
 from python_backends.preprocess.stage import Result, filled
 from python_backends.runtime.model_params import ModelParameters
@@ -60,8 +62,8 @@ class EncoderStage:
         self._encoder = encoder
 
     def run(self, requests: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Result[np.ndarray]]:
-        """``requests``: (pixel_values ``[b, patches, width]``, image_grid_thw ``[b, 3]``)
-        each; returns ``image_embeds`` ``[b, tokens, hidden]`` or the request's error."""
+        """``requests``: (pixel_values ``[rows, width]``, image_grid_thw ``[n, 3]``) each;
+        returns ``image_embeds`` ``[1, sum(tokens), hidden]`` or the request's error."""
         results: list[Result[np.ndarray] | None] = [None] * len(requests)
         checked: list[tuple[int, list[EncoderCall]]] = []
         for slot, (pixels, grid) in enumerate(requests):
@@ -69,30 +71,27 @@ class EncoderStage:
                 checked.append((slot, self._calls(pixels, grid)))
             except EpdError as exc:
                 results[slot] = exc
-        if not checked:
-            return filled(results)
-        per_image = iter(self._encoder.run_all([call for _, calls in checked for call in calls]))
-        for slot, calls in checked:
-            results[slot] = np.stack([next(per_image) for _ in calls])
+        calls = [call for _, request_calls in checked for call in request_calls]
+        per_image = iter(self._encoder.run_all(calls) if calls else [])
+        for slot, request_calls in checked:
+            embeds = [next(per_image) for _ in request_calls]
+            joined = np.concatenate(embeds) if embeds else np.zeros((0, self._encoder.hidden_size), np.float32)
+            results[slot] = joined[None]
         return filled(results)
 
     def _calls(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> list[EncoderCall]:
         """One encoder call per image of a request, after checking pixels and grid agree."""
         grid = np.asarray(image_grid_thw, dtype=np.int64)
-        if grid.ndim == 1:
-            grid = grid[None]
-        if pixel_values.ndim != 3 or grid.ndim != 2 or len(grid) != len(pixel_values):
+        if pixel_values.ndim != 2 or grid.ndim != 2 or grid.shape[1] != 3:
             raise invalid_arg(
                 f"pixel_values {list(pixel_values.shape)} and image_grid_thw {list(grid.shape)} must be "
-                "[images, patches, width] and [images, 3]"
+                "[rows, width] and [images, 3]"
             )
-        counts = patch_counts(grid)  # also checks the grid's shape and signs
-        if any(count != pixel_values.shape[1] for count in counts):
-            raise invalid_arg(
-                f"image_grid_thw {grid.tolist()} needs {counts} patches per image, pixel_values has "
-                f"{pixel_values.shape[1]}"
-            )
-        return encoder_calls(pixel_values.reshape(-1, pixel_values.shape[-1]), grid, self._encoder.shape)
+        if len(grid) == 0:  # no image
+            if len(pixel_values):
+                raise invalid_arg(f"pixel_values has {len(pixel_values)} rows, image_grid_thw has no image")
+            return []
+        return encoder_calls(pixel_values, grid, self._encoder.shape)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from python_backends.encode.cached import EncodedImage
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.preprocess.videos import DaliVideoPreprocessor
 
-# pixel_values [1, patches, patch_dim], grid [1, 3] -> embeddings [1, tokens, hidden]
+# pixel_values [patches, patch_dim], grid [1, 3] -> embeddings [1, tokens, hidden]
 EncodePixels = Callable[[np.ndarray, np.ndarray], Awaitable[np.ndarray]]
 
 
@@ -46,7 +46,7 @@ class VideoEncode:
         async with self._lock:
             result = await asyncio.to_thread(self._preprocessor.preprocess, [video])
         grid = result.video_grid_thw.reshape(-1, 3)
-        embeds = await self._encode_pixels(result.pixel_values_videos[None], grid)
+        embeds = await self._encode_pixels(result.pixel_values_videos, grid)
         t, h, w = (int(v) for v in grid[0])
         flat = embeds.reshape(-1, embeds.shape[-1])
         merge = self._preprocessor.merge_size

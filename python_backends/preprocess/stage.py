@@ -1,22 +1,24 @@
-"""Request-level logic of the ``preprocess`` python model (the ``cpu`` target).
+"""Request-level logic of the ``preprocess`` python model (the ``cpu`` target's model.py).
 
-Triton's dynamic batcher hands ``preprocess`` and ``vit_encoder`` a list of requests per
-``execute``; each request carries one image per row of its batch dimension (the interface of
-Triton's DALI backend, which the ``gpu`` target's ``preprocess`` is). This module turns such a
-list into as few runs as possible -- one preprocessing run over every image, ONNX Runtime calls packed
-up to the patch budget -- and back into one result per request. A bad request fails alone:
-its slot holds an :class:`EpdError` and the others are served.
+The ``cpu`` target's ``preprocess`` is not batched (:class:`RequestPreprocess`): each request
+brings its own 0..N encoded images (``image`` BYTES ``[n]``, raw or base64, as ``llm`` takes
+them), all preprocessed in one call, all or nothing (an error names ``image[i]``):
 
-Wire shapes (per request, ``b`` images of one size):
+- ``image`` BYTES ``[n]`` (absent or ``[0]``: no image) -> ``pixel_values`` float32
+  ``[sum(patches), C*P*P]`` (folded: one temporal copy per row; every image's rows concatenated
+  in order, so images of different sizes share a request) + ``image_grid_thw`` int64 ``[n, 3]``.
 
-- ``preprocess``: ``image`` uint8 ``[b, bytes]`` -> ``pixel_values`` float32
-  ``[b, patches, C*P*P]`` (folded: one temporal copy per row) + ``image_grid_thw`` int64 ``[b, 3]``
+:class:`PreprocessStage` serves the interface of Triton's DALI backend (the ``gpu`` target's
+``preprocess``, dynamically batched), which the same model.py takes when its config batches
+(tests/server/test_gpu_topology.py runs the gpu topology on the CPU that way): Triton's dynamic
+batcher hands a list of requests per ``execute``, each with one image per row of its batch
+dimension (uint8 ``[b, bytes]``); it turns such a list into as few runs as possible and back
+into one result per request. A bad request fails alone: its slot holds an :class:`EpdError`
+and the others are served. Images of one such request must share a grid (a tensor is not
+ragged).
 
-Images of one request must share a grid (a tensor is not ragged); send images of different
-sizes as separate requests, which the dynamic batcher puts into one run anyway.
-
-Plain Python: no Triton import. The ``model.py`` files call :meth:`PreprocessStage.run` from
-``execute`` (one call at a time per model instance); ``encode/stage.py`` is the ``vit_encoder`` side.
+Plain Python: no Triton import. The ``model.py`` files call these from ``execute`` (one call at a
+time per model instance); ``encode/stage.py`` is the ``vit_encoder`` side.
 """
 
 from __future__ import annotations
@@ -80,8 +82,54 @@ class ImagePreprocessor(Protocol):
     def preprocess(self, items: Sequence[bytes]) -> PreprocessedImages: ...
 
 
+def request_images(array: np.ndarray | None, max_images: int) -> list[bytes]:
+    """One request's ``image`` tensor (BYTES ``[n]``; absent or ``[0]``: no image) as the encoded
+    items, at most ``max_images`` of them. Each item is checked by the preprocessor (raw bytes or
+    base64, header limits)."""
+    if array is None:
+        return []
+    if array.dtype != np.object_:
+        raise invalid_arg(f"image must be BYTES (encoded images, raw or base64), got {array.dtype}")
+    items = array.reshape(-1)
+    if len(items) > max_images:
+        raise invalid_arg(
+            f"{len(items)} images in one request, above the limit of {max_images} (max_images_per_request)"
+        )
+    return [bytes(item) if isinstance(item, (bytes, np.bytes_)) else b"" for item in items]
+
+
+class RequestPreprocess:
+    """The ``cpu`` target's ``preprocess`` (not batched): every image of one request in one
+    preprocessor call, rows concatenated; no image gives empty outputs."""
+
+    def __init__(self, preprocessor: ImagePreprocessor, patch_width: int) -> None:
+        """``patch_width``: the width of a folded row (``image_patch_dim``), for no image."""
+        self._preprocessor = preprocessor
+        self._patch_width = patch_width
+
+    def run_tensors(self, tensors: Sequence[np.ndarray | None]) -> list[Result[PreprocessedImages]]:
+        """One result per request (its ``image`` tensor, or None when absent), in order."""
+        results: list[Result[PreprocessedImages]] = []
+        for tensor in tensors:
+            try:
+                results.append(self.run(request_images(tensor, self._preprocessor.limits.max_images)))
+            except EpdError as exc:
+                results.append(exc)
+        return results
+
+    def run(self, images: Sequence[bytes]) -> PreprocessedImages:
+        """The request's pixels and grids; all or nothing (:class:`EpdError` names ``image[i]``)."""
+        if not images:
+            return PreprocessedImages(
+                pixel_values=np.zeros((0, self._patch_width), dtype=np.float32),
+                image_grid_thw=np.zeros((0, 3), dtype=np.int64),
+            )
+        return self._preprocessor.preprocess(images)
+
+
 class PreprocessStage:
-    """All images of a list of requests through the preprocessor, in as few runs as allowed."""
+    """The DALI backend's interface (batched, one image per row): all images of a list of
+    requests through the preprocessor, in as few runs as allowed."""
 
     def __init__(self, preprocessor: ImagePreprocessor) -> None:
         # limits.max_images caps the images of one preprocess() call (the model sets it to

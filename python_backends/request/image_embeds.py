@@ -10,6 +10,9 @@ produced instead of the image itself:
 - ``image_grid_thw``: INT64 ``[images, 3]`` (or ``[3]`` for one image): each image's
   (t, h, w) patch grid, which gives vLLM the placeholder count and rotary positions.
 
+No rows in both (``image_embeds`` ``[1, 0, hidden]`` + ``image_grid_thw`` ``[0, 3]``, what the
+``ensemble``'s encode steps give for a request without an image) is no image at all.
+
 Validated before vLLM sees anything (vLLM trusts ``enable_mm_embeds`` inputs; a wrong shape
 would fail inside the engine): the hidden size is the model's, every grid is positive and
 divisible by the merge size, and the token count is exactly ``sum(t*h*w) / merge**2``.
@@ -63,7 +66,8 @@ def tokens_per_image(grid_thw: np.ndarray, merge_size: int) -> list[int]:
 def parse_image_embeds(
     inputs: Mapping[str, np.ndarray], spec: EmbedsSpec | None, max_images: int
 ) -> ImageEmbedsInput | None:
-    """The request's embeddings, or None when it sends none. Raises INVALID_ARG errors."""
+    """The request's embeddings, or None when it sends none (or both with no rows). Raises
+    INVALID_ARG errors."""
     embeds = inputs.get(contract.IMAGE_EMBEDS)
     grid = inputs.get(contract.IMAGE_GRID_THW)
     if embeds is None and grid is None:
@@ -96,7 +100,9 @@ def parse_image_embeds(
     if grid.ndim != 2 or grid.shape[1] != 3:
         raise invalid_arg(f"input 'image_grid_thw' must be [images, 3], got shape {list(grid.shape)}")
     if grid.shape[0] == 0:
-        raise invalid_arg("image_grid_thw has no rows (no image)")
+        if flat.shape[0] == 0:  # no image: what the ensemble's encode steps give for none
+            return None
+        raise invalid_arg(f"image_grid_thw has no rows (no image) but image_embeds has {flat.shape[0]} tokens")
     if grid.shape[0] > max_images:
         raise invalid_arg(
             f"request has {grid.shape[0]} images, above the limit of {max_images} (max_images)"

@@ -1,5 +1,6 @@
-"""The base of the dynamically batched (not decoupled) python models: ``preprocess``,
-``vit_encoder`` and ``vit_positions``.
+"""The base of the request/response (not decoupled) python models: ``preprocess``,
+``vit_encoder`` and ``vit_positions``, batched or not (``max_batch_size`` 0: Triton still hands
+``execute`` a list of requests, each one item of ``batch``).
 
 A ``model.py`` subclasses :class:`BatchedModel` and writes ``INPUTS``, ``setup(args)`` and
 ``run(batch)``: per request of the batch, its output tensors (name -> array) or the

@@ -23,7 +23,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,9 +31,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from python_backends import contract
-from python_backends.encode.cached import EncodedImage
+from python_backends.encode.cached import EncodedImage, split_encoded
 from python_backends.engines.generation import GenerationChunk, chunk_from_outputs, int_of, text_of
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.runtime.model_params import ModelParameters
 from python_backends.triton_edge.responses import bytes_tensor, error_from_output, tensor
 
 
@@ -227,38 +228,72 @@ class BlsCaller:
 
 
 class BlsEncode(BlsCaller):
-    """One image through the ``encode`` ensemble, embeddings by value (inside an encoder model,
-    which writes them into the store)."""
+    """Images through the ``encode`` ensemble, embeddings by value (inside an encoder model,
+    which writes them into the store); a video's pixels through ``vit_encoder``; a clip's
+    features through ``audio_encoder``.
 
-    def __init__(self, encode_model: str, max_threads: int = 64) -> None:
+    ``encode`` takes a request's images at once (the cpu target's: ``image`` BYTES ``[n]`` ->
+    ``image_embeds`` ``[1, tokens, hidden]`` + ``image_grid_thw`` ``[n, 3]``) or, with
+    ``one_image`` (the gpu target's one-image DAG), one image as UINT8 ``[1, bytes]``."""
+
+    def __init__(
+        self, encode_model: str, max_threads: int = 64, *, merge_size: int = 2, one_image: bool = False
+    ) -> None:
         super().__init__(max_threads)
         self.encode_model = encode_model
+        self.merge_size = merge_size
+        self.one_image = one_image
+
+    @classmethod
+    def from_params(cls, params: ModelParameters) -> BlsEncode:
+        """The client an ``encoder_<i>`` model's config describes."""
+        return cls(
+            params.string(contract.ENCODE_MODEL_KEY),
+            merge_size=params.integer(contract.SPATIAL_MERGE_SIZE),
+            one_image=params.boolean(contract.ENCODE_ONE_IMAGE_KEY),
+        )
+
+    @property
+    def encode_many(self) -> Callable[[Sequence[bytes]], Awaitable[list[EncodedImage]]] | None:
+        """Several images in one ``encode`` request; None where ``encode`` takes one image."""
+        return None if self.one_image else self._encode_many
 
     async def __call__(self, image: bytes) -> EncodedImage:
-        request = pb_utils.InferenceRequest(
-            model_name=self.encode_model,
-            inputs=[pb_utils.Tensor(contract.IMAGE, np.frombuffer(image, dtype=np.uint8)[None].copy())],
-            requested_output_names=[contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW],
-        )
-        out = _outputs(await self._call(request.exec))
+        if not self.one_image:
+            (encoded,) = await self._encode_many([image])
+            return encoded
+        out = await self._encode([pb_utils.Tensor(contract.IMAGE, np.frombuffer(image, dtype=np.uint8)[None].copy())])
         embeds = out[contract.IMAGE_EMBEDS]
         grid = out[contract.IMAGE_GRID_THW].reshape(-1)
         return EncodedImage(embeds.reshape(-1, embeds.shape[-1]), (int(grid[0]), int(grid[1]), int(grid[2])))
 
+    async def _encode_many(self, images: Sequence[bytes]) -> list[EncodedImage]:
+        """``images`` in one ``encode`` request (``image`` BYTES ``[n]``); the concatenated
+        embeddings split per image by its grid."""
+        out = await self._encode([bytes_tensor(contract.IMAGE, list(images))])
+        return split_encoded(out[contract.IMAGE_EMBEDS], out[contract.IMAGE_GRID_THW], self.merge_size, len(images))
+
+    async def _encode(self, inputs: list[pb_utils.Tensor]) -> dict[str, Any]:
+        request = pb_utils.InferenceRequest(
+            model_name=self.encode_model,
+            inputs=inputs,
+            requested_output_names=[contract.IMAGE_EMBEDS, contract.IMAGE_GRID_THW],
+        )
+        return _outputs(await self._call(request.exec))
+
     async def encode_pixels(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
-        """Preprocessed pixels (a video's: ``[1, t*h*w, patch_dim]``, grid ``[1, 3]``) through
+        """Preprocessed pixels (a video's: ``[t*h*w, patch_dim]``, grid ``[1, 3]``) through
         ``vit_encoder`` (the cpu target's), embeddings ``[1, tokens, hidden]`` by value."""
         request = pb_utils.InferenceRequest(
             model_name=contract.VIT_ENCODER_MODEL,
             inputs=[
                 pb_utils.Tensor(contract.PIXEL_VALUES, np.ascontiguousarray(pixel_values, dtype=np.float32)),
-                pb_utils.Tensor(contract.IMAGE_GRID_THW, np.ascontiguousarray(grid_thw, dtype=np.int64)),
+                pb_utils.Tensor(contract.IMAGE_GRID_THW, np.ascontiguousarray(grid_thw, dtype=np.int64).reshape(-1, 3)),
             ],
             requested_output_names=[contract.IMAGE_EMBEDS],
         )
         out = _outputs(await self._call(request.exec))
         return np.asarray(out[contract.IMAGE_EMBEDS])
-
 
     async def encode_audio_features(self, features: np.ndarray, lengths: np.ndarray) -> tuple[Any, Any]:
         """A clip's features (``[1, mel bins, frames]``, lengths ``[1]``) through ``audio_encoder``:

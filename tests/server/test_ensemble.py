@@ -1,17 +1,16 @@
 """`ensemble` (preprocess -> vit_encoder -> llm, embeddings by value) and `llm` fed with
 embeddings, over the wire (cpu target).
 
-Greedy tokens must be the same whichever way the image reaches the LM: raw image into ``llm``
-(vLLM's own processor + vision tower), ``ensemble`` (DALI + ONNX Runtime, streamed through the
-ensemble), or ``encode``'s embeddings sent to ``llm`` by the client.
+Greedy tokens must be the same whichever way the images reach the LM: raw images into ``llm``
+(vLLM's own processor + vision tower), ``ensemble`` (torchvision + ONNX Runtime, streamed through
+the ensemble; 0 to max_images images per request, as ``llm`` takes them), or ``encode``'s
+embeddings sent to ``llm`` by the client.
 """
 
 from __future__ import annotations
 
 import json
 import queue
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +18,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from builders.repository import TARGETS
 from builders.tritonserver import TritonServer
-from client.epd_client import ClientError, GenerateResult, GrpcClient, chat_prompt
+from client.epd_client import ClientError, GenerateResult, GrpcClient, HttpClient, chat_prompt
 from tests.images import synthetic_image
 
 pytestmark = pytest.mark.server
@@ -29,7 +29,7 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0}
 EXACT = {**GREEDY, "ignore_eos": True}  # exactly 12 tokens, whatever the random model's greedy choices
 HIDDEN = 128  # the tiny default model's LM hidden size (== encode's image_embeds width)
 OUTPUTS = ("text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason")
-# One image each (the ensemble's contract): sizes, aspect ratios and formats vary.
+# One image each: sizes, aspect ratios and formats vary.
 CASES = [
     ("What is in this picture?", synthetic_image(640, 480, 21)),
     ("Describe the scene.", synthetic_image(64, 64, 22)),
@@ -72,8 +72,13 @@ def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
     return item
 
 
+def _images(images: Sequence[bytes]) -> grpcclient.InferInput:
+    """``image`` as the cpu target's ``encode`` and ``ensemble`` take it: BYTES [n] (n may be 0)."""
+    return _tensor("image", np.array(list(images), dtype=np.object_).reshape(len(images)), "BYTES")
+
+
 def _encode(raw: grpcclient.InferenceServerClient, image: bytes) -> tuple[np.ndarray, np.ndarray]:
-    result = raw.infer("encode", [_tensor("image", np.frombuffer(image, np.uint8).reshape(1, -1), "UINT8")])
+    result = raw.infer("encode", [_images([image])])
     return result.as_numpy("image_embeds"), result.as_numpy("image_grid_thw")
 
 
@@ -167,6 +172,7 @@ def _bad_embeddings(raw) -> list[tuple[str, list, str]]:
         ("grid without embeddings", _llm_inputs(prompt, None, grid), "needs 'image_embeds' too"),
         ("non-finite", _llm_inputs(prompt, nan, grid), "NaN or infinite"),
         ("more placeholders than images", _llm_inputs(chat_prompt("hello", 2), embeds, grid), "placeholders"),
+        ("embeddings without grid rows", _llm_inputs(prompt, embeds, np.zeros((0, 3), np.int64)), "has no rows"),
     ]
 
 
@@ -179,39 +185,80 @@ def test_bad_embeddings_are_coded_errors_and_the_server_keeps_serving(raw, llm):
     assert llm.generate(chat_prompt("still there?", 0), [], EXACT).num_output_tokens == 12
 
 
-def _http_generate_error(server: TritonServer, model: str, body: dict[str, Any]) -> tuple[int, str]:
-    """POST ``body`` to ``model``'s generate endpoint, which must refuse it: (HTTP status, error)."""
-    url = f"http://{server.http_url}/v2/models/{model}/generate"
-    request = urllib.request.Request(url, data=json.dumps(body).encode())
-    with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(request, timeout=60)
-    return info.value.code, json.loads(info.value.read().decode())["error"]
+MAX_IMAGES = TARGETS["cpu"].limits["max_images"]
+# 0, 1, 2 and max_images images per request; the images of a request differ in size, aspect
+# ratio and format (their rows are concatenated, so one request's images need not share a grid).
+IMAGE_COUNTS = [
+    ("Say something about nothing.", []),
+    ("What is in this picture?", [synthetic_image(640, 480, 51)]),
+    ("Compare these two images.", [synthetic_image(64, 64, 52), synthetic_image(300, 1000, 53, "PNG")]),
+    (
+        "Four of them.",
+        [
+            synthetic_image(1280, 720, 54),
+            synthetic_image(28, 28, 55, "PNG"),
+            synthetic_image(200, 300, 56),
+            synthetic_image(333, 217, 57, "PNG"),
+        ],
+    ),
+]
+CORRUPT = b"\xff\xd8\xff" + b"\x13" * 500  # a JPEG header and garbage: refused in preprocess
 
 
-# Triton's own check of a request against the model's inputs, before any step of the DAG runs.
-MISSING_IMAGE = "but missing required input(s) ['image']"
+def test_ensemble_takes_0_to_max_images_images_as_llm_does(raw, llm, ensemble):
+    assert [len(images) for _, images in IMAGE_COUNTS] == [0, 1, 2, MAX_IMAGES] and MAX_IMAGES == 4
+    for text, images in IMAGE_COUNTS:
+        prompt = chat_prompt(text, len(images))
+        expected = llm.generate(prompt, images, EXACT).token_ids
+        pieces: list[str] = []
+        result = ensemble.generate(prompt, images, EXACT, on_text=pieces.append)
+        assert result.token_ids == expected, f"{len(images)} images"
+        assert len(result.chunk_times) > 1 and len(expected) == 12  # streamed through the ensemble
+        assert "".join(pieces) == result.text
+    # No image: ``image`` absent (above: the client sends none) or of shape [0], the same answer.
+    prompt = chat_prompt(IMAGE_COUNTS[0][0], 0)
+    expected = llm.generate(prompt, [], GREEDY).token_ids
+    assert _stream(raw, "ensemble", [*_llm_inputs(prompt, None, None), _images([])]).token_ids == expected
+    # What the ensemble's encode steps hand llm for no image: embeddings and grid without rows.
+    empty = _llm_inputs(prompt, np.zeros((1, 0, HIDDEN), np.float32), np.zeros((0, 3), np.int64))
+    assert _stream(raw, "llm", empty).token_ids == expected
 
 
-def test_ensemble_refuses_anything_but_one_good_image(server, raw, ensemble):
+def test_ensemble_refuses_bad_images_with_invalid_arg(server, raw, ensemble):
+    good = [synthetic_image(64, 64, 61), synthetic_image(96, 48, 62, "PNG")]
+    too_many = [synthetic_image(32 + 8 * i, 32, 70 + i) for i in range(MAX_IMAGES + 1)]
+    cases = [
+        ("corrupt image", [CORRUPT], "image[0] cannot be read"),
+        ("corrupt image among good ones", [good[0], CORRUPT, good[1]], "image[1] cannot be read"),
+        ("not an image", [good[0], b"hello world"], "image[1] is neither"),
+        ("empty image", [b""], "image[0] is empty"),
+        # llm's own limit, on the embeddings it receives (preprocess takes up to 64 per request).
+        ("more than max_images", too_many, f"above the limit of {MAX_IMAGES} (max_images)"),
+        # Placeholders are llm's to check, as for raw images.
+        ("more images than placeholders", None, "placeholders"),
+    ]
+    http = HttpClient(server.http_url, "ensemble")
+    try:
+        for name, images, fragment in cases:
+            if images is None:
+                prompt, images = chat_prompt("hello", 1), good
+            else:
+                prompt = chat_prompt("hello", len(images))
+            with pytest.raises(ClientError) as info:  # gRPC streaming: the message
+                ensemble.generate(prompt, images, GREEDY)
+            assert fragment in str(info.value), (name, str(info.value))
+            assert "Traceback" not in str(info.value)
+            with pytest.raises(ClientError) as info:  # HTTP generate: the message and its code
+                http.generate(prompt, images, GREEDY)
+            assert fragment in str(info.value) and info.value.status == "400", (name, info.value.status, info.value)
+    finally:
+        http.close()
     prompt = chat_prompt("hello", 1)
-    text = _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
-    two = np.frombuffer(synthetic_image(32, 32, 1) * 2, np.uint8)
-    with pytest.raises(ClientError) as info:  # two rows: Triton's shape check, INVALID_ARG
-        _stream(raw, "ensemble", [text, _tensor("image", two.reshape(2, -1), "UINT8")])
-    assert "unexpected shape for input 'image'" in str(info.value)
-    with pytest.raises(ClientError) as info:  # no image: a required input of the DAG
-        _stream(raw, "ensemble", [text])
-    assert MISSING_IMAGE in str(info.value) and "for model 'ensemble'" in str(info.value)
-    # Over HTTP the same refusal carries its code: 400 (INVALID_ARG).
-    status, message = _http_generate_error(server, "ensemble", {"text_input": prompt})
-    assert status == 400 and MISSING_IMAGE in message, message
-    with pytest.raises(ClientError) as info:  # the client says it before sending
-        ensemble.generate(prompt, [], GREEDY)
-    assert "exactly one image" in str(info.value)
-    with pytest.raises(ClientError) as info:  # a corrupt image fails in preprocess, reported once
-        ensemble.generate(prompt, [b"\xff\xd8\xff" + b"\x13" * 500], GREEDY)
-    assert "image[0] cannot be read" in str(info.value)
+    with pytest.raises(ClientError) as info:  # the gpu target's wire format: Triton's type check
+        image = np.frombuffer(good[0], np.uint8).reshape(1, -1)
+        _stream(raw, "ensemble", [*_llm_inputs(prompt, None, None), _tensor("image", image, "UINT8")])
+    assert "image" in str(info.value)
     with pytest.raises(ClientError) as info:  # llm's own checks still apply
-        ensemble.generate(prompt, [synthetic_image(64, 64, 2)], {"temprature": 0.1})
+        ensemble.generate(prompt, [good[0]], {"temprature": 0.1})
     assert "unknown sampling parameter" in str(info.value)
     assert len(ensemble.generate(prompt, [synthetic_image(64, 64, 3)], EXACT).token_ids) == 12

@@ -1,8 +1,8 @@
 """Acceptance of the EPD pipeline (issue #4) over gRPC streaming, against the real server.
 
 1. Equality: greedy tokens of ``epd`` equal ``llm``'s (raw image) on prompts with 0-3 images
-   of many sizes, shapes, formats and colour modes, and ``ensemble``'s on every one-image
-   prompt; a second ``epd`` pass (embedding-store hits) gives the same tokens again.
+   of many sizes, shapes, formats and colour modes, and ``ensemble``'s on every prompt (it takes
+   0 to max_images images, as ``llm`` does); a second ``epd`` pass (embedding-store hits) gives the same tokens again.
 2. Load with bad inputs: 64 requests sent to ``epd`` at once, 48 good (0-2 images, shared
    between requests) and 16 bad. Every good one gets ``llm``'s tokens, every bad one an error
    that names the problem, none hangs, each new image is encoded once, and afterwards no
@@ -47,7 +47,6 @@ import tritonclient.grpc as grpcclient
 
 from builders.tritonserver import TritonServer
 from client.epd_client import (
-    ONE_IMAGE_MODELS,
     GenerateResult,
     build_inputs,
     chat_prompt,
@@ -103,7 +102,7 @@ def stream_generate(
     responses: queue.Queue = queue.Queue()
     answer = Answer()
     try:
-        inputs = build_inputs(grpcclient, prompt, images, True, sampling, None, model in ONE_IMAGE_MODELS)
+        inputs = build_inputs(grpcclient, prompt, images, True, sampling, None)  # cpu: every model takes BYTES
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         if before_send is not None:
             before_send()
@@ -305,14 +304,14 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
         colocated_hits = tokens_of(server, "epd", prompt, images, path="colocated").result
         epd_again = tokens_of(server, "epd", prompt, images)  # every image is a store hit now
         adaptive_paths[epd_again.serving_path] = adaptive_paths.get(epd_again.serving_path, 0) + 1
-        ensemble = tokens_of(server, "ensemble", prompt, images).result if len(images) == 1 else None
+        ensemble = tokens_of(server, "ensemble", prompt, images).result  # 0 to max_images images, as llm
         same = (
             epd.result.token_ids == llm.token_ids
             and colocated_media.token_ids == llm.token_ids
             and colocated_hits.token_ids == llm.token_ids
             and epd_again.result.token_ids == llm.token_ids
             and adaptive_new.result.token_ids == llm.token_ids
-            and (ensemble is None or ensemble.token_ids == llm.token_ids)
+            and ensemble.token_ids == llm.token_ids
             and epd.result.num_input_tokens == llm.num_input_tokens
             and len(llm.token_ids) > 0
             # a repeat inside one request may count once or twice
@@ -332,7 +331,7 @@ def test_epd_llm_and_ensemble_give_the_same_greedy_tokens(server, note):
                 f"\n      colocated(hits)  {colocated_hits.token_ids}"
                 f"\n      epd(hit, {epd_again.serving_path}) {epd_again.result.token_ids}"
                 f"\n      epd(new, {adaptive_new.serving_path}) {adaptive_new.result.token_ids}"
-                f"\n      ensemble {ensemble.token_ids if ensemble is not None else '-'}"
+                f"\n      ensemble {ensemble.token_ids}"
             )
         rows.append(row)
     assert sum(len(specs) == 1 for _, _, specs in EQUALITY_CASES) >= 6
@@ -382,7 +381,7 @@ def test_a_near_tie_image_gives_llms_tokens_because_the_pixels_are_vllms(server,
         raw.close()
     ref_pixels, ref_grid = reference_outputs(Qwen2VLImageProcessor.from_pretrained(str(model_dir)), image)
     np.testing.assert_array_equal(served["image_grid_thw"], ref_grid)
-    np.testing.assert_array_equal(unfold_temporal(served["pixel_values"][0], 2), ref_pixels)
+    np.testing.assert_array_equal(unfold_temporal(served["pixel_values"], 2), ref_pixels)
     llm = tokens_of(server, "llm", prompt, [image]).result.token_ids
     epd = tokens_of(server, "epd", prompt, [image], path=DISAGGREGATED_PATH).result.token_ids
     ensemble = tokens_of(server, "ensemble", prompt, [image]).result.token_ids

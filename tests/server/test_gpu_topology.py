@@ -114,7 +114,9 @@ def gpu_like_server(
     preprocess = _parse((out / "preprocess" / "config.pbtxt").read_text())
     assert preprocess.backend == "dali"
     (out / "preprocess" / "config.pbtxt").write_text(_as_python_on_cpu(preprocess, cpu_configs["preprocess"]))
-    for name in ("model.py", "model.dali"):  # the cpu pipeline: same outputs as the gpu one
+    # The cpu pipeline (same outputs as the gpu one); its model.py serves the DALI interface (one
+    # image per batch row) when its config batches, as this one does.
+    for name in ("model.py", "model.dali"):
         shutil.copy(cpu_repository / "preprocess" / "1" / name, out / "preprocess" / "1" / name)
     encoder = _parse((out / "vit_encoder" / "config.pbtxt").read_text())
     assert encoder.platform == "tensorrt_plan"
@@ -132,8 +134,9 @@ def test_gpu_encode_wiring_gives_the_cpu_numbers(server: TritonServer, gpu_like_
     cpu = grpcclient.InferenceServerClient(server.grpc_url)
     gpu = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
     for image in (synthetic_image(640, 480, 1), synthetic_image(64, 64, 2, "PNG"), synthetic_image(300, 1000, 3)):
-        expected, actual = grpc_infer(cpu, "encode", image), grpc_infer(gpu, "encode", image)
-        # Same wire shapes for a one-image request on both targets.
+        expected, actual = grpc_infer(cpu, "encode", image), grpc_infer(gpu, "encode", image, one_image_uint8=True)
+        # Same output shapes for a one-image request on both targets (the input: BYTES [1] on cpu,
+        # UINT8 [1, bytes] on gpu).
         assert actual["image_embeds"].shape == expected["image_embeds"].shape
         np.testing.assert_array_equal(actual["image_grid_thw"], expected["image_grid_thw"])
         np.testing.assert_allclose(actual["image_embeds"], expected["image_embeds"], atol=1e-5, rtol=0)
@@ -146,7 +149,7 @@ def test_cuda_graph_shapes_are_what_the_engine_is_fed(gpu_like_server: TritonSer
     TensorRT)."""
     client = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
     opt_patches = TARGETS["gpu"].encode.trt_profile.opt_patches
-    out = grpc_infer(client, "encode", synthetic_image(448, 448, 5))  # 32 x 32 patches of 14 px
+    out = grpc_infer(client, "encode", synthetic_image(448, 448, 5), one_image_uint8=True)  # 32 x 32 patches of 14 px
     assert int(np.prod(out["image_grid_thw"])) == opt_patches
 
 
@@ -164,5 +167,5 @@ def test_gpu_encode_takes_one_image_per_request(gpu_like_server: TritonServer) -
 def test_gpu_encode_bad_image_is_invalid_arg(gpu_like_server: TritonServer) -> None:
     client = grpcclient.InferenceServerClient(gpu_like_server.grpc_url)
     with pytest.raises(InferenceServerException) as info:
-        grpc_infer(client, "encode", b"\xff\xd8\xff" + b"\x13" * 100)
+        grpc_infer(client, "encode", b"\xff\xd8\xff" + b"\x13" * 100, one_image_uint8=True)
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "image[0] cannot be read" in info.value.message()

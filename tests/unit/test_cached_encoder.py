@@ -138,6 +138,110 @@ def test_one_failing_image_fails_the_request_and_releases_the_others_leases(stor
     assert asyncio.run(encoder.reference(b"bad")).outcome is Outcome.MISS
 
 
+class ScriptedEncodeMany(ScriptedEncode):
+    """The cpu target's ``encode``: several images in one call as well (counted apart); a bad
+    image fails the whole call naming its index within the call, as ``preprocess`` does."""
+
+    def __init__(self, delay_s: float = 0.0, fail_on: bytes | None = None, many_error: EpdError | None = None) -> None:
+        super().__init__(delay_s, fail_on)
+        self.many_calls: list[list[bytes]] = []
+        self.many_error = many_error  # an error of the call itself (not the input's)
+
+    async def __call__(self, image: bytes) -> EncodedImage:
+        if image == self.fail_on:  # one image a call: it is image[0] (the encoder renames it)
+            self.calls.append(image)
+            raise EpdError("image[0] cannot be read", ErrorCode.INVALID_ARG)
+        return await super().__call__(image)
+
+    async def encode_many(self, images) -> list[EncodedImage]:
+        self.many_calls.append(list(images))
+        await asyncio.sleep(self.delay_s)
+        if self.many_error is not None:
+            raise self.many_error
+        if self.fail_on in images:
+            raise EpdError(f"image[{list(images).index(self.fail_on)}] cannot be read", ErrorCode.INVALID_ARG)
+        return [_embedding(image) for image in images]
+
+
+def _embedding(image: bytes) -> EncodedImage:
+    seed = int.from_bytes(image[-4:], "little")
+    return EncodedImage(np.random.default_rng(seed).standard_normal((ROWS, HIDDEN)).astype(np.float32), (1, 4, 4))
+
+
+def _coalescing(store: EmbeddingStore, encode: ScriptedEncodeMany) -> CachedEncoder:
+    return CachedEncoder(store, KEYS, encode, encode_many=encode.encode_many)
+
+
+def test_a_requests_misses_are_encoded_in_one_call_and_hits_and_joins_are_not(store):
+    encode = ScriptedEncodeMany(delay_s=0.05)
+    encoder = _coalescing(store, encode)
+    asyncio.run(encoder.reference(b"stored"))  # one image alone: one call of its own
+    assert encode.calls == [b"stored"] and encode.many_calls == []
+    owner = os.getpid()
+
+    async def run():
+        # Another request starts encoding "busy" first: this request joins it.
+        other = asyncio.create_task(encoder.reference(b"busy", lease_owner=owner))
+        await asyncio.sleep(0.01)
+        request = encoder.references([b"new-1", b"stored", b"busy", b"new-2", b"new-1"], lease_owner=owner)
+        return await asyncio.gather(other, request)
+
+    other, answers = asyncio.run(run())
+    assert [a.outcome for a in answers] == [Outcome.MISS, Outcome.HIT, Outcome.JOIN, Outcome.MISS, Outcome.JOIN]
+    assert encode.many_calls == [[b"new-1", b"new-2"]]  # this request's misses, once each, in one call
+    assert encode.calls == [b"stored", b"busy"]  # the joined image was the other request's to encode
+    assert answers[4].reference.key == answers[0].reference.key  # a repeat joins this request's own encode
+    for image, answer in zip([b"new-1", b"new-2"], [answers[0], answers[3]], strict=True):
+        np.testing.assert_array_equal(store.resolve(answer.reference), _embedding(image).embeds)
+    assert store.metrics()["active_leases"] == 6
+    for answer in [other, *answers]:
+        assert store.release(answer.reference)
+
+
+def test_a_bad_image_among_a_requests_misses_is_named_by_its_index(store):
+    encode = ScriptedEncodeMany(fail_on=b"bad")
+    encoder = _coalescing(store, encode)
+    asyncio.run(encoder.reference(b"stored"))
+    with pytest.raises(EpdError) as info:
+        asyncio.run(encoder.references([b"stored", b"good-1", b"bad", b"good-2"], lease_owner=os.getpid()))
+    # The call of the three misses named its image 1; one call per image then names it 2, its index
+    # in the request.
+    assert encode.many_calls == [[b"good-1", b"bad", b"good-2"]]
+    assert sorted(encode.calls) == sorted([b"stored", b"good-1", b"bad", b"good-2"])
+    assert info.value.code is ErrorCode.INVALID_ARG and info.value.message == "image[2] cannot be read"
+    metrics = store.metrics()
+    assert metrics["active_leases"] == 0 and metrics["entries"] == 3 and metrics["producer_failures"] == 1
+    encode.fail_on = None  # the failed claim is gone: the image can be tried again
+    assert asyncio.run(encoder.reference(b"bad")).outcome is Outcome.MISS
+
+
+def test_a_failed_call_that_is_not_the_inputs_fails_every_miss_without_retrying(store):
+    encode = ScriptedEncodeMany(many_error=EpdError("encode is not ready", ErrorCode.UNAVAILABLE))
+    encoder = _coalescing(store, encode)
+    with pytest.raises(EpdError) as info:
+        asyncio.run(encoder.references([b"a", b"b"], lease_owner=os.getpid()))
+    assert info.value.code is ErrorCode.UNAVAILABLE and encode.calls == []
+    metrics = store.metrics()
+    assert metrics["active_leases"] == 0 and metrics["entries"] == 0 and metrics["producer_failures"] == 2
+    encode.many_error = None
+    assert [a.outcome for a in asyncio.run(encoder.references([b"a", b"b"]))] == [Outcome.MISS] * 2
+
+
+def test_split_encoded_splits_the_concatenated_embeddings_by_grid():
+    from python_backends.encode.cached import split_encoded
+
+    grid = np.array([[1, 2, 4], [1, 4, 4], [2, 2, 2]], dtype=np.int64)  # 2, 4 and 2 tokens (merge 2)
+    embeds = np.arange(8 * 3, dtype=np.float32).reshape(1, 8, 3)
+    parts = split_encoded(embeds, grid, 2, 3)
+    assert [p.grid_thw for p in parts] == [(1, 2, 4), (1, 4, 4), (2, 2, 2)]
+    np.testing.assert_array_equal(np.concatenate([p.embeds for p in parts]), embeds[0])
+    assert [p.embeds.shape for p in parts] == [(2, 3), (4, 3), (2, 3)]
+    for bad_grid, images in ((grid, 2), (grid[:2], 2)):  # a grid per image; rows per grid
+        with pytest.raises(EpdError) as info:
+            split_encoded(embeds, bad_grid, 2, images)
+        assert info.value.code is ErrorCode.INTERNAL
+
+
 def test_a_full_store_waits_for_leases_to_end_instead_of_failing():
     for store in _store(capacity_bytes=ENTRY_BYTES):
         encoder = CachedEncoder(store, KEYS, ScriptedEncode(), full_store_wait_s=5.0)
@@ -245,3 +349,85 @@ def test_the_encoders_precision_and_image_backend_are_part_of_the_key(tmp_path: 
         for precision in ("fp32", "bf16")
     }
     assert len({k.key(b"image") for k in keys.values()}) == 4
+
+
+class _Output:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class _Response:
+    def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+        self._outputs = outputs
+
+    def has_error(self) -> bool:
+        return False
+
+    def output_tensors(self) -> list[_Output]:
+        return [_Output(name, array) for name, array in self._outputs.items()]
+
+
+def test_bls_encode_sends_the_wire_shapes_of_each_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu: a request's images as BYTES [n] in one ``encode`` request, the concatenated embeddings
+    split by grid; a video's rows [t*h*w, width] + grid [1, 3] to ``vit_encoder``. gpu
+    (``encode_one_image``): one image as UINT8 [1, bytes], no ``encode_many``."""
+    import triton_python_backend_utils as pb_utils
+
+    from python_backends import contract
+    from python_backends.runtime.model_params import ModelParameters
+    from python_backends.triton_edge.bls import BlsEncode
+
+    sent: list[tuple[str, dict[str, np.ndarray]]] = []
+    grid = np.array([[1, 2, 4], [1, 4, 4]], dtype=np.int64)  # 2 + 4 tokens (merge 2)
+    embeds = np.arange(6 * 3, dtype=np.float32).reshape(1, 6, 3)
+
+    class Request:
+        def __init__(self, model_name: str, inputs: list, requested_output_names: list[str]) -> None:
+            sent.append((model_name, {t.name(): t.as_numpy() for t in inputs}))
+            self.model = model_name
+
+        def exec(self) -> _Response:
+            if self.model == contract.VIT_ENCODER_MODEL:
+                return _Response({contract.IMAGE_EMBEDS: embeds[:, :2]})
+            images = len(sent[-1][1][contract.IMAGE])
+            return _Response({contract.IMAGE_EMBEDS: embeds if images == 2 else embeds[:, :2],
+                              contract.IMAGE_GRID_THW: grid[:images]})
+
+    monkeypatch.setattr(pb_utils, "InferenceRequest", Request, raising=False)
+    cpu = BlsEncode.from_params(ModelParameters("encoder_0", {contract.SPATIAL_MERGE_SIZE: "2"}))
+    assert cpu.encode_many is not None and not cpu.one_image
+    try:
+        parts = asyncio.run(cpu.encode_many([b"one", b"two"]))
+        model, inputs = sent[-1]
+        assert model == contract.ENCODE_MODEL and inputs[contract.IMAGE].dtype == np.object_
+        assert inputs[contract.IMAGE].tolist() == [b"one", b"two"]
+        assert [p.grid_thw for p in parts] == [(1, 2, 4), (1, 4, 4)]
+        np.testing.assert_array_equal(np.concatenate([p.embeds for p in parts]), embeds[0])
+        single = asyncio.run(cpu(b"one"))
+        assert sent[-1][1][contract.IMAGE].shape == (1,) and single.grid_thw == (1, 2, 4)
+        pixels = np.zeros((8, 1176), np.float32)
+        out = asyncio.run(cpu.encode_pixels(pixels, np.array([[2, 2, 2]])))
+        model, inputs = sent[-1]
+        assert model == contract.VIT_ENCODER_MODEL and out.shape == (1, 2, 3)
+        assert inputs[contract.PIXEL_VALUES].shape == (8, 1176) and inputs[contract.IMAGE_GRID_THW].shape == (1, 3)
+    finally:
+        cpu.shutdown()
+    gpu = BlsEncode.from_params(ModelParameters("encoder_0", {contract.ENCODE_ONE_IMAGE_KEY: "True"}))
+    assert gpu.one_image and gpu.encode_many is None
+    try:
+        grid = grid[:1]
+        encoded = asyncio.run(gpu(b"\x01\x02\x03"))
+        image = sent[-1][1][contract.IMAGE]
+        assert image.dtype == np.uint8 and image.shape == (1, 3)
+        assert encoded.grid_thw == (1, 2, 4) and encoded.embeds.shape == (2, 3)
+    finally:
+        gpu.shutdown()

@@ -124,6 +124,32 @@ def test_every_generated_config_is_the_contract(target: str, repositories: dict[
             assert {*step.input_map.values(), *step.output_map.values()} <= contract.tensor_names()
 
 
+def test_each_target_declares_its_own_encode_side(repositories: dict[str, Path]) -> None:
+    """cpu: ``preprocess``, ``vit_encoder``, ``encode`` and ``ensemble`` take a request's 0..N
+    images at once (not batched); gpu: the DALI backend's batched interface, the TensorRT plan and
+    the one-image ``encode`` and ``ensemble``."""
+    expected = {
+        "cpu": (contract.PREPROCESS, contract.VIT_ENCODER, contract.ENCODE, contract.ENSEMBLE),
+        "gpu": (
+            contract.PREPROCESS_DALI,
+            contract.VIT_ENCODER_TENSORRT,
+            contract.ENCODE_ONE_IMAGE,
+            contract.ENSEMBLE_ONE_IMAGE,
+        ),
+    }
+    for target, interfaces in expected.items():
+        configs = {c.name: c for c in generated_configs(repositories[target])}
+        for interface in interfaces:
+            found = declared_interface(configs[interface.name])
+            assert found == interface.sized(FACTS.parameters()), (target, interface.name)
+            batched = TARGETS[target].encode.max_batch_size if interface is contract.PREPROCESS_DALI else 0
+            assert configs[interface.name].max_batch_size == batched, (target, interface.name)
+    # preprocess/1/model.py reads the same input whichever of the two it serves
+    # (tests/server/test_gpu_topology.py serves the DALI interface with it on the CPU).
+    assert contract.PREPROCESS.input_names == contract.PREPROCESS_DALI.input_names == (contract.IMAGE,)
+    assert contract.ENSEMBLE.tensor(contract.IMAGE) == contract.LLM.tensor(contract.IMAGE)  # as llm takes images
+
+
 def test_an_image_only_repository_is_the_contract(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``max_videos`` 0: the models that take video declare the contract's interface less ``video``."""
     fake_artifact_builds(monkeypatch)

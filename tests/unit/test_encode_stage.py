@@ -1,9 +1,16 @@
-"""Request-level batching of the cpu preprocess and encode models (python_backends/preprocess/stage.py,
-python_backends/encode/stage.py): every request of a dynamic batch in one run, results back in
-order, a bad request fails alone. The preprocess side runs with both image backends."""
+"""The request-level logic of the cpu preprocess and vit_encoder models
+(python_backends/preprocess/stage.py, python_backends/encode/stage.py).
+
+Not batched (the cpu target): a request's 0..N images in one preprocessor call, rows
+concatenated (images of different sizes share a request), all or nothing with errors naming
+``image[i]``; the encoder answers every image's tokens concatenated, ``[1, tokens, hidden]``.
+The DALI backend's batched interface (the gpu target's, which the same model.py serves when its
+config batches): every request of a dynamic batch in one run, results back in order, a bad request
+fails alone. The preprocess side runs with both image backends."""
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -16,7 +23,14 @@ from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_ca
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.preprocess.image_pipeline import ImageTransformConfig
 from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages
-from python_backends.preprocess.stage import ImagePreprocessor, PixelBatch, PreprocessStage, encoded_images
+from python_backends.preprocess.stage import (
+    ImagePreprocessor,
+    PixelBatch,
+    PreprocessStage,
+    RequestPreprocess,
+    encoded_images,
+    request_images,
+)
 from python_backends.preprocess.torch_images import TorchImagePreprocessor
 from python_backends.request.images import ImageLimits
 from python_backends.runtime.model_params import ModelParameters
@@ -81,6 +95,77 @@ def _alone(preprocessor: ImagePreprocessor, images: list[bytes]) -> Preprocessed
 def _error(result: object, fragment: str) -> None:
     assert isinstance(result, EpdError), result
     assert result.code == ErrorCode.INVALID_ARG and fragment in result.message, result.message
+
+
+# ---------------------------------------------------------------------------------------------
+# Not batched (the cpu target's preprocess): one request's images
+# ---------------------------------------------------------------------------------------------
+
+
+def _strings(*items: bytes) -> np.ndarray:
+    return np.array(list(items), dtype=np.object_).reshape(len(items))  # BYTES [n], as Triton hands it
+
+
+def test_a_requests_images_of_different_sizes_are_concatenated_in_order(
+    counting: CountingPreprocessor, preprocessor: ImagePreprocessor, transform_config: ImageTransformConfig
+) -> None:
+    a, b, c = png(64, 48, 1), png(200, 120, 2, "JPEG"), png(33, 90, 3)
+    stage = RequestPreprocess(counting, transform_config.folded_patch_dim)
+    (result,) = stage.run_tensors([_strings(a, b, base64.b64encode(c))])  # raw bytes or base64
+    assert isinstance(result, PreprocessedImages)
+    assert counting.calls == [3]  # one preprocessor call for the request
+    alone = [_alone(preprocessor, [image]) for image in (a, b, c)]
+    np.testing.assert_array_equal(result.pixel_values, np.concatenate([x.pixel_values for x in alone]))
+    np.testing.assert_array_equal(result.image_grid_thw, np.concatenate([x.image_grid_thw for x in alone]))
+    assert result.pixel_values.shape[1] == transform_config.folded_patch_dim
+    assert len({tuple(g) for g in result.image_grid_thw.tolist()}) == 3  # three grids in one request
+
+
+def test_no_image_gives_empty_outputs(counting: CountingPreprocessor, transform_config: ImageTransformConfig) -> None:
+    stage = RequestPreprocess(counting, transform_config.folded_patch_dim)
+    for result in stage.run_tensors([None, _strings()]):  # absent, or shape [0]
+        assert isinstance(result, PreprocessedImages)
+        assert result.pixel_values.shape == (0, transform_config.folded_patch_dim)
+        assert result.pixel_values.dtype == np.float32
+        assert result.image_grid_thw.shape == (0, 3) and result.image_grid_thw.dtype == np.int64
+    assert counting.calls == []
+
+
+def test_a_bad_image_fails_its_request_naming_its_index(
+    counting: CountingPreprocessor, transform_config: ImageTransformConfig
+) -> None:
+    good = png(64, 48, 1)
+    truncated = png(300, 200, 4, "JPEG")[:2000]  # header fine, pixels cut: found when decoded
+    stage = RequestPreprocess(counting, transform_config.folded_patch_dim)
+    results = stage.run_tensors(
+        [
+            _strings(good, b""),
+            _strings(good, good, truncated),
+            _strings(b"not an image"),
+            np.frombuffer(good, np.uint8)[None],  # the DALI interface's UINT8 rows: not this model's
+            _strings(good),
+        ]
+    )
+    _error(results[0], "image[1] is empty")
+    _error(results[1], "image[2] cannot be decoded")
+    _error(results[2], "image[0] is neither")
+    _error(results[3], "must be BYTES")
+    assert isinstance(results[4], PreprocessedImages)
+
+
+def test_more_images_than_max_images_per_request_are_refused(transform_config: ImageTransformConfig) -> None:
+    image = png(40, 40, 1)
+    limited = TorchImagePreprocessor(transform_config, limits=ImageLimits(max_images=3))
+    stage = RequestPreprocess(limited, transform_config.folded_patch_dim)
+    ok, refused = stage.run_tensors([_strings(*[image] * 3), _strings(*[image] * 4)])
+    assert isinstance(ok, PreprocessedImages) and ok.image_grid_thw.shape == (3, 3)
+    _error(refused, "4 images in one request, above the limit of 3 (max_images_per_request)")
+    assert request_images(None, 3) == [] and request_images(_strings(b"a", b"b"), 3) == [b"a", b"b"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched (the DALI backend's interface: one image per batch row)
+# ---------------------------------------------------------------------------------------------
 
 
 def test_requests_of_different_sizes_share_one_run(
@@ -187,21 +272,35 @@ class FakeEncoder:
 
 
 def _pixels(images: int, grid: tuple[int, int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``images`` images of one grid as vit_encoder takes them: rows concatenated, [rows, 6]."""
     patches = grid[0] * grid[1] * grid[2]
-    pixels = np.random.default_rng(seed).standard_normal((images, patches, 6)).astype(np.float32)
-    return pixels, np.array([grid] * images, dtype=np.int64)
+    pixels = np.random.default_rng(seed).standard_normal((images * patches, 6)).astype(np.float32)
+    return pixels, np.array([grid] * images, dtype=np.int64).reshape(-1, 3)
 
 
-def test_encoder_packs_all_requests_into_one_call_and_splits_back() -> None:
+def _request(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One request of several images of different grids."""
+    return np.concatenate([p for p, _ in parts]), np.concatenate([g for _, g in parts])
+
+
+def test_encoder_runs_every_image_of_every_request_and_concatenates_per_request() -> None:
     encoder = FakeEncoder()
-    requests = [_pixels(1, (1, 2, 2), 1), _pixels(2, (1, 4, 6), 2), _pixels(1, (1, 8, 2), 3)]
+    mixed = _request(_pixels(1, (1, 4, 6), 2), _pixels(1, (1, 2, 2), 4), _pixels(1, (1, 8, 2), 5))
+    requests = [_pixels(1, (1, 2, 2), 1), mixed, _pixels(2, (1, 8, 2), 3)]
     results = EncoderStage(encoder).run(requests)
-    assert encoder.calls == [4]  # every image of every request in one run, one call each
+    assert encoder.calls == [6]  # every image of every request in one run, one call each
     for (pixels, grid), result in zip(requests, results, strict=True):
         assert isinstance(result, np.ndarray)
-        expected = np.stack(FakeEncoder().encode(pixels.reshape(-1, 6), grid))
-        np.testing.assert_array_equal(result, expected)
-        assert result.shape == (len(grid), pixels.shape[1] // 4, 6)
+        expected = np.concatenate(FakeEncoder().encode(pixels, grid))
+        assert result.shape == (1, len(pixels) // 4, 6)  # [1, every image's tokens, hidden]
+        np.testing.assert_array_equal(result[0], expected)
+
+
+def test_encoder_answers_no_image_with_no_tokens() -> None:
+    encoder = FakeEncoder()
+    (result,) = EncoderStage(encoder).run([(np.zeros((0, 3), np.float32), np.zeros((0, 3), np.int64))])
+    assert isinstance(result, np.ndarray) and result.shape == (1, 0, 6) and result.dtype == np.float32
+    assert encoder.calls == []
 
 
 def test_encoder_rejects_inconsistent_requests_alone() -> None:
@@ -216,17 +315,19 @@ def test_encoder_rejects_inconsistent_requests_alone() -> None:
             (pixels, np.array([[1, 4, 4]])),  # grid needs 16 patches, 4 given
             (pixels, np.array([[1, 1, 4]])),  # not a multiple of merge_size
             (pixels[..., :5], np.array([[1, 2, 2]])),  # wrong patch width
-            (pixels[0], np.array([[1, 2, 2]])),  # no image dimension
-            (pixels, np.array([[1, 2, 2], [1, 2, 2]])),  # two grids, one image
+            (pixels[None], np.array([[1, 2, 2]])),  # an image dimension: not this model's shapes
+            (pixels, np.array([[1, 2, 2], [1, 2, 2]])),  # two grids, one image's rows
+            (pixels, np.zeros((0, 3), np.int64)),  # rows but no image
             good,
         ]
     )
-    assert isinstance(results[0], np.ndarray) and isinstance(results[6], np.ndarray)
-    _error(results[1], "needs [16] patches")
+    assert isinstance(results[0], np.ndarray) and isinstance(results[7], np.ndarray)
+    _error(results[1], "image_grid_thw needs 16 rows")
     _error(results[2], "multiples of 2")
     _error(results[3], "the encoder takes 6")
-    _error(results[4], "[images, patches, width]")
-    _error(results[5], "[images, patches, width]")
+    _error(results[4], "[rows, width] and [images, 3]")
+    _error(results[5], "image_grid_thw needs 8 rows")
+    _error(results[6], "image_grid_thw has no image")
     assert encoder.calls == [2]
 
 

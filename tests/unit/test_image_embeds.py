@@ -48,6 +48,18 @@ def test_no_embeddings_is_none():
     assert parse_image_embeds({}, None, 3) is None  # a model without the spec ignores nothing sent
 
 
+def test_embeddings_and_grid_without_rows_are_no_image():
+    """What the ensemble's encode steps give llm for a request without an image: [1, 0, hidden]
+    embeddings and a [0, 3] grid."""
+    empty = {"image_embeds": np.zeros((1, 0, 8), np.float32), "image_grid_thw": np.zeros((0, 3), np.int64)}
+    assert parse_image_embeds(empty, SPEC, 3) is None
+    assert parse_image_embeds({**empty, "image_embeds": np.zeros((0, 8), np.float32)}, SPEC, 3) is None
+    request = parse_generate_request({"text_input": text("hi"), **empty}, LIMITS)
+    assert request.image_embeds is None and request.images == [] and request.prompt == "hi"
+    with pytest.raises(EpdError, match="text_input is empty"):  # no text and no image: nothing to answer
+        parse_generate_request({"text_input": text(""), **empty}, LIMITS)
+
+
 def test_encode_output_is_taken_as_it_is():
     # encode returns [1, tokens, hidden] and [1, 3]; grid (1, 4, 6) -> 24 patches / 4 = 6 tokens.
     parsed = parse_image_embeds({"image_embeds": embeds(6), "image_grid_thw": grid((1, 4, 6))}, SPEC, 3)
@@ -104,7 +116,8 @@ def test_multi_modal_data_is_vllms_embeds_form():
             "[tokens, hidden] or [n, tokens, hidden]",
         ),
         ({"image_embeds": embeds(6), "image_grid_thw": np.zeros((1, 4), np.int64)}, "must be [images, 3]"),
-        ({"image_embeds": np.zeros((1, 0, 8), np.float32), "image_grid_thw": np.zeros((0, 3), np.int64)}, "no rows"),
+        ({"image_embeds": embeds(6), "image_grid_thw": np.zeros((0, 3), np.int64)}, "has no rows (no image) but"),
+        ({"image_embeds": np.zeros((1, 0, 6), np.float32), "image_grid_thw": np.zeros((0, 3), np.int64)}, "hidden"),
         (
             {"image_embeds": embeds(4, leading=None), "image_grid_thw": grid(*[(1, 2, 2)] * 4)},
             "above the limit of 3 (max_images)",
@@ -160,16 +173,25 @@ def test_embedding_errors_reach_triton_as_invalid_arg():
     assert error.code() == pb_utils.TritonError.INVALID_ARG and "needs 6" in error.message()
 
 
-def test_client_sends_the_ensemble_one_image_as_uint8():
+def test_client_sends_images_as_bytes_and_one_uint8_image_to_the_gpu_ensemble():
+    """The cpu target's ``ensemble`` takes 0..N images as BYTES, like ``llm``; the gpu target's
+    takes exactly one as UINT8 [1, bytes], which the client learns from the model's metadata."""
     import tritonclient.grpc as grpcclient
 
-    from client.epd_client import ClientError, build_inputs, check_images_for
+    from client.epd_client import ClientError, build_inputs, check_images_for, takes_one_uint8_image
 
     image = synthetic_image(32, 32, 1)
     inputs = {i.name(): i for i in build_inputs(grpcclient, "hi", [image], True, None, None, one_image_uint8=True)}
     assert inputs["image"].datatype() == "UINT8" and inputs["image"].shape() == [1, len(image)]
-    check_images_for("ensemble", [image])
-    check_images_for("llm", [])
+    inputs = {i.name(): i for i in build_inputs(grpcclient, "hi", [image, image], True, None, None)}
+    assert inputs["image"].datatype() == "BYTES" and inputs["image"].shape() == [2]
+    assert "image" not in {i.name() for i in build_inputs(grpcclient, "hi", [], True, None, None)}
+    gpu = {"inputs": [{"name": "text_input", "datatype": "BYTES"}, {"name": "image", "datatype": "UINT8"}]}
+    cpu = {"inputs": [{"name": "text_input", "datatype": "BYTES"}, {"name": "image", "datatype": "BYTES"}]}
+    assert takes_one_uint8_image(gpu) and not takes_one_uint8_image(cpu) and not takes_one_uint8_image({})
+    check_images_for("ensemble", [image], one_image_uint8=True)
+    for count in (0, 2, 4):
+        check_images_for("ensemble", [image] * count, one_image_uint8=False)
     for count in (0, 2):
         with pytest.raises(ClientError, match="exactly one image"):
-            check_images_for("ensemble", [image] * count)
+            check_images_for("ensemble", [image] * count, one_image_uint8=True)

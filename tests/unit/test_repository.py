@@ -126,14 +126,17 @@ def test_generation_is_the_same_in_every_process(model_dir: Path) -> None:
     assert len(set(digests.values())) == 1, digests
 
 
-def test_cpu_preprocess_is_the_python_model_with_dynamic_batching(model_dir: Path) -> None:
+def test_cpu_preprocess_is_the_python_model_one_request_at_a_time(model_dir: Path) -> None:
+    """Not batched: a request's 0..N encoded images (BYTES, optional, as llm takes them) -> every
+    image's folded rows concatenated and one grid row per image."""
     config = configs("cpu", model_dir)["preprocess"]
-    assert config.backend == "python" and config.max_batch_size == 8
-    assert config.HasField("dynamic_batching")
+    assert config.backend == "python" and config.max_batch_size == 0
+    assert not config.HasField("dynamic_batching")
     image = tensor(config, "image")
-    assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [-1] and image.allow_ragged_batch
+    assert image.data_type == DataType.TYPE_STRING and list(image.dims) == [-1] and image.optional
+    assert not image.allow_ragged_batch
     assert list(tensor(config, "pixel_values").dims) == [-1, FACTS.image_patch_dim]  # folded image rows
-    assert list(tensor(config, "image_grid_thw").dims) == [3]
+    assert list(tensor(config, "image_grid_thw").dims) == [-1, 3]
     assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["image_backend"] == "torchvision"
@@ -142,32 +145,50 @@ def test_cpu_preprocess_is_the_python_model_with_dynamic_batching(model_dir: Pat
     limits = TARGETS["cpu"].limits
     assert int(params["max_image_pixels"]) == limits["max_image_pixels"]
     assert int(params["max_image_bytes"]) == limits["max_image_bytes"]
+    per_request = int(params["max_images_per_request"])  # llm enforces its own max_images on the embeddings
+    assert per_request == contract.default_of(contract.MAX_IMAGES_PER_REQUEST) >= limits["max_images"]
+    text = repository_files(TARGETS["cpu"], model_dir, FACTS)["preprocess/config.pbtxt"]
+    assert "Not batched" in text and "dynamic_batching" not in text
 
 
 def test_gpu_preprocess_is_the_dali_backend(model_dir: Path) -> None:
-    cpu, gpu = configs("cpu", model_dir)["preprocess"], configs("gpu", model_dir)["preprocess"]
+    gpu = configs("gpu", model_dir)["preprocess"]
     assert gpu.backend == "dali" and gpu.HasField("dynamic_batching")
+    assert gpu.max_batch_size == TARGETS["gpu"].encode.max_batch_size > 0
     assert gpu.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
-    assert tensor(gpu, "image").allow_ragged_batch
-    # Same interface as the cpu model: only the backend differs.
-    assert list(gpu.input) == list(cpu.input) and list(gpu.output) == list(cpu.output)
-    assert gpu.max_batch_size == cpu.max_batch_size
+    # The DALI backend's interface: one image per batch row, its bytes as UINT8, rows ragged.
+    image = tensor(gpu, "image")
+    assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [-1] and image.allow_ragged_batch
+    assert list(tensor(gpu, "pixel_values").dims) == [-1, FACTS.image_patch_dim]
+    assert list(tensor(gpu, "image_grid_thw").dims) == [3]
     # Output order is the pipeline's (the DALI backend maps outputs by position).
     from python_backends.preprocess.image_pipeline import OUTPUT_NAMES
 
     assert tuple(o.name for o in gpu.output) == OUTPUT_NAMES
 
 
-def test_cpu_vit_encoder_runs_onnx_runtime_with_dynamic_batching(model_dir: Path) -> None:
+def test_cpu_vit_encoder_runs_onnx_runtime_one_request_at_a_time(model_dir: Path) -> None:
     config = configs("cpu", model_dir)["vit_encoder"]
-    assert config.backend == "python" and config.max_batch_size == 8 and config.HasField("dynamic_batching")
+    assert config.backend == "python" and config.max_batch_size == 0 and not config.HasField("dynamic_batching")
     pixels = tensor(config, "pixel_values")
-    assert pixels.allow_ragged_batch and list(pixels.dims) == [-1, -1]  # folded image or full video rows
-    assert list(tensor(config, "image_embeds").dims) == [-1, FACTS.hidden_size]
+    assert not pixels.allow_ragged_batch and list(pixels.dims) == [-1, -1]  # folded image or full video rows
+    assert list(tensor(config, "image_grid_thw").dims) == [-1, 3]
+    assert list(tensor(config, "image_embeds").dims) == [1, -1, FACTS.hidden_size]  # every image's tokens
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["onnx_file"] == "model.onnx" and params["vit_threads"] == "0"
     for name, value in vars(FACTS).items():  # shapes checked at load, provenance shown as metrics
         assert params[name] == str(value)
+
+
+def test_cpu_encode_takes_a_requests_images(model_dir: Path) -> None:
+    config = configs("cpu", model_dir)["encode"]
+    assert config.platform == "ensemble" and config.max_batch_size == 0
+    image = tensor(config, "image")
+    assert image.data_type == DataType.TYPE_STRING and list(image.dims) == [-1]
+    assert list(tensor(config, "image_embeds").dims) == [1, -1, FACTS.hidden_size]
+    assert list(tensor(config, "image_grid_thw").dims) == [-1, 3]
+    text = repository_files(TARGETS["cpu"], model_dir, FACTS)["encode/config.pbtxt"]
+    assert "0..N encoded images per request" in text
 
 
 def one_image_grid(patches: int, merge_size: int) -> np.ndarray:
@@ -289,13 +310,21 @@ def test_ensemble_is_encode_then_llm_with_embeddings_by_value(target: str, model
     # Embeddings by value into llm; the raw image never reaches it.
     assert last.input_map["image_embeds"] == "image_embeds" and last.input_map["image_grid_thw"] == "image_grid_thw"
     assert "image" not in last.input_map
-    # One image per request, as encode takes it on the wire (a static DAG cannot loop).
     assert ensemble.max_batch_size == 0
     image = tensor(ensemble, "image")
-    assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [1, -1] and not image.optional
-    # The user interface is llm's, less the alternatives to one image.
-    assert [o for o in ensemble.output] == [o for o in llm.output]
+    text = repository_files(TARGETS[target], model_dir, FACTS)["ensemble/config.pbtxt"]
     llm_inputs = {i.name: i for i in llm.input}
+    if target == "cpu":
+        # 0 to max_images images per request, exactly as llm takes them (optional BYTES [n]).
+        assert image.data_type == DataType.TYPE_STRING and list(image.dims) == [-1] and image.optional
+        assert image == llm_inputs["image"]
+        assert "0 to max_images encoded images per request" in text
+    else:
+        # One image per request, as the gpu target's encode takes it (a static DAG cannot loop).
+        assert image.data_type == DataType.TYPE_UINT8 and list(image.dims) == [1, -1] and not image.optional
+        assert "exactly one image per request" in text
+    # The user interface is llm's, less the alternatives to images.
+    assert [o for o in ensemble.output] == [o for o in llm.output]
     for entry in ensemble.input:
         if entry.name != "image":
             assert entry == llm_inputs[entry.name], entry.name
@@ -425,12 +454,20 @@ def test_max_videos_option_reaches_the_repository(
     assert "--max-videos: must be 0 (no video) or more, not -1" in capsys.readouterr().err
 
 
-def test_one_image_request_has_the_same_wire_shapes_on_both_targets(model_dir: Path) -> None:
+def test_one_image_request_has_the_same_output_shapes_on_both_targets(model_dir: Path) -> None:
+    """``encode``'s outputs for one image have the same wire shapes on both targets; the input
+    differs: a request's images as BYTES [n] on cpu, one image's bytes as UINT8 [1, bytes] on gpu
+    (the encoders pick by their ``encode_one_image`` parameter)."""
     cpu, gpu = configs("cpu", model_dir)["encode"], configs("gpu", model_dir)["encode"]
-    for name in ("image", "image_embeds", "image_grid_thw"):
-        one_image_cpu = [1, *tensor(cpu, name).dims]  # cpu batches: batch 1 on the wire
-        assert compatible(one_image_cpu, full_shape(gpu, tensor(gpu, name))), name
+    assert cpu.max_batch_size == gpu.max_batch_size == 0
+    for name in ("image_embeds", "image_grid_thw"):
+        assert compatible(list(tensor(cpu, name).dims), list(tensor(gpu, name).dims)), name
         assert tensor(cpu, name).data_type == tensor(gpu, name).data_type
+    assert tensor(cpu, "image").data_type == DataType.TYPE_STRING and list(tensor(cpu, "image").dims) == [-1]
+    assert tensor(gpu, "image").data_type == DataType.TYPE_UINT8 and list(tensor(gpu, "image").dims) == [1, -1]
+    for target, one_image in (("cpu", "False"), ("gpu", "True")):
+        encoder = configs(target, model_dir)["encoder_0"]
+        assert encoder.parameters["encode_one_image"].string_value == one_image, target
 
 
 # ---------------------------------------------------------------------------------------------

@@ -350,3 +350,54 @@ def test_the_preprocess_model_picks_its_backend_by_parameter(config: ImageTransf
     assert dali.preprocess([GOOD]).pixel_values.shape == (16, config.folded_patch_dim)
     with pytest.raises(ValueError, match="image_backend.*'nvjpeg'.*torchvision, dali"):
         chosen("nvjpeg")
+
+
+def test_the_preprocess_model_serves_a_requests_images_or_the_dali_interface(
+    config: ImageTransformConfig, tmp_path: Path
+) -> None:
+    """``max_batch_size`` 0 (the cpu target's config): a request's BYTES images, rows concatenated,
+    none -> empty outputs; a batched config (the gpu target's DALI interface, served with this file
+    by tests/server/test_gpu_topology.py): one image per UINT8 batch row."""
+    from python_backends import contract
+    from python_backends.preprocess.stage import PixelBatch
+    from python_backends.runtime.model_params import ModelParameters
+
+    source = REPO_ROOT / "model_repository" / "preprocess" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("preprocess_model", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # Triton's utils: the unit tests' stub (conftest.py)
+    parameters = {
+        contract.PREPROCESSOR_CONFIG: str(build_default_model() / "preprocessor_config.json"),
+        contract.MAX_IMAGES_PER_REQUEST: "3",
+    }
+    args = {"model_repository": str(tmp_path), "model_version": "1", "model_name": "preprocess"}
+
+    def served(max_batch_size: int) -> object:
+        model = module.TritonPythonModel()
+        model.config = {"max_batch_size": max_batch_size}
+        model.params = ModelParameters("preprocess", parameters)
+        model.setup(args)  # what initialize calls, once the config and parameters are read
+        return model
+
+    other = noise_image(120, 200, 1)
+    threads = torch.get_num_threads()
+    try:
+        model = served(0)
+        images = np.array([GOOD, other], dtype=np.object_)
+        two, none, absent, too_many = model.run(
+            [{contract.IMAGE: images}, {contract.IMAGE: images[:0]}, {}, {contract.IMAGE: np.array([GOOD] * 4, object)}]
+        )
+        alone = [TorchImagePreprocessor(config).preprocess([image]) for image in (GOOD, other)]
+        np.testing.assert_array_equal(two[contract.PIXEL_VALUES], np.concatenate([a.pixel_values for a in alone]))
+        np.testing.assert_array_equal(two[contract.IMAGE_GRID_THW], np.concatenate([a.image_grid_thw for a in alone]))
+        for empty in (none, absent):
+            assert empty[contract.PIXEL_VALUES].shape == (0, config.folded_patch_dim)
+            assert empty[contract.IMAGE_GRID_THW].shape == (0, 3)
+        assert isinstance(too_many, EpdError) and "above the limit of 3" in too_many.message
+        batched = served(8)
+        (row,) = batched.run([{contract.IMAGE: np.frombuffer(GOOD, np.uint8)[None]}])
+        assert row[contract.PIXEL_VALUES].shape == (1, *alone[0].pixel_values.shape)  # [b, patches, row]
+        assert isinstance(batched.stage.run([[GOOD]])[0], PixelBatch)
+    finally:
+        torch.set_num_threads(threads)

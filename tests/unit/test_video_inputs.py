@@ -133,7 +133,8 @@ def test_video_encode_runs_the_pipeline_then_the_encoder_on_its_grid(preprocesso
     expected = preprocessor.preprocess([clip])
     encoded = asyncio.run(encode(clip))
     assert encoded.grid_thw == tuple(expected.video_grid_thw[0].tolist()) == (2, 8, 12)
-    assert calls == [((1, 2 * 8 * 12, expected.pixel_values_videos.shape[1]), [[2, 8, 12]])]
+    # vit_encoder's shapes: the video's rows [t*h*w, patch_dim] and its grid [1, 3].
+    assert calls == [((2 * 8 * 12, expected.pixel_values_videos.shape[1]), [[2, 8, 12]])]
     assert encoded.embeds.shape == (2 * 8 * 12 // 4, 8)
     make, words = BAD_VIDEOS["corrupt bytes"]
     with pytest.raises(EpdError) as caught:

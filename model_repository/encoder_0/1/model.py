@@ -20,7 +20,7 @@ class TritonPythonModel(DecoupledModel):
     INPUTS = contract.ENCODER.input_names
 
     def setup(self, args):
-        self.engine = BlsEncode(self.params.string(contract.ENCODE_MODEL_KEY))
+        self.engine = BlsEncode.from_params(self.params)
         repository = Path(args["model_repository"]).parent
         self.server = EncoderServer.build(self.params, repository, self.model_name, self.engine)
         self.store = self.server.store

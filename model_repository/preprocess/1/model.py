@@ -1,8 +1,11 @@
-"""`preprocess` (cpu target): encoded images -> folded ``pixel_values`` + ``image_grid_thw``, dynamically batched.
+"""`preprocess` (cpu target): encoded images -> folded ``pixel_values`` + ``image_grid_thw``.
 
-Thin by design: python_backends.preprocess.stage runs every request of a dynamic batch through
-one image preprocessor and gives one result or one coded error per request
-(python_backends.triton_edge.batched). The ``image_backend`` parameter picks it:
+Thin by design: python_backends.preprocess.stage gives one result or one coded error per request
+(python_backends.triton_edge.batched). Not batched (``max_batch_size`` 0): a request's 0..N
+images (BYTES) in one preprocessor call, rows concatenated (``RequestPreprocess``). A config that
+batches is the gpu target's DALI interface, one image per batch row (``PreprocessStage``), which
+tests/server/test_gpu_topology.py serves with this file on the CPU. The ``image_backend``
+parameter picks the preprocessor:
 
 - ``torchvision`` (the cpu default): PIL decode + torchvision resize, vLLM's processor bit for bit
   (python_backends.preprocess.torch_images), one torch intra-op thread per call.
@@ -13,8 +16,8 @@ one image preprocessor and gives one result or one coded error per request
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.preprocess.image_pipeline import ImageTransformConfig
-from python_backends.preprocess.stage import ImagePreprocessor, PreprocessStage
+from python_backends.preprocess.image_pipeline import DEFAULT_MAX_BATCH_SIZE, ImageTransformConfig
+from python_backends.preprocess.stage import ImagePreprocessor, PreprocessStage, RequestPreprocess
 from python_backends.request.images import ImageLimits
 from python_backends.triton_edge.batched import BatchedModel
 
@@ -28,14 +31,22 @@ class TritonPythonModel(BatchedModel):
     def setup(self, args):
         params = self.params
         max_batch_size = int(self.config["max_batch_size"])
+        # Not batched: a request's images, at most max_images_per_request; batched (the DALI
+        # interface): the most images Triton puts in one execute.
+        max_images = max_batch_size or params.integer(contract.MAX_IMAGES_PER_REQUEST)
         limits = ImageLimits(
-            max_images=max_batch_size,  # the most images Triton puts in one execute
+            max_images=max_images,
             max_image_bytes=params.integer(contract.MAX_IMAGE_BYTES),
             max_image_pixels=params.integer(contract.MAX_IMAGE_PIXELS),
         )
         config = ImageTransformConfig.from_file(params.string(contract.PREPROCESSOR_CONFIG))
         backend = params.string(contract.IMAGE_BACKEND)
-        self.stage = PreprocessStage(_preprocessor(backend, args, params, config, limits, max_batch_size))
+        dali_batch = max_batch_size or min(max_images, DEFAULT_MAX_BATCH_SIZE)  # images per DALI run
+        preprocessor = _preprocessor(backend, args, params, config, limits, dali_batch)
+        if max_batch_size > 0:
+            self.stage = PreprocessStage(preprocessor)
+        else:
+            self.stage = RequestPreprocess(preprocessor, config.folded_patch_dim)
 
     def run(self, batch):
         results = self.stage.run_tensors([inputs.get(contract.IMAGE) for inputs in batch])
@@ -65,5 +76,5 @@ def _preprocessor(backend, args, params, config, limits, max_batch_size) -> Imag
     )
 
 
-def _outputs(batch):
-    return {contract.PIXEL_VALUES: batch.pixel_values, contract.IMAGE_GRID_THW: batch.image_grid_thw}
+def _outputs(result):
+    return {contract.PIXEL_VALUES: result.pixel_values, contract.IMAGE_GRID_THW: result.image_grid_thw}

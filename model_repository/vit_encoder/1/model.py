@@ -1,9 +1,11 @@
 """`vit_encoder` (cpu target): the exported vision tower + merger, fp32 on ONNX Runtime (the
 default) or bf16 on OpenVINO (``vit_precision``).
 
-Thin by design: python_backends.encode.stage runs every image of a dynamic batch through the
-runner, one call per image, several at once (python_backends.encode.vit_onnx, vit_openvino), and
-gives one result or one coded error per request (python_backends.triton_edge.batched).
+Thin by design, not batched (``max_batch_size`` 0): python_backends.encode.stage runs every
+image of a request (``pixel_values`` [rows, width], ``image_grid_thw`` [n, 3]) through the runner,
+one call per image, several at once (python_backends.encode.vit_onnx, vit_openvino), and gives
+``image_embeds`` [1, tokens, hidden] (every image's, concatenated) or one coded error per request
+(python_backends.triton_edge.batched).
 """
 
 import time
