@@ -8,15 +8,20 @@ workload and path: the share of requests whose tokens equal ``llm``'s, and where
 differing token was. With the fp32 encoder every request agrees (tests/server/test_epd_acceptance.py);
 this measures what a lower-precision encoder (``--vit-precision bf16``) costs in answers.
 
-    python -m bench.token_agreement --url 127.0.0.1:8001 --requests 16 --out results/latest/token-agreement
+    python -m bench.token_agreement --vit-precision bf16 --requests 16 --out results/latest/token-agreement-bf16
+    python -m bench.token_agreement --url 127.0.0.1:8001     (a server already running)
+
+Without ``--url`` it writes ``build/repo-agreement`` with the given ``--vit-precision`` and serves
+it on free ports for the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,19 @@ def agreement(url: str, workloads: Sequence[str], count: int) -> dict[str, Any]:
     return report
 
 
+@contextlib.contextmanager
+def served(vit_precision: str, log: Path) -> Iterator[str]:
+    """A server of the default model with the vision encoder in ``vit_precision``; its gRPC URL."""
+    from builders.launcher import prepare
+    from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
+
+    repository = REPO_ROOT / "build" / "repo-agreement"
+    prepare("cpu", None, repository, vit_precision=vit_precision)
+    with TritonServer(ServerOptions(repository, Ports.free()), log) as server:
+        server.wait_ready(timeout_s=900)
+        yield server.grpc_url
+
+
 def table(report: dict[str, Any]) -> str:
     lines = ["| workload | path | equal to llm | first differing token (those that differ) |", "|---|---|---:|---|"]
     for workload, paths in report.items():
@@ -82,13 +100,18 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC HOST:PORT of a running server")
+    parser.add_argument("--url", help="gRPC HOST:PORT of a running server (default: serve one for the run)")
+    parser.add_argument("--vit-precision", default="fp32", help="the served encoder's, without --url (fp32, bf16)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=sorted(WORKLOADS))
     parser.add_argument("--requests", type=int, default=16, help="requests per workload")
     parser.add_argument("--out", type=Path, default=Path("results/latest/token-agreement"))
     args = parser.parse_args(argv)
-    report = agreement(args.url, args.workloads, args.requests)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        report = agreement(args.url, args.workloads, args.requests)
+    else:
+        with served(args.vit_precision, args.out / "server.log") as url:
+            report = agreement(url, args.workloads, args.requests)
     (args.out / "agreement.json").write_text(json.dumps(report, indent=2) + "\n")
     text = table(report)
     (args.out / "README.md").write_text(f"# Greedy tokens of epd's paths against llm's\n\n{text}\n")
