@@ -256,6 +256,11 @@ def _write_metadata(onnx_path: Path, dims: dict[str, int]) -> None:
     model = onnx.load(str(onnx_path), load_external_data=False)
     # The exporter names the output's row count after an internal symbol ("s71"); say what it is.
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "merged_tokens"
+    # torch.export's debug notes list its shape symbols in hash order: the same export then gave
+    # other bytes under another PYTHONHASHSEED, so servers built apart had other content keys.
+    kept = [prop for prop in model.graph.metadata_props if not prop.key.startswith("pkg.torch.export.")]
+    del model.graph.metadata_props[:]
+    model.graph.metadata_props.extend(kept)
     names = {
         "merge_size": META_MERGE_SIZE,
         "patch_dim": META_PATCH_DIM,

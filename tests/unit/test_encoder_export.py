@@ -299,3 +299,26 @@ def test_tensorrt_config_matches_the_exported_graph(onnx_path: Path, tower) -> N
 def test_tensorrt_profile_is_checked(profile: TrtProfile, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cuda_graph_shapes(profile, image_patch_dim=588)
+
+
+def test_the_export_gives_the_same_bytes_under_any_hash_seed(model_dir: Path, tmp_path: Path) -> None:
+    """Content keys cover the served file's digest: two servers that export the same checkpoint
+    apart (a scale-out encoder and its PD server) must write the same bytes, whatever Python's
+    hash seed (torch.export's notes once listed shape symbols in hash order)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from builders.encoder import export_onnx, load_vision_tower; "
+        "print(export_onnx(load_vision_tower(sys.argv[1]), sys.argv[2]))"
+    )
+    digests = set()
+    for seed in ("1", "3"):
+        out = tmp_path / seed
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        command = [sys.executable, "-c", script, str(model_dir), str(out)]
+        subprocess.run(command, env=env, check=True, capture_output=True)
+        digests.add(hashlib.sha256((out / "model.onnx").read_bytes()).hexdigest())
+    assert len(digests) == 1
