@@ -16,30 +16,17 @@ import pytest
 import triton_python_backend_utils as pb_utils
 
 from python_backends.triton_edge.bls import RETIRE_S, BlsCaller
-
-
-class Output:
-    def __init__(self, name: str, array: np.ndarray) -> None:
-        self._name, self._array = name, array
-
-    def name(self) -> str:
-        return self._name
-
-    def is_cpu(self) -> bool:
-        return True
-
-    def as_numpy(self) -> np.ndarray:
-        return self._array
+from tests.unit.bls_fakes import FakeOutput
 
 
 class Response:
     def __init__(self, index: int | None) -> None:  # None: the empty final response
-        self.outputs = [] if index is None else [Output("output_token_ids", np.array([index]))]
+        self.outputs = [] if index is None else [FakeOutput("output_token_ids", np.array([index]))]
 
     def has_error(self) -> bool:
         return False
 
-    def output_tensors(self) -> list[Output]:
+    def output_tensors(self) -> list[FakeOutput]:
         return self.outputs
 
 

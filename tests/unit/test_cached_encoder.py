@@ -27,6 +27,7 @@ from python_backends.encode.cached import (
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.store import EmbeddingStore, KeyConfig, StoreConfig, StoreFullError
 from tests.images import synthetic_image
+from tests.unit.bls_fakes import FakeOutput
 
 HIDDEN = 8
 ROWS = 4
@@ -351,20 +352,6 @@ def test_the_encoders_precision_and_image_backend_are_part_of_the_key(tmp_path: 
     assert len({k.key(b"image") for k in keys.values()}) == 4
 
 
-class _Output:
-    def __init__(self, name: str, array: np.ndarray) -> None:
-        self._name, self._array = name, array
-
-    def name(self) -> str:
-        return self._name
-
-    def is_cpu(self) -> bool:
-        return True
-
-    def as_numpy(self) -> np.ndarray:
-        return self._array
-
-
 class _Response:
     def __init__(self, outputs: dict[str, np.ndarray]) -> None:
         self._outputs = outputs
@@ -372,8 +359,8 @@ class _Response:
     def has_error(self) -> bool:
         return False
 
-    def output_tensors(self) -> list[_Output]:
-        return [_Output(name, array) for name, array in self._outputs.items()]
+    def output_tensors(self) -> list[FakeOutput]:
+        return [FakeOutput(name, array) for name, array in self._outputs.items()]
 
 
 def test_bls_encode_sends_the_wire_shapes_of_each_target(monkeypatch: pytest.MonkeyPatch) -> None:
