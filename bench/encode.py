@@ -501,7 +501,7 @@ def run_benchmark(options: Options) -> dict[str, Any]:
     torch.set_num_interop_threads(1)
     from builders.encoder import export_onnx, load_vision_tower, torch_reference
     from python_backends.encode.vit_onnx import OnnxVisionEncoder, unfold_temporal
-    from python_backends.preprocess.image_pipeline import ImageTransformConfig
+    from python_backends.preprocess.processor import ImageTransformConfig
     from python_backends.preprocess.torch_images import TorchImagePreprocessor
     from python_backends.request.images import ImageLimits
 

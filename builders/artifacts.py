@@ -146,7 +146,8 @@ def checkpoint_fingerprint(model_dir: Path) -> dict[str, Any]:
 def build_dali_artifact(
     target: Target, model_dir: Path, version_dir: Path, stamp_dir: Path = DEFAULT_STAMPS
 ) -> tuple[dict[str, Any], bool]:
-    from python_backends.preprocess.image_pipeline import ImageTransformConfig, write_pipeline
+    from python_backends.preprocess.image_pipeline import write_pipeline
+    from python_backends.preprocess.processor import ImageTransformConfig
 
     serving = target.encode
     config = ImageTransformConfig.from_file(model_dir)
@@ -156,7 +157,9 @@ def build_dali_artifact(
         "max_batch_size": serving.max_batch_size,
         # The DALI that serializes: the cpu target's nvidia-dali-cuda120, the gpu image's dali backend copy.
         "dali": _dali_version(),
-        "source": _source_digest("python_backends/preprocess/image_pipeline.py"),
+        "source": _source_digest(
+            "python_backends/preprocess/image_pipeline.py", "python_backends/preprocess/processor.py"
+        ),
     }
 
     def build(scratch: Path) -> dict[str, Any]:
@@ -181,7 +184,8 @@ def build_video_dali_artifact(
         "device": serving.device,
         "dali": _dali_version(),
         "source": _source_digest(
-            "python_backends/preprocess/video_pipeline.py", "python_backends/preprocess/image_pipeline.py"
+            "python_backends/preprocess/video_pipeline.py", "python_backends/preprocess/image_pipeline.py",
+            "python_backends/preprocess/processor.py",
         ),
     }
 
@@ -212,7 +216,7 @@ def build_onnx_artifact(
             validate_onnx,
             vision_shard_plan,
         )
-        from python_backends.preprocess.image_pipeline import ImageTransformConfig
+        from python_backends.preprocess.processor import ImageTransformConfig
 
         weights = load_vision_weights(model_dir)
         tower = load_vision_tower(model_dir, weights)

@@ -28,12 +28,8 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dali_math
 from nvidia.dali.data_node import DataNode
 
-from python_backends.preprocess.image_pipeline import (
-    DEFAULT_NUM_THREADS,
-    PreprocessConfigError,
-    pipeline_of,
-    serialized,
-)
+from python_backends.preprocess.image_pipeline import DEFAULT_NUM_THREADS, pipeline_of, serialized
+from python_backends.preprocess.processor import PreprocessConfigError
 
 AUDIO_INPUT = "audio"
 SAMPLES_INPUT = "samples"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,9 +33,9 @@ from python_backends.preprocess.image_pipeline import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_NUM_THREADS,
     INPUT_NAME,
-    ImageTransformConfig,
     serialize_pipeline,
 )
+from python_backends.preprocess.processor import ImageTransformConfig, PreprocessedImages
 from python_backends.preprocess.runner import DaliCpuRunner
 from python_backends.request.images import ImageLimits, check_image_header, image_bytes
 
@@ -52,18 +51,6 @@ _DALI_FORMAT_MAGIC: tuple[tuple[str, bytes], ...] = (
     ("TIFF", b"MM\x00*"),
 )
 DALI_FORMATS = "JPEG, PNG, WebP, BMP, TIFF"
-
-
-@dataclass(frozen=True)
-class PreprocessedImages:
-    """The processor's outputs for a batch, images in request order."""
-
-    pixel_values: np.ndarray  # [sum(h*w), C*P*P] float32: folded, one temporal copy per row
-    image_grid_thw: np.ndarray  # [num_images, 3] int64
-
-    def patch_counts(self) -> list[int]:
-        """Rows of ``pixel_values`` that belong to each image."""
-        return [int(t * h * w) for t, h, w in self.image_grid_thw]
 
 
 def patchify(frame: np.ndarray, config: ImageTransformConfig) -> np.ndarray:

@@ -30,7 +30,7 @@ from typing import Protocol, TypeAlias, TypeVar
 import numpy as np
 
 from python_backends.errors import EpdError, invalid_arg
-from python_backends.preprocess.images import PreprocessedImages
+from python_backends.preprocess.processor import PreprocessedImages
 from python_backends.request.images import ImageLimits
 
 T = TypeVar("T")

@@ -52,8 +52,7 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as tvF
 
 from python_backends.errors import invalid_arg
-from python_backends.preprocess.image_pipeline import ImageTransformConfig, smart_resize
-from python_backends.preprocess.images import PreprocessedImages
+from python_backends.preprocess.processor import ImageTransformConfig, PreprocessedImages, smart_resize
 from python_backends.request.images import ImageLimits, check_image_header, decode_rgb, image_bytes
 
 DEFAULT_NUM_THREADS = 1

@@ -44,15 +44,13 @@ from nvidia.dali.pipeline import Pipeline
 from python_backends.preprocess.image_pipeline import (
     DEFAULT_NUM_THREADS,
     Device,
-    ImageTransformConfig,
-    PreprocessConfigError,
     check_device,
     pil_compatible_bicubic,
     pipeline_of,
     serialized,
-    smart_resize,
     write_serialized,
 )
+from python_backends.preprocess.processor import ImageTransformConfig, PreprocessConfigError, smart_resize
 
 VIDEO_INPUT = "video"  # gpu
 DECODED_FRAMES_INPUT = "decoded_frames"  # cpu

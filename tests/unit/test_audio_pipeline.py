@@ -12,7 +12,7 @@ from python_backends.preprocess.audio_pipeline import (
     feature_length,
     serialize_audio_pipeline,
 )
-from python_backends.preprocess.image_pipeline import PreprocessConfigError
+from python_backends.preprocess.processor import PreprocessConfigError
 from python_backends.preprocess.runner import DaliCpuRunner
 
 CONFIG = AudioFeatureConfig()

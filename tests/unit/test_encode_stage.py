@@ -21,8 +21,8 @@ from builders.default_model import build_default_model
 from python_backends.encode.stage import EncoderProvenance, EncoderStage
 from python_backends.encode.vit_onnx import EncoderCall, VisionShape, encoder_calls
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.preprocess.image_pipeline import ImageTransformConfig
-from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages
+from python_backends.preprocess.images import DaliImagePreprocessor
+from python_backends.preprocess.processor import ImageTransformConfig, PreprocessedImages
 from python_backends.preprocess.stage import (
     ImagePreprocessor,
     PixelBatch,

@@ -398,7 +398,8 @@ import sys
 from pathlib import Path
 import numpy as np
 import nvidia.dali
-from python_backends.preprocess.image_pipeline import ImageTransformConfig, write_pipeline
+from python_backends.preprocess.image_pipeline import write_pipeline
+from python_backends.preprocess.processor import ImageTransformConfig
 from python_backends.preprocess.video_pipeline import VideoTransformConfig, write_video_pipeline
 from python_backends.preprocess.images import DaliImagePreprocessor
 from python_backends.preprocess.videos import DaliVideoPreprocessor
@@ -420,8 +421,8 @@ def test_gpu_pipelines_serialize_under_the_images_dali_1x_and_match_dali_2(tiny_
 
     import numpy as np
 
-    from python_backends.preprocess.image_pipeline import ImageTransformConfig
     from python_backends.preprocess.images import DaliImagePreprocessor
+    from python_backends.preprocess.processor import ImageTransformConfig
     from python_backends.preprocess.video_pipeline import VideoTransformConfig
     from python_backends.preprocess.videos import DaliVideoPreprocessor
     from tests.videos import ClipSpec, make_clip

@@ -52,14 +52,14 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
 from builders.default_model import build_default_model
 from python_backends.encode.vit_onnx import unfold_temporal
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.preprocess.image_pipeline import (
+from python_backends.preprocess.image_pipeline import serialize_pipeline, smart_resize_nodes
+from python_backends.preprocess.images import DaliImagePreprocessor, patchify
+from python_backends.preprocess.processor import (
     ImageTransformConfig,
     PreprocessConfigError,
-    serialize_pipeline,
+    PreprocessedImages,
     smart_resize,
-    smart_resize_nodes,
 )
-from python_backends.preprocess.images import DaliImagePreprocessor, PreprocessedImages, patchify
 from python_backends.request.images import ImageLimits
 from tests.images import bilevel_png, zero_width_png
 
@@ -411,7 +411,7 @@ def test_truncated_image_names_its_index_and_pipeline_recovers(
 # already held vLLM engines and a transformers model, whose peak RSS would hide any growth.
 BOMB_CHILD = """
 import json, sys, time
-from python_backends.preprocess.image_pipeline import ImageTransformConfig
+from python_backends.preprocess.processor import ImageTransformConfig
 from python_backends.errors import EpdError
 from python_backends.preprocess.images import DaliImagePreprocessor
 from tests.images import bilevel_png, synthetic_image

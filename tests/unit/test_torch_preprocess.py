@@ -24,8 +24,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 from builders.default_model import build_default_model
 from python_backends.encode.vit_onnx import unfold_temporal
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.preprocess.image_pipeline import ImageTransformConfig, smart_resize
-from python_backends.preprocess.images import PreprocessedImages
+from python_backends.preprocess.processor import ImageTransformConfig, PreprocessedImages, smart_resize
 from python_backends.preprocess.torch_images import (
     FusedNormalization,
     TorchImagePreprocessor,

@@ -16,7 +16,7 @@ parameter picks the preprocessor:
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.preprocess.image_pipeline import DEFAULT_MAX_BATCH_SIZE, ImageTransformConfig
+from python_backends.preprocess.processor import ImageTransformConfig
 from python_backends.preprocess.stage import ImagePreprocessor, PreprocessStage, RequestPreprocess
 from python_backends.request.images import ImageLimits
 from python_backends.triton_edge.batched import BatchedModel
@@ -41,8 +41,7 @@ class TritonPythonModel(BatchedModel):
         )
         config = ImageTransformConfig.from_file(params.string(contract.PREPROCESSOR_CONFIG))
         backend = params.string(contract.IMAGE_BACKEND)
-        dali_batch = max_batch_size or min(max_images, DEFAULT_MAX_BATCH_SIZE)  # images per DALI run
-        preprocessor = _preprocessor(backend, args, params, config, limits, dali_batch)
+        preprocessor = _preprocessor(backend, args, params, config, limits, max_batch_size)
         if max_batch_size > 0:
             self.stage = PreprocessStage(preprocessor)
         else:
@@ -60,14 +59,16 @@ def _preprocessor(backend, args, params, config, limits, max_batch_size) -> Imag
 
         set_process_threads()  # this stub runs nothing else on torch: one intra-op thread, set once
         return TorchImagePreprocessor(config, limits)
-    if backend == DALI:
+    if backend == DALI:  # DALI, too, is imported only when chosen
+        from python_backends.preprocess.image_pipeline import DEFAULT_MAX_BATCH_SIZE
         from python_backends.preprocess.images import DaliImagePreprocessor
 
         return DaliImagePreprocessor.from_file(
             Path(args["model_repository"]) / args["model_version"] / params.string(contract.PIPELINE_FILE),
             config,
             limits=limits,
-            max_batch_size=max_batch_size,
+            # images per DALI run: the batch Triton gives, or (not batched) up to the pipeline's own
+            max_batch_size=max_batch_size or min(limits.max_images, DEFAULT_MAX_BATCH_SIZE),
             num_threads=params.integer(contract.DALI_NUM_THREADS),
         )
     raise ValueError(
