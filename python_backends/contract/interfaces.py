@@ -148,6 +148,9 @@ GENERATE_OUTPUTS = (
     _tensor(n.NUM_INPUT_TOKENS, "TYPE_UINT32", 1),
     _tensor(n.NUM_OUTPUT_TOKENS, "TYPE_UINT32", 1),
     _tensor(n.FINISH_REASON, "TYPE_STRING", 1),
+    _tensor(n.OUTPUT_INDEX, "TYPE_UINT32", 1),
+    _tensor(n.LOGPROBS, "TYPE_STRING", 1),
+    _tensor(n.PROMPT_LOGPROBS, "TYPE_STRING", 1),
 )
 _PROMPT = _tensor(n.TEXT_INPUT, "TYPE_STRING", 1)
 _ENCODED_IMAGES = _tensor(n.IMAGE, "TYPE_STRING", -1, optional=True)  # one or more encoded files
@@ -180,7 +183,14 @@ LLM = ModelInterface(
         *_CLIENT_ABORT,
     ),
     GENERATE_OUTPUTS,
-    (*n.LIMITS, *n.VIDEO_LIMITS, *n.AUDIO_LIMITS, n.IMAGE_EMBEDS_HIDDEN_SIZE, n.SPATIAL_MERGE_SIZE),
+    (
+        *n.LIMITS,
+        *n.VIDEO_LIMITS,
+        *n.AUDIO_LIMITS,
+        n.IMAGE_EMBEDS_HIDDEN_SIZE,
+        n.SPATIAL_MERGE_SIZE,
+        n.GENERATION_CONFIG,
+    ),
     vllm_env=True,
 )
 # ``llm`` of an audio checkpoint (Qwen2-Audio: audio in, no image or video).
@@ -210,6 +220,7 @@ EPD = ModelInterface(
         *n.LIMITS,
         *n.VIDEO_LIMITS,
         *n.AUDIO_LIMITS,
+        n.GENERATION_CONFIG,
         *_STORE_USER,
         *_CONTENT_KEYS,
         n.ENCODER_MODELS_KEY,
@@ -357,9 +368,11 @@ PREFILL = ModelInterface(
         _tensor(n.NUM_INPUT_TOKENS, "TYPE_UINT32", 1),
         _tensor(n.FINISH_REASON, "TYPE_STRING", 1),
         _tensor(n.TRANSFER_PARAMS, "TYPE_STRING", 1),
+        _tensor(n.LOGPROBS, "TYPE_STRING", 1),
+        _tensor(n.PROMPT_LOGPROBS, "TYPE_STRING", 1),
         _ERROR,
     ),
-    (n.MAX_TOKENS_LIMIT, *_STORE_USER),
+    (*n.SAMPLING_LIMITS, *_STORE_USER),
     vllm_env=True,
 )
 # ``prefill`` of an audio checkpoint: ``audio`` (measurement only) takes the clips themselves too,
@@ -385,7 +398,7 @@ DECODE = ModelInterface(
         _ERRORS_AS_OUTPUTS,
     ),
     (*GENERATE_OUTPUTS, _tensor(n.POLL_OFFSET, "TYPE_INT64", 1), _ERROR),
-    (n.MAX_TOKENS_LIMIT, n.STREAM_INTERVAL, *_STORE_USER),
+    (*n.SAMPLING_LIMITS, n.STREAM_INTERVAL, *_STORE_USER),
     vllm_env=True,
 )
 

@@ -42,6 +42,13 @@ OUTPUT_TOKEN_IDS = "output_token_ids"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
 FINISH_REASON = "finish_reason"
+# Which of a request's ``n`` sequences a response's text and tokens belong to (0 when n = 1).
+OUTPUT_INDEX = "output_index"
+# With ``logprobs`` / ``prompt_logprobs`` in sampling_parameters: JSON, vllm_backend's layout (a
+# list, one entry per token: {"<token id>": {"logprob", "rank", "decoded_token"}}); the prompt's
+# on the first response only, its first entry null.
+LOGPROBS = "logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
 CACHE_HITS = "cache_hits"  # epd: images served from the embedding store
 TIMING_STAGES = ("hash", "lookup", "encode", "prefill", "decode")  # epd: timing_<stage>_ms
 # epd's serving paths (python_backends/epd_paths): which one served a request comes back in the
@@ -102,10 +109,19 @@ MAX_IMAGES = "max_images"
 MAX_IMAGE_BYTES = "max_image_bytes"
 MAX_IMAGE_PIXELS = "max_image_pixels"
 MAX_TOKENS_LIMIT = "max_tokens_limit"
+# The most alternatives a request's ``logprobs`` / ``prompt_logprobs`` may ask (vLLM's max_logprobs)
+# and the most sequences its ``n`` may ask.
+MAX_LOGPROBS = "max_logprobs"
+MAX_N = "max_n"
+# Sampling defaults from the checkpoint: ``auto`` (its generation_config.json, as `vllm serve`),
+# ``vllm`` (vLLM's own defaults) or a folder holding a generation_config.json.
+GENERATION_CONFIG = "generation_config"
 MAX_IMAGES_PER_REQUEST = "max_images_per_request"  # encoder_<i>
 # decode, polled: the tokens one poll's answer waits for (vLLM's ``stream_interval``, pd/polling.py).
 STREAM_INTERVAL = "stream_interval"
-LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_TOKENS_LIMIT)
+# What a request's sampling_parameters may ask (every model that parses them: llm, epd, prefill, decode).
+SAMPLING_LIMITS = (MAX_TOKENS_LIMIT, MAX_LOGPROBS, MAX_N)
+LIMITS = (MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, *SAMPLING_LIMITS)
 # Video limits of ``llm``, ``epd`` and the encoders. ``max_frames`` caps the frame
 # sampler (python_backends/request/videos.py) and is passed to vLLM's loader; ``video_codecs`` are the
 # codecs the target's decoder reads (comma-separated).

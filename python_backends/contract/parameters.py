@@ -29,6 +29,7 @@ from python_backends.contract.names import (
     ENCODE_ONE_IMAGE_KEY,
     ENCODER_FILE,
     ENCODER_MODELS_KEY,
+    GENERATION_CONFIG,
     HIDDEN_SIZE,
     IMAGE_BACKEND,
     IMAGE_EMBEDS_HIDDEN_SIZE,
@@ -44,6 +45,8 @@ from python_backends.contract.names import (
     MAX_IMAGE_PIXELS,
     MAX_IMAGES,
     MAX_IMAGES_PER_REQUEST,
+    MAX_LOGPROBS,
+    MAX_N,
     MAX_TOKENS_LIMIT,
     MAX_VIDEO_BYTES,
     MAX_VIDEO_SECONDS,
@@ -127,6 +130,9 @@ PARAMETERS: dict[str, Parameter] = {
         Parameter(MAX_IMAGE_BYTES, 20 << 20, minimum=1),
         Parameter(MAX_IMAGE_PIXELS, 4096 * 4096, minimum=1),
         Parameter(MAX_TOKENS_LIMIT, 2048, minimum=1),
+        Parameter(MAX_LOGPROBS, 20, minimum=0),  # vLLM's default max_logprobs
+        Parameter(MAX_N, 16, minimum=1),
+        Parameter(GENERATION_CONFIG, "auto"),
         Parameter(MAX_IMAGES_PER_REQUEST, 64, minimum=1),
         Parameter(STREAM_INTERVAL, 1, minimum=1),
         # Defaults: python_backends.request.videos.VideoLimits / VideoSamplingConfig (kept equal by a test).

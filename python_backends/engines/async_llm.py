@@ -129,9 +129,15 @@ def sampling_params(sampling: Mapping[str, Any], **overrides: Any) -> Any:
     """``vllm.SamplingParams`` of a request's parsed ``sampling_parameters`` with ``overrides``
     (e.g. ``output_kind``, a split's ``max_tokens``); vLLM's own cross-field checks -> INVALID_ARG."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    fields = {**sampling, **overrides}
     try:
-        return SamplingParams(**{**sampling, **overrides})
+        if fields.get("structured_outputs") is not None:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        if fields.get("logit_bias") is not None:  # JSON keys are text; vLLM takes token ids
+            fields["logit_bias"] = {int(token): float(bias) for token, bias in fields["logit_bias"].items()}
+        return SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
         raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
 

@@ -8,8 +8,9 @@ from a BLS response's outputs (:func:`chunk_from_outputs`). ``prefill`` adds the
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,17 @@ import numpy as np
 
 from python_backends import contract
 
+# One position's logprobs on the wire (vllm_backend's layout): token id (text) -> logprob, rank, text.
+PositionLogprobs = dict[str, dict[str, Any]]
+# vLLM's OpenAI server clamps a logprob of -inf (a token the grammar or a bias forbids) to this.
+MIN_LOGPROB = -9999.0
+
 
 @dataclass
 class GenerationChunk:
+    """New output of one of a request's ``n`` sequences (``index``). ``finished`` marks the request's
+    last chunk (every sequence done); ``finish_reason`` is set on the chunk that ends its sequence."""
+
     text: str  # new text since the previous chunk (all of it when not streaming)
     token_ids: list[int]  # new token ids since the previous chunk
     num_input_tokens: int = 0
@@ -32,6 +41,35 @@ class GenerationChunk:
     cache_hits: int = 0  # epd: images served from the store, by epd itself or by an encoder
     fast_hits: int = 0  # epd: of those, found by its own lookup (no encoder call; metrics only, not sent)
     serving_path: str = ""  # epd: the path that served the request, on its last chunk
+    index: int = 0  # which of the request's n sequences
+    logprobs: list[PositionLogprobs] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on a request's first chunk, when asked
+
+
+def wire_logprobs(positions: Iterable[Mapping[int, Any] | None] | None) -> list[Any] | None:
+    """vLLM's logprobs (per position: token id -> ``Logprob``; None for a prompt's first) as the
+    ``logprobs`` / ``prompt_logprobs`` outputs carry them; None when the request asked none."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): {
+                "logprob": max(float(entry.logprob), MIN_LOGPROB),
+                "rank": entry.rank,
+                "decoded_token": entry.decoded_token,
+            }
+            for token_id, entry in position.items()
+        }
+        for position in positions
+    ]
+
+
+def json_of(array: np.ndarray | None) -> Any:
+    """A BYTES output holding JSON, parsed (None when absent)."""
+    text = text_of(array)
+    return json.loads(text) if text else None
 
 
 def text_of(array: np.ndarray | None) -> str:
@@ -58,6 +96,9 @@ def chunk_from_outputs(outputs: Mapping[str, Any]) -> GenerationChunk:
         finish_reason=reason,
         finished=reason is not None,
         transfer_params=text_of(outputs.get(contract.TRANSFER_PARAMS)),
+        index=int_of(outputs.get(contract.OUTPUT_INDEX)),
+        logprobs=json_of(outputs.get(contract.LOGPROBS)),
+        prompt_logprobs=json_of(outputs.get(contract.PROMPT_LOGPROBS)),
     )
 
 

@@ -28,7 +28,7 @@ from python_backends.engines.async_llm import (
     start_async_llm,
     unfinished_requests,
 )
-from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.generation import GenerationChunk, wire_logprobs
 from python_backends.engines.prompt import vllm_prompt
 from python_backends.engines.videos import LoadedVideo
 from python_backends.errors import EpdError, ErrorCode
@@ -76,6 +76,38 @@ def apply_vllm_environment(vllm_env: dict[str, str]) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = vllm_env[ENGINE_GPUS_ENV]
 
 
+def request_chunks(output: Any, produced: dict[int, int], with_prompt: bool = False) -> list[GenerationChunk]:
+    """One vLLM ``RequestOutput`` as chunks, one per sequence it holds (n > 1: several, each with
+    its ``index``); ``finished`` on the last chunk of the request's last output (an empty one when
+    that output holds no sequence). ``produced``: tokens so far per sequence, updated.
+    ``with_prompt``: each sequence's first text starts with the prompt (``exclude_input_in_output``
+    false)."""
+    chunks = []
+    for completion in output.outputs:
+        first = completion.index not in produced
+        produced[completion.index] = produced.get(completion.index, 0) + len(completion.token_ids)
+        text = completion.text
+        if first and with_prompt:
+            text = (output.prompt or "") + text
+        chunks.append(
+            GenerationChunk(
+                text=text,
+                token_ids=list(completion.token_ids),
+                num_input_tokens=len(output.prompt_token_ids or []),
+                num_output_tokens=produced[completion.index],
+                finish_reason=completion.finish_reason,
+                index=completion.index,
+                logprobs=wire_logprobs(completion.logprobs),
+                prompt_logprobs=wire_logprobs(output.prompt_logprobs) if first and completion.index == 0 else None,
+            )
+        )
+    if output.finished and not chunks:
+        chunks.append(GenerationChunk(text="", token_ids=[], num_input_tokens=len(output.prompt_token_ids or [])))
+    if chunks:
+        chunks[-1].finished = bool(output.finished)
+    return chunks
+
+
 @dataclass
 class LlmEngine:
     """Owns one vLLM AsyncLLM. All methods run on the event loop thread."""
@@ -120,25 +152,12 @@ class LlmEngine:
         :func:`vllm_prompt`): ``epd``'s colocated path builds its own."""
         params = self.sampling_params(request)
         self.active_requests.add(request_id)
-        produced = 0
-        first = True
+        produced: dict[int, int] = {}  # tokens so far, per sequence
         try:
             with input_rejections("engine"):
                 async for output in self.engine.generate(prompt, params, request_id):
-                    completion = output.outputs[0]
-                    produced += len(completion.token_ids)
-                    text = completion.text
-                    if first and not request.exclude_input_in_output:
-                        text = (output.prompt or "") + text
-                    first = False
-                    yield GenerationChunk(
-                        text=text,
-                        token_ids=list(completion.token_ids),
-                        num_input_tokens=len(output.prompt_token_ids or []),
-                        num_output_tokens=produced,
-                        finish_reason=completion.finish_reason,
-                        finished=output.finished,
-                    )
+                    for chunk in request_chunks(output, produced, not request.exclude_input_in_output):
+                        yield chunk
         except EpdError:
             raise
         except Exception as exc:

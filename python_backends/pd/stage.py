@@ -26,7 +26,7 @@ import numpy as np
 from python_backends import contract
 from python_backends.engines.prompt import ImageEmbeds, stored_embeds
 from python_backends.errors import invalid_arg
-from python_backends.request.sampling import parse_sampling_parameters
+from python_backends.request.sampling import SamplingLimits, parse_sampling_parameters
 from python_backends.store import EmbeddingStore, Reference
 
 
@@ -65,10 +65,11 @@ def _flag(inputs: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
     return default if array is None or array.size == 0 else bool(array.reshape(-1)[0])
 
 
-def parse_stage_inputs(inputs: Mapping[str, np.ndarray], max_tokens_limit: int) -> StageInputs:
+def parse_stage_inputs(inputs: Mapping[str, np.ndarray], limits: SamplingLimits) -> StageInputs:
+    """``sampling`` as ``epd`` sent it: the request's, the checkpoint's defaults already merged in."""
     return StageInputs(
         references=_strings(inputs.get(contract.REFERENCES)),
-        sampling=parse_sampling_parameters(_one_text(inputs, contract.SAMPLING_PARAMETERS) or None, max_tokens_limit),
+        sampling=parse_sampling_parameters(_one_text(inputs, contract.SAMPLING_PARAMETERS) or None, limits),
         text=_one_text(inputs, contract.TEXT_INPUT),
         transfer_params=_one_text(inputs, contract.TRANSFER_PARAMS),
         request_id=_one_text(inputs, contract.REQUEST_ID),

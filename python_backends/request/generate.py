@@ -23,7 +23,7 @@ from python_backends.request.image_embeds import (
     parse_image_embeds,
 )
 from python_backends.request.images import ImageLimits, check_image_header, image_bytes
-from python_backends.request.sampling import parse_sampling_parameters
+from python_backends.request.sampling import SamplingLimits, parse_sampling_parameters
 from python_backends.request.videos import VideoLimits, sized_video_bytes
 from python_backends.runtime.model_params import ModelParameters
 
@@ -42,7 +42,9 @@ AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 @dataclass(frozen=True)
 class RequestLimits:
     images: ImageLimits = field(default_factory=ImageLimits)
-    max_tokens_limit: int = int(contract.default_of(contract.MAX_TOKENS_LIMIT))
+    sampling: SamplingLimits = field(default_factory=SamplingLimits)
+    # The checkpoint's sampling defaults (request/generation_defaults.py): a request's own values win.
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     max_prompt_chars: int = 200_000
     # Precomputed embeddings accepted (``image_embeds`` + ``image_grid_thw``) when set.
     image_embeds: EmbedsSpec | None = None
@@ -61,6 +63,7 @@ def request_limits(
     accept_mm_hash: bool = False,
     max_videos: int = 0,
     max_audios: int = 0,
+    sampling_defaults: Mapping[str, Any] | None = None,
 ) -> RequestLimits:
     """The user-facing limits from a model's config.pbtxt parameters (llm, epd)."""
     return RequestLimits(
@@ -69,7 +72,8 @@ def request_limits(
             max_image_bytes=params.integer(contract.MAX_IMAGE_BYTES),
             max_image_pixels=params.integer(contract.MAX_IMAGE_PIXELS),
         ),
-        max_tokens_limit=params.integer(contract.MAX_TOKENS_LIMIT),
+        sampling=SamplingLimits.from_params(params),
+        sampling_defaults=dict(sampling_defaults or {}),
         image_embeds=image_embeds,
         accept_mm_hash=accept_mm_hash,
         max_videos=max_videos,
@@ -236,7 +240,8 @@ def parse_generate_request(
     sampling_raw = _scalar(inputs, contract.SAMPLING_PARAMETERS)
     sampling = parse_sampling_parameters(
         None if sampling_raw is None else _text(sampling_raw, contract.SAMPLING_PARAMETERS),
-        limits.max_tokens_limit,
+        limits.sampling,
+        limits.sampling_defaults,
     )
     return GenerateRequest(
         # Videos' placeholders go in first so that, prepended, images come before videos.

@@ -8,12 +8,33 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from python_backends import contract
 from python_backends.errors import invalid_arg
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's own default
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What a request may ask (config parameters ``max_tokens_limit``, ``max_logprobs``, ``max_n``)."""
+
+    max_tokens: int = int(contract.default_of(contract.MAX_TOKENS_LIMIT))
+    max_logprobs: int = int(contract.default_of(contract.MAX_LOGPROBS))
+    max_n: int = int(contract.default_of(contract.MAX_N))
+
+    @classmethod
+    def from_params(cls, params: Any) -> SamplingLimits:
+        """``params``: a model's ``ModelParameters``."""
+        return cls(
+            params.integer(contract.MAX_TOKENS_LIMIT),
+            params.integer(contract.MAX_LOGPROBS),
+            params.integer(contract.MAX_N),
+        )
 
 
 def _is_int(value: Any) -> bool:
@@ -26,13 +47,89 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_str_list(value: Any) -> bool:
-    return isinstance(value, str) or (
-        isinstance(value, list) and all(isinstance(v, str) for v in value)
-    )
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
 
 
 def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _is_logit_bias(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and re.fullmatch("[0-9]{1,10}", k) is not None and _is_number(v) for k, v in value.items()
+    )
+
+
+# vLLM's StructuredOutputsParams: one constraint, and its options.
+STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_OPTIONS = {
+    "disable_any_whitespace": bool,
+    "disable_additional_properties": bool,
+    "whitespace_pattern": str,
+}
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    """``structured_outputs`` checked: one constraint of a known kind, well formed (a JSON schema
+    that is a schema, a regex that compiles); the grammar backend checks the rest when the engine
+    takes the request (then INVALID_ARG with vLLM's message)."""
+    name = "structured_outputs"
+    if not isinstance(value, dict):
+        raise invalid_arg(
+            f"sampling parameter '{name}' must be an object with one of {', '.join(STRUCTURED_CONSTRAINTS)}"
+        )
+    unknown = sorted(set(value) - set(STRUCTURED_CONSTRAINTS) - set(_STRUCTURED_OPTIONS))
+    if unknown:
+        raise invalid_arg(
+            f"unknown field '{name}.{unknown[0]}'; supported: "
+            f"{', '.join([*STRUCTURED_CONSTRAINTS, *_STRUCTURED_OPTIONS])}"
+        )
+    given = [kind for kind in STRUCTURED_CONSTRAINTS if value.get(kind) is not None]
+    if len(given) != 1:
+        raise invalid_arg(
+            f"sampling parameter '{name}' must set exactly one of {', '.join(STRUCTURED_CONSTRAINTS)}, "
+            f"got {given or 'none'}"
+        )
+    for option, kind in _STRUCTURED_OPTIONS.items():
+        if value.get(option) is not None and not isinstance(value[option], kind):
+            raise invalid_arg(f"'{name}.{option}' must be a {kind.__name__}")
+    constraint = given[0]
+    field = f"{name}.{constraint}"
+    spec = value[constraint]
+    if constraint == "json":
+        _check_json_schema(spec, field)
+    elif constraint == "regex":
+        if not isinstance(spec, str):
+            raise invalid_arg(f"'{field}' must be a string")
+        try:
+            re.compile(spec)
+        except re.error as exc:
+            raise invalid_arg(f"'{field}' is not a valid regular expression: {exc}") from None
+    elif constraint == "choice":
+        if not (isinstance(spec, list) and spec and all(isinstance(c, str) for c in spec)):
+            raise invalid_arg(f"'{field}' must be a non-empty list of strings")
+    elif constraint == "grammar":
+        if not isinstance(spec, str) or not spec.strip():
+            raise invalid_arg(f"'{field}' must be a grammar (EBNF text)")
+    elif spec is not True:
+        raise invalid_arg(f"'{field}' must be true")
+    return dict(value)
+
+
+def _check_json_schema(spec: Any, field: str) -> None:
+    import jsonschema
+
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise invalid_arg(f"'{field}' is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise invalid_arg(f"'{field}' must be a JSON schema (an object)")
+    try:
+        jsonschema.validators.validator_for(spec).check_schema(spec)
+    except jsonschema.SchemaError as exc:
+        raise invalid_arg(f"'{field}' is not a valid JSON schema: {exc.message}") from None
 
 
 # field -> (type check, type name, range check or None, range description)
@@ -54,12 +151,33 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], bool] | Non
     "skip_special_tokens": (lambda v: isinstance(v, bool), "boolean", None, ""),
     "include_stop_str_in_output": (lambda v: isinstance(v, bool), "boolean", None, ""),
     "spaces_between_special_tokens": (lambda v: isinstance(v, bool), "boolean", None, ""),
+    # Limits that depend on the model (max_logprobs, max_n) are checked in parse_sampling_parameters.
+    "logprobs": (_is_int, "integer", lambda v: v >= 0, ">= 0"),
+    "prompt_logprobs": (_is_int, "integer", lambda v: v >= 0, ">= 0"),
+    "n": (_is_int, "integer", lambda v: v >= 1, ">= 1"),
+    "logit_bias": (
+        _is_logit_bias,
+        "object of token id -> number",
+        lambda v: all(-100 <= b <= 100 for b in v.values()),
+        "within [-100, 100] per token",
+    ),
+    "allowed_token_ids": (
+        _is_int_list,
+        "list of integers",
+        lambda v: len(v) > 0 and min(v) >= 0,
+        "non-empty, ids >= 0",
+    ),
+    "bad_words": (lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v), "list of strings", None, ""),
+    "structured_outputs": (lambda v: True, "object", None, ""),
 }
 SUPPORTED_FIELDS = tuple(sorted(_FIELDS))
 
 
-def parse_sampling_parameters(raw: str | bytes | None, max_tokens_limit: int) -> dict[str, Any]:
-    """Validated keyword arguments for ``vllm.SamplingParams`` (max_tokens always set)."""
+def parse_sampling_parameters(
+    raw: str | bytes | None, limits: SamplingLimits, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Validated keyword arguments for ``vllm.SamplingParams`` (max_tokens always set).
+    ``defaults``: the checkpoint's (request/generation_defaults.py); what the request sets wins."""
     params: dict[str, Any] = {}
     if raw:
         try:
@@ -71,18 +189,24 @@ def parse_sampling_parameters(raw: str | bytes | None, max_tokens_limit: int) ->
         params = loaded
     for name, value in params.items():
         if name not in _FIELDS:
-            raise invalid_arg(
-                f"unknown sampling parameter '{name}'; supported: {', '.join(SUPPORTED_FIELDS)}"
-            )
+            raise invalid_arg(f"unknown sampling parameter '{name}'; supported: {', '.join(SUPPORTED_FIELDS)}")
         type_ok, type_name, range_ok, range_text = _FIELDS[name]
         if not type_ok(value):
             raise invalid_arg(f"sampling parameter '{name}' must be a {type_name}, got {value!r}")
         if range_ok is not None and not range_ok(value):
             raise invalid_arg(f"sampling parameter '{name}' must be {range_text}, got {value!r}")
+    if "structured_outputs" in params:
+        params["structured_outputs"] = _structured_outputs(params["structured_outputs"])
+    params = {**(defaults or {}), **params}
     params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-    if params["max_tokens"] > max_tokens_limit:
-        raise invalid_arg(
-            f"sampling parameter 'max_tokens' is {params['max_tokens']}, above this model's "
-            f"limit of {max_tokens_limit} (max_tokens_limit)"
-        )
+    for name, limit, key in (
+        ("max_tokens", limits.max_tokens, contract.MAX_TOKENS_LIMIT),
+        ("logprobs", limits.max_logprobs, contract.MAX_LOGPROBS),
+        ("prompt_logprobs", limits.max_logprobs, contract.MAX_LOGPROBS),
+        ("n", limits.max_n, contract.MAX_N),
+    ):
+        if params.get(name) is not None and params[name] > limit:
+            raise invalid_arg(
+                f"sampling parameter '{name}' is {params[name]}, above this model's limit of {limit} ({key})"
+            )
     return params

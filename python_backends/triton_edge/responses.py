@@ -92,7 +92,12 @@ def chunk_tensors(chunk: GenerationChunk, declared: Collection[str] | None = Non
         tensor(contract.NUM_INPUT_TOKENS, [chunk.num_input_tokens], np.uint32),
         tensor(contract.NUM_OUTPUT_TOKENS, [chunk.num_output_tokens], np.uint32),
         bytes_tensor(contract.FINISH_REASON, [chunk.finish_reason or ""]),
+        tensor(contract.OUTPUT_INDEX, [chunk.index], np.uint32),
     ]
+    if chunk.logprobs is not None:
+        tensors.append(bytes_tensor(contract.LOGPROBS, [json.dumps(chunk.logprobs)]))
+    if chunk.prompt_logprobs is not None:
+        tensors.append(bytes_tensor(contract.PROMPT_LOGPROBS, [json.dumps(chunk.prompt_logprobs)]))
     if chunk.transfer_params or declared is not None:
         tensors.append(bytes_tensor(contract.TRANSFER_PARAMS, [chunk.transfer_params]))
     if chunk.timings_ms:

@@ -22,13 +22,14 @@ from python_backends.request.generate import (
 )
 from python_backends.request.images import ImageLimits
 from python_backends.request.parameters import RequestParameters
+from python_backends.request.sampling import SamplingLimits
 from python_backends.request.tenants import MAX_TENANT_CHARS
 from tests.images import synthetic_image
 from tests.unit.fuzz_settings import FUZZ
 
 LIMITS = RequestLimits(
     images=ImageLimits(max_images=3, max_image_bytes=1 << 16, max_image_pixels=128 * 128),
-    max_tokens_limit=32,
+    sampling=SamplingLimits(max_tokens=32),
     max_prompt_chars=500,
     accept_mm_hash=True,
 )
@@ -84,7 +85,7 @@ def test_any_request_parses_well_formed_or_fails_with_invalid_arg(inputs):
         return
     assert len(request.images) <= LIMITS.images.max_images
     assert request.prompt.count(IMAGE_PAD) == len(request.images)
-    assert 1 <= request.sampling["max_tokens"] <= LIMITS.max_tokens_limit
+    assert 1 <= request.sampling["max_tokens"] <= LIMITS.sampling.max_tokens
     assert not (request.stream and not request.exclude_input_in_output)
     for image in request.images:
         assert isinstance(image, CachedImage) and len(image.mm_hash) == 64 or isinstance(image, bytes) and image

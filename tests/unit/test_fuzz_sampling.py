@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from python_backends.errors import EpdError, ErrorCode
-from python_backends.request.sampling import _FIELDS, parse_sampling_parameters
+from python_backends.request.sampling import _FIELDS, SamplingLimits, parse_sampling_parameters
 from tests.unit.fuzz_settings import FUZZ
 
 LIMIT = 64
@@ -30,7 +30,7 @@ OBJECTS = KNOWN | st.dictionaries(st.sampled_from(sorted(_FIELDS)) | st.text(max
 
 def _parse(raw: str) -> dict | None:
     try:
-        return parse_sampling_parameters(raw, LIMIT)
+        return parse_sampling_parameters(raw, SamplingLimits(max_tokens=LIMIT))
     except EpdError as exc:
         assert exc.code is ErrorCode.INVALID_ARG and exc.message
         return None

@@ -16,7 +16,7 @@ from python_backends.request.generate import (
     with_image_placeholders,
 )
 from python_backends.request.images import ImageLimits, check_image_header, decode_images, image_bytes
-from python_backends.request.sampling import DEFAULT_MAX_TOKENS, parse_sampling_parameters
+from python_backends.request.sampling import DEFAULT_MAX_TOKENS, SamplingLimits, parse_sampling_parameters
 from tests.images import header_only_png
 
 
@@ -107,13 +107,13 @@ def test_bad_requests_say_what_is_wrong(inputs, fragment):
     ],
 )
 def test_bad_sampling_parameters(params, fragment):
-    assert fragment in invalid(lambda: parse_sampling_parameters(json.dumps(params), 4096))
+    assert fragment in invalid(lambda: parse_sampling_parameters(json.dumps(params), SamplingLimits(4096)))
 
 
 def test_sampling_parameters_pass_through():
     params = {"max_tokens": 8, "temperature": 0, "top_k": -1, "stop": ["x"], "ignore_eos": True, "seed": 3}
-    assert parse_sampling_parameters(json.dumps(params), 4096) == params
-    assert "JSON object" in invalid(lambda: parse_sampling_parameters("[1]", 4096))
+    assert parse_sampling_parameters(json.dumps(params), SamplingLimits(4096)) == params
+    assert "JSON object" in invalid(lambda: parse_sampling_parameters("[1]", SamplingLimits(4096)))
 
 
 def test_image_limits_are_checked_from_the_header():
@@ -169,3 +169,65 @@ def test_edge_header_checks_name_the_bad_image_by_index():
     assert invalid(lambda: check_image_headers(parsed, LIMITS)).startswith("image[1] is 1000x4: aspect ratio above 200")
     big = parse_generate_request({"text_input": text("hi"), "image": images(png(1200, 1000))}, LIMITS)
     assert "max_image_pixels" in invalid(lambda: check_image_headers(big, LIMITS))
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "kind": {"enum": ["a", "b"]}, "tags": {"type": "array"}},
+    "required": ["name", "kind"],
+}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"structured_outputs": {"json": SCHEMA}},
+        {"structured_outputs": {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}},
+        {"structured_outputs": {"regex": "[a-z]{3}-[0-9]+"}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"structured_outputs": {"json_object": True}},
+        {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
+        {"logprobs": 0, "prompt_logprobs": 20},
+        {"n": 3, "seed": 7},
+        {"logit_bias": {"17": -100, "3": 2.5}, "allowed_token_ids": [1, 2, 3], "bad_words": ["x y"]},
+    ],
+)
+def test_generation_features_pass_through(params):
+    assert parse_sampling_parameters(json.dumps(params), SamplingLimits(4096)) == {**params, "max_tokens": 16}
+
+
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ({"logprobs": 21}, "'logprobs' is 21, above this model's limit of 20 (max_logprobs)"),
+        ({"prompt_logprobs": 50}, "'prompt_logprobs' is 50, above this model's limit of 20 (max_logprobs)"),
+        ({"logprobs": -1}, "'logprobs' must be >= 0"),
+        ({"n": 17}, "'n' is 17, above this model's limit of 16 (max_n)"),
+        ({"n": 0}, "'n' must be >= 1"),
+        ({"logit_bias": {"x": 1}}, "'logit_bias' must be a object of token id -> number"),
+        ({"logit_bias": {"5": 101}}, "within [-100, 100]"),
+        ({"allowed_token_ids": []}, "'allowed_token_ids' must be non-empty"),
+        (
+            {"structured_outputs": {"regex": "(unclosed"}},
+            "'structured_outputs.regex' is not a valid regular expression",
+        ),
+        ({"structured_outputs": {"json": {"type": 5}}}, "'structured_outputs.json' is not a valid JSON schema"),
+        ({"structured_outputs": {"json": "{no"}}, "'structured_outputs.json' is not valid JSON"),
+        ({"structured_outputs": {"choice": []}}, "'structured_outputs.choice' must be a non-empty list"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "must set exactly one of"),
+        ({"structured_outputs": {}}, "must set exactly one of"),
+        ({"structured_outputs": {"jsn": {}}}, "unknown field 'structured_outputs.jsn'"),
+        ({"structured_outputs": "json"}, "'structured_outputs' must be an object"),
+    ],
+)
+def test_generation_feature_limits_name_the_field(params, fragment):
+    assert fragment in invalid(lambda: parse_sampling_parameters(json.dumps(params), SamplingLimits(4096)))
+
+
+def test_checkpoint_defaults_apply_where_the_request_is_silent():
+    defaults = {"top_k": 1, "temperature": 0.01, "max_tokens": 64}
+    assert parse_sampling_parameters(None, SamplingLimits(), defaults) == defaults
+    assert parse_sampling_parameters('{"temperature": 0.7}', SamplingLimits(), defaults) == {
+        **defaults,
+        "temperature": 0.7,
+    }

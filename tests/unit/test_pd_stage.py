@@ -13,6 +13,7 @@ import pytest
 from python_backends.engines.prompt import ImageEmbeds, multi_modal_data, multi_modal_uuids, owned_float32
 from python_backends.errors import EpdError, ErrorCode
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
+from python_backends.request.sampling import SamplingLimits
 from python_backends.store import EmbeddingStore, EntryMeta, StoreConfig, content_key
 
 
@@ -38,12 +39,13 @@ def test_parse_stage_inputs():
             "stream": np.array([False]),
             "request_id": strings("abc"),
         },
-        100,
+        SamplingLimits(max_tokens=100),
     )
     assert parsed.text == "hi" and parsed.references == [b"r1", b"r2"] and parsed.sampling["max_tokens"] == 5
     assert parsed.stream is False and parsed.request_id == "abc" and parsed.abort is False
     with pytest.raises(EpdError):
-        parse_stage_inputs({"sampling_parameters": strings(json.dumps({"max_tokens": 500}))}, 100)
+        sampling = {"sampling_parameters": strings(json.dumps({"max_tokens": 500}))}
+        parse_stage_inputs(sampling, SamplingLimits(max_tokens=100))
 
 
 def test_resolve_images_reads_the_entry_and_refuses_bad_references(store):

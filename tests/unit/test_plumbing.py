@@ -48,7 +48,39 @@ def test_chunk_response_has_every_output_with_its_dtype():
     assert outputs["output_token_ids"].dtype == np.int64 and list(outputs["output_token_ids"]) == [5, 6]
     assert outputs["num_input_tokens"].dtype == np.uint32 and outputs["num_output_tokens"][0] == 2
     assert outputs["finish_reason"][0] == b""
-    assert set(outputs) == {"text_output", "output_token_ids", "num_input_tokens", "num_output_tokens", "finish_reason"}
+    assert outputs["output_index"].dtype == np.uint32 and outputs["output_index"][0] == 0
+    basic = {
+        "text_output",
+        "output_token_ids",
+        "num_input_tokens",
+        "num_output_tokens",
+        "finish_reason",
+        "output_index",
+    }
+    assert set(outputs) == basic  # logprobs only when asked
+
+
+def test_logprobs_and_the_sequence_index_go_out_and_come_back():
+    position = {
+        "5": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+        "9": {"logprob": -2.0, "rank": 2, "decoded_token": "b"},
+    }
+    chunk = GenerationChunk(
+        "a", [5], 3, 1, "stop", True, index=2, logprobs=[position], prompt_logprobs=[None, position]
+    )
+    outputs = chunk_response(chunk).outputs()
+    back = chunk_from_outputs(outputs)
+    assert (back.index, back.logprobs, back.prompt_logprobs) == (2, [position], [None, position])
+
+
+def test_vllm_logprobs_become_the_wire_layout_with_minus_infinity_clamped():
+    from types import SimpleNamespace
+
+    from python_backends.engines.generation import MIN_LOGPROB, wire_logprobs
+
+    entry = SimpleNamespace(logprob=float("-inf"), rank=7, decoded_token="x")
+    assert wire_logprobs(None) is None
+    assert wire_logprobs([None, {3: entry}]) == [None, {"3": {"logprob": MIN_LOGPROB, "rank": 7, "decoded_token": "x"}}]
 
 
 def test_a_chunk_sends_what_its_model_declares_and_reads_back_the_same():
@@ -165,8 +197,13 @@ def test_client_chat_prompt_and_result_accumulation():
     assert prompt.count("<|image_pad|>") == 2 and prompt.endswith("<|im_start|>assistant\n")
     result = GenerateResult()
     result.add({"text_output": np.array([b"a"], dtype=np.object_), "output_token_ids": np.array([1])})
-    result.add({"text_output": np.array(["b"], dtype=np.object_), "output_token_ids": np.array([2]),
-                "finish_reason": np.array([b"stop"], dtype=np.object_)})
+    result.add(
+        {
+            "text_output": np.array(["b"], dtype=np.object_),
+            "output_token_ids": np.array([2]),
+            "finish_reason": np.array([b"stop"], dtype=np.object_),
+        }
+    )
     assert (result.text, result.token_ids, result.finish_reason) == ("ab", [1, 2], "stop")
     assert len(result.chunk_times) == 2
 

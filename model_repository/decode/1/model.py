@@ -11,6 +11,7 @@ from python_backends.pd.engines import DecodeEngine
 from python_backends.pd.manifest import list_transfers
 from python_backends.pd.polling import PolledGenerations, decode_answers
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
+from python_backends.request.sampling import SamplingLimits
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import KvTransferMetrics
@@ -21,7 +22,7 @@ class TritonPythonModel(DecoupledModel):
     INPUTS = contract.DECODE.input_names
 
     def setup(self, args):
-        self.max_tokens_limit = self.params.integer(contract.MAX_TOKENS_LIMIT)
+        self.sampling_limits = SamplingLimits.from_params(self.params)
         self.store = EmbeddingStore(self.params.store_config())
         self.engine = self.start_engine(args, DecodeEngine)
         self.polls = PolledGenerations(self.engine.abort, stream_interval=self.params.integer(contract.STREAM_INTERVAL))
@@ -29,7 +30,7 @@ class TritonPythonModel(DecoupledModel):
         self.transfers = KvTransferMetrics(self.metrics, lambda: len(list_transfers(self.engine.store)))
 
     def parse(self, inputs, request):
-        parsed = parse_stage_inputs(inputs, self.max_tokens_limit)
+        parsed = parse_stage_inputs(inputs, self.sampling_limits)
         if not parsed.abort:
             return parsed, resolve_images(self.store, parsed.references)[0]
         if parsed.request_id:

@@ -12,6 +12,7 @@ from python_backends import contract
 from python_backends.pd.engines import PrefillEngine
 from python_backends.pd.forwarded import ReprocessedAudio, reprocess_forwarded
 from python_backends.pd.stage import parse_stage_inputs, resolve_images
+from python_backends.request.sampling import SamplingLimits
 from python_backends.store import EmbeddingStore
 from python_backends.triton_edge.decoupled import DecoupledModel
 
@@ -20,7 +21,7 @@ class TritonPythonModel(DecoupledModel):
     INPUTS = contract.AUDIO_PREFILL.input_names  # an image checkpoint's prefill declares no audio
 
     def setup(self, args):
-        self.max_tokens_limit = self.params.integer(contract.MAX_TOKENS_LIMIT)
+        self.sampling_limits = SamplingLimits.from_params(self.params)
         self.store = EmbeddingStore(self.params.store_config())
         self.engine = self.start_engine(args, PrefillEngine)
         # Scraped by tests: what crossed Triton into prefill (references; clips only in a baseline).
@@ -31,7 +32,7 @@ class TritonPythonModel(DecoupledModel):
         self.reprocessed = ReprocessedAudio.from_params(self.params)  # the experiment's baseline only
 
     def parse(self, inputs, request):
-        parsed = parse_stage_inputs(inputs, self.max_tokens_limit)
+        parsed = parse_stage_inputs(inputs, self.sampling_limits)
         self.reference_bytes.increment(sum(len(r) for r in parsed.references))
         self.references.increment(len(parsed.references))
         images, references = resolve_images(self.store, parsed.references)
