@@ -14,9 +14,11 @@ that no decode took is discarded (the pipeline releases the leases). A failing s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from python_backends.engines.generation import GenerationChunk, ms_since
@@ -79,14 +81,29 @@ class DisaggregatedPath:
         encoder: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Serve one request whose images were looked up into ``leased``; the last chunk carries
-        the timings and cache counts."""
+        the timings and cache counts. A request for ``n`` sequences sends each through prefill and
+        decode on its own, concurrently, as vLLM runs its ``n`` (sequence ``i`` with ``seed + i``),
+        their chunks tagged with their index."""
+        await self.references.encode_missing(leased, encoder, timings)
+        wire_refs = [ref.to_bytes() for ref in leased.references]
+        n = int(request.sampling.get("n", 1) or 1)
+        sequences = [
+            self._sequence(request, f"{request_id}-{i}" if n > 1 else request_id, wire_refs, timings, i)
+            for i in range(n)
+        ]
+        async with aclosing(merged(sequences)) as chunks:
+            async for chunk in chunks:
+                yield leased.measured(chunk, timings) if chunk.finished else chunk
+
+    async def _sequence(
+        self, request: GenerateRequest, request_id: str, wire_refs: list[bytes], timings: dict[str, float], index: int
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """Sequence ``index`` of the request: prefill, then decode; its last chunk is ``finished``."""
         decode_started = False
         unclaimed_transfer = ""  # prefilled KV that no decode has taken yet
+        sampling = sequence_sampling(request.sampling, index)
         try:
-            await self.references.encode_missing(leased, encoder, timings)
             start = time.perf_counter()
-            sampling = dict(request.sampling)
-            wire_refs = [ref.to_bytes() for ref in leased.references]
             try:
                 first = await self.stages.prefill(request.prompt, wire_refs, sampling)
             except Exception as exc:  # one coded error names the stage
@@ -97,29 +114,26 @@ class DisaggregatedPath:
             first.text = ("" if request.exclude_input_in_output else request.prompt) + first.text
             first.num_output_tokens = len(first.token_ids)
             first.finish_reason = first.finish_reason if done else None
-            first.finished, first.transfer_params = done, ""
-            if done:
-                yield leased.measured(first, timings)
-                return
-            if request.stream:
+            first.finished, first.transfer_params, first.index = done, "", index
+            if done or request.stream:
                 yield first
+            if done:
+                return
 
             start = time.perf_counter()
             decode_started = True
             unclaimed_transfer = ""  # decode owns it now (it deletes it when it ends)
-            text, token_ids = first.text, list(first.token_ids)
+            whole = first
             try:
                 async for chunk in self.stages.decode(request_id, wire_refs, transfer, sampling, request.stream):
-                    chunk.num_input_tokens = first.num_input_tokens
+                    chunk.num_input_tokens, chunk.index = first.num_input_tokens, index
                     if chunk.finished:
                         timings["decode"] = ms_since(start)
                         decode_started = False
                     if not request.stream:
-                        text, token_ids = text + chunk.text, token_ids + chunk.token_ids
-                        chunk.text, chunk.token_ids = text, token_ids
-                    if chunk.finished:
-                        yield leased.measured(chunk, timings)
-                    elif request.stream:
+                        chunk = joined(whole, chunk)
+                        whole = chunk
+                    if chunk.finished or request.stream:
                         yield chunk
             except Exception as exc:  # one coded error names the stage
                 raise stage_error("decode", exc) from None
@@ -134,3 +148,60 @@ class DisaggregatedPath:
                     await self.stages.abort_decode(request_id)
                 except Exception:
                     log.warning("could not abort decode of %s", request_id, exc_info=True)
+
+
+def sequence_sampling(sampling: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """The sampling parameters of sequence ``index`` of a request for ``n``: one sequence, with
+    ``seed + index`` as vLLM seeds its ``n`` (vllm/v1/engine/parallel_sampling.py)."""
+    one = {key: value for key, value in sampling.items() if key != "n"}
+    if index and one.get("seed") is not None:
+        one["seed"] += index
+    return one
+
+
+def joined(head: GenerationChunk, tail: GenerationChunk) -> GenerationChunk:
+    """``tail`` with ``head``'s text, tokens and logprobs in front (a non-streamed answer)."""
+    tail.text, tail.token_ids = head.text + tail.text, head.token_ids + tail.token_ids
+    if head.logprobs is not None or tail.logprobs is not None:
+        tail.logprobs = (head.logprobs or []) + (tail.logprobs or [])
+    tail.prompt_logprobs = head.prompt_logprobs
+    return tail
+
+
+async def merged(sequences: Sequence[AsyncIterator[GenerationChunk]]) -> AsyncGenerator[GenerationChunk, None]:
+    """The chunks of several sequences as they come; ``finished`` only on the last sequence's last
+    chunk (the others keep their finish reason). Closing it early cancels every sequence (each then
+    aborts its decode and drops its transfer)."""
+    if len(sequences) == 1:
+        async for chunk in sequences[0]:
+            yield chunk
+        return
+    queue: asyncio.Queue[tuple[GenerationChunk | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(sequence: AsyncIterator[GenerationChunk]) -> None:
+        try:
+            async for chunk in sequence:
+                await queue.put((chunk, None))
+            await queue.put((None, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(sequence)) for sequence in sequences]
+    running, finished = len(tasks), 0
+    try:
+        while running:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                running -= 1
+                continue
+            chunk = item
+            if chunk.finished:  # each sequence's last chunk
+                finished += 1
+                chunk.finished = finished == len(sequences)
+            yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -187,7 +187,8 @@ class LoadMark:
 @dataclass(frozen=True)
 class Decision:
     path: str
-    reason: str  # "predicted", "kept", "probe", "forced", "policy", "only", "encoder pinned", "dominates"
+    reason: str  # "predicted", "kept", "probe", "forced", "policy", "only", "encoder pinned", "dominates",
+    # "grammar logprobs" (pipeline.serving)
     predicted_ms: dict[str, float | None] = field(default_factory=dict)
 
 

@@ -128,6 +128,23 @@ class EpdPipeline:
             return Decision(self.dominant_path, "dominates")
         return self.cost.choose(shape, self.paths)
 
+    def serving(self, request: GenerateRequest, decision: Decision) -> Decision:
+        """``decision``, or the path that serves what the request asks where ``decision``'s cannot:
+        logprobs under a grammar are vLLM's (masked) only on the colocated path (the split's decode
+        masks after vLLM computes logprobs: ``pd/grammar.py``)."""
+        sampling = request.sampling
+        if decision.path != contract.DISAGGREGATED_PATH or sampling.get("structured_outputs") is None:
+            return decision
+        if sampling.get("logprobs") is None:
+            return decision
+        if contract.COLOCATED_PATH not in self.paths or decision.reason in ("forced", "encoder pinned"):
+            raise EpdError(
+                "logprobs under structured_outputs are served on the colocated path only, and this request "
+                f"is bound to the disaggregated one ({decision.reason}); ask for one of the two",
+                ErrorCode.INVALID_ARG,
+            )
+        return Decision(contract.COLOCATED_PATH, "grammar logprobs")
+
     async def run(
         self,
         request: GenerateRequest,
@@ -156,6 +173,7 @@ class EpdPipeline:
                 decision = Decision(contract.DISAGGREGATED_PATH, "encoder pinned")
             else:
                 decision = self.decide(shape, path)
+            decision = self.serving(request, decision)
             timings["lookup"] += ms_since(start) - timings["lookup"] - timings["hash"]  # the decision is lookup's
             encodes = len(leased.missing)
             mark = self.cost.started(decision.path, probe=decision.reason == "probe")

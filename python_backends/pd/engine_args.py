@@ -32,6 +32,9 @@ _CONNECTOR_CONFIG: dict[str, dict[str, str]] = {
     NIXL_CONNECTOR: {"kv_buffer_device": "cuda"},  # no host copy
 }
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Decode continues the grammar of a structured-outputs request that prefill began
+# (python_backends/pd/grammar.py; named here as text: the builders import this module, not vLLM).
+GRAMMAR_PROCESSOR = "python_backends.pd.grammar:ContinuedGrammarLogitsProcessor"
 
 
 def pd_engine_args(
@@ -41,7 +44,7 @@ def pd_engine_args(
 
     Adds the connector config (``connector``: a key of :data:`KV_CONNECTORS`) and
     ``enable_mm_embeds``; the decode role also turns prefix caching off (its cached-token count
-    is the proof that KV came from the connector).
+    is the proof that KV came from the connector) and loads the grammar processor.
     """
     if role not in _KV_ROLE:
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -56,6 +59,7 @@ def pd_engine_args(
     args["kv_transfer_config"] = ktc
     if role == "decode":
         args["enable_prefix_caching"] = False
+        args["logits_processors"] = [GRAMMAR_PROCESSOR]
     check_engine_args(args, role)
     return args
 
@@ -82,4 +86,9 @@ def check_engine_args(args: Mapping[str, Any], role: Role) -> Path:
         raise ValueError(f"{where}: enable_mm_embeds must be true (images arrive as embeddings)")
     if role == "decode" and args.get("enable_prefix_caching", True) is not False:
         raise ValueError(f"{where}: enable_prefix_caching must be false on decode")
+    if role == "decode" and GRAMMAR_PROCESSOR not in (args.get("logits_processors") or ()):
+        raise ValueError(
+            f"{where}: logits_processors must name {GRAMMAR_PROCESSOR} (structured outputs across the split); "
+            "regenerate the repository with `python -m builders.repository`"
+        )
     return Path(store)

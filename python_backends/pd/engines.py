@@ -49,14 +49,24 @@ from python_backends.engines.async_llm import (
     start_async_llm,
     unfinished_requests,
 )
-from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.generation import GenerationChunk, wire_logprobs
 from python_backends.engines.prompt import ImageEmbeds, vllm_prompt
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.pd import manifest as mf
 from python_backends.pd import transfer as tx
 from python_backends.pd.engine_args import CONNECTOR_NAME, Role, check_engine_args
+from python_backends.pd.grammar import decode_extra_args
 from python_backends.pd.kv_transfer import PrefillResult, kv_sampling_params, kv_transfer
 from python_backends.request.sampling import DEFAULT_MAX_TOKENS
+
+
+def one_sequence(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``sampling`` of a split request, which is one sequence: ``epd`` sends each of a request's
+    ``n`` sequences through prefill and decode on its own (``epd/disaggregated.py``)."""
+    sampling = dict(sampling or {})
+    if int(sampling.pop("n", 1) or 1) != 1:
+        raise invalid_arg("prefill and decode serve one sequence (n = 1); epd sends each of n on its own")
+    return sampling
 
 
 def primed_prompt_text(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> str:
@@ -128,7 +138,7 @@ class PrefillEngine(KvEngine):
         transfer_id = tx.new_transfer_id()
         request = vllm_prompt(prompt, images, cache_salt=cache_salt)
         return await self.kv.prefill(
-            self.engine, self.store, request, images, dict(sampling or {}), transfer_id, request_id or transfer_id
+            self.engine, self.store, request, images, one_sequence(sampling), transfer_id, request_id or transfer_id
         )
 
 
@@ -189,16 +199,21 @@ class DecodeEngine(KvEngine):
         request_id: str | None,
         stream: bool,
     ) -> AsyncIterator[GenerationChunk]:
-        sampling = dict(sampling or {})
+        sampling = one_sequence(sampling)
         max_tokens = int(sampling.get("max_tokens", DEFAULT_MAX_TOKENS) or DEFAULT_MAX_TOKENS)
         if max_tokens < 2:
             raise invalid_arg("nothing to decode: max_tokens < 2 is served by prefill alone")
+        structured = sampling.pop("structured_outputs", None)
+        if structured is not None:  # prefill began the grammar: decode continues it (pd/grammar.py)
+            continued = decode_extra_args(structured, [params.first_token_id], self.engine)
+            sampling["extra_args"] = {**(sampling.get("extra_args") or {}), **continued}
         vllm_params = kv_sampling_params(
             sampling,
             params.connector_params(),
             max_tokens=max_tokens - 1,
             min_tokens=max(int(sampling.get("min_tokens", 0) or 0) - 1, 0),
             output_kind=output_kind(stream),
+            prompt_logprobs=None,  # prefill's answer carries the prompt's
         )
         token_ids = mf.collapse_placeholders(manifest.token_ids, manifest.mm_placeholders)
         prompt = vllm_prompt(token_ids + [params.first_token_id], images)
@@ -232,6 +247,7 @@ class DecodeEngine(KvEngine):
                     finish_reason=completion.finish_reason,
                     finished=output.finished,
                     num_cached_tokens=cached,
+                    logprobs=wire_logprobs(completion.logprobs),
                 )
 
     def _rust_tokenizer(self) -> Any:

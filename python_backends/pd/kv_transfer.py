@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from python_backends.engines.async_llm import input_rejections, output_kind, sampling_params
-from python_backends.engines.generation import GenerationChunk
+from python_backends.engines.generation import GenerationChunk, wire_logprobs
 from python_backends.engines.prompt import ImageEmbeds
 from python_backends.errors import EpdError, ErrorCode, invalid_arg
 from python_backends.pd import manifest as mf
@@ -50,6 +50,8 @@ class PrefillResult:
     num_prompt_tokens: int
     finish_reason: str | None  # "stop" when the first token already ends the request
     transfer: tx.TransferParams | None  # None when nothing is left to decode
+    logprobs: list[Any] | None = None  # the first token's, when the request asks (wire_logprobs)
+    prompt_logprobs: list[Any] | None = None  # the prompt's, when the request asks
 
     @property
     def needs_decode(self) -> bool:
@@ -66,6 +68,8 @@ class PrefillResult:
             finish_reason=self.finish_reason,
             finished=True,
             transfer_params=self.transfer.to_json() if self.transfer is not None else "",
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -136,6 +140,8 @@ class FolderTransfer:
             num_prompt_tokens=num_prompt,
             finish_reason=completion.finish_reason if done else None,
             transfer=transfer,
+            logprobs=wire_logprobs(completion.logprobs),
+            prompt_logprobs=wire_logprobs(final.prompt_logprobs),
         )
 
     def images_match(self, images: Sequence[ImageEmbeds], manifest: mf.Manifest) -> bool:
@@ -206,9 +212,11 @@ class EngineHeldTransfer:
         text = first.text if len(first.token_ids) == 1 else engine.get_tokenizer().decode([token])
         prompt_ids = list(head.prompt_token_ids or [])
         finished_at_first = head.finished and len(first.token_ids) == 1
+        logprobs = wire_logprobs(first.logprobs[:1] if first.logprobs is not None else None)
+        prompt_logprobs = wire_logprobs(head.prompt_logprobs)
         if steps == 1 or finished_at_first:
             reason = first.finish_reason if finished_at_first else "length"
-            return PrefillResult(token, text, len(prompt_ids), reason or "length", None)
+            return PrefillResult(token, text, len(prompt_ids), reason or "length", None, logprobs, prompt_logprobs)
         kv = dict(final.kv_transfer_params or {})
         kv.pop(tx.NIXL_REPORTED_CACHE_KEY, None)
         if final.outputs[0].finish_reason == "error" or kv.get("do_remote_prefill") is not True:
@@ -237,7 +245,7 @@ class EngineHeldTransfer:
         except EpdError as exc:
             mf.remove_transfer(store, transfer_id)
             raise EpdError(f"prefill made unusable transfer parameters: {exc.message}", ErrorCode.INTERNAL) from None
-        return PrefillResult(token, text, len(prompt_ids), None, checked)
+        return PrefillResult(token, text, len(prompt_ids), None, checked, logprobs, prompt_logprobs)
 
     def _sweep_records(self, store: Path, now: float | None = None) -> None:
         """Remove records no decode took (client gone, BLS crashed), as TransferIdConnector's

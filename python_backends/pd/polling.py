@@ -41,7 +41,7 @@ IDLE_ABORT_S = 30.0
 
 
 def merged(chunks: Sequence[GenerationChunk]) -> GenerationChunk:
-    """The chunks (deltas, in order) as one: their text and token ids joined, the last one's
+    """The chunks (deltas, in order) as one: their text, token ids and logprobs joined, the last one's
     counts and finish; an empty chunk when there are none."""
     if not chunks:
         return GenerationChunk(text="", token_ids=[])
@@ -54,6 +54,7 @@ def merged(chunks: Sequence[GenerationChunk]) -> GenerationChunk:
         finish_reason=last.finish_reason,
         finished=last.finished,
         num_cached_tokens=chunks[0].num_cached_tokens,
+        logprobs=None if last.logprobs is None else [p for chunk in chunks for p in chunk.logprobs or []],
     )
 
 

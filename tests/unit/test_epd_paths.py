@@ -440,3 +440,59 @@ def test_the_decision_hook_hears_of_a_request_that_failed_or_was_closed_before_a
 
 async def _drain(gen):
     return [c async for c in gen]
+
+
+class SeededStages(FakeStages):
+    """Prefill and decode answer tokens of the sequence's seed, with logprobs: n's sequences apart."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.seeds: list[int | None] = []
+
+    async def prefill(self, prompt, references, sampling):
+        assert "n" not in sampling  # one sequence per prefill
+        self.seeds.append(sampling.get("seed"))
+        chunk = await super().prefill(prompt, references, sampling)
+        chunk.token_ids = [sampling["seed"] * 10]
+        chunk.logprobs = [{str(sampling["seed"] * 10): {"logprob": -1.0, "rank": 1, "decoded_token": "a"}}]
+        return chunk
+
+    async def decode(self, request_id, references, transfer_params, sampling, stream):
+        async for chunk in super().decode(request_id, references, transfer_params, sampling, stream):
+            chunk.token_ids = [sampling["seed"] * 10 + chunk.num_output_tokens - 1]
+            chunk.logprobs = [{str(chunk.token_ids[0]): {"logprob": -2.0, "rank": 1, "decoded_token": "b"}}]
+            await asyncio.sleep(0)
+            yield chunk
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_sequences_on_the_split_run_each_with_seed_plus_index_and_one_final(store, stream):
+    stages = SeededStages(store)
+    req = request([PHOTO], stream=stream)
+    req = GenerateRequest(req.prompt, req.images, stream, {**req.sampling, "n": 3, "seed": 5, "logprobs": 0}, stream)
+    chunks = run(pipeline(stages, None), req)
+    assert sorted(stages.seeds) == [5, 6, 7]
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    by_index: dict[int, list[int]] = {}
+    logprobs: dict[int, list] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).extend(chunk.token_ids)
+        logprobs.setdefault(chunk.index, []).extend(chunk.logprobs or [])
+    assert by_index == {i: [s * 10, s * 10 + 1, s * 10 + 2, s * 10 + 3] for i, s in enumerate((5, 6, 7))}
+    assert all(len(logprobs[i]) == 4 for i in range(3))  # prefill's first token's, then decode's
+    assert len(chunks) == (12 if stream else 3)
+    assert store.metrics()["active_leases"] == 0
+
+
+def test_logprobs_under_a_grammar_leave_the_split_for_the_colocated_path(store):
+    stages, engine = FakeStages(store), FakeEngine()
+    req = request([PHOTO])
+    sampling = {**req.sampling, "logprobs": 1, "structured_outputs": {"choice": ["a"]}}
+    grammar = GenerateRequest(req.prompt, req.images, True, sampling, True)
+    p = pipeline(stages, engine, policy=DISAGGREGATED_PATH)
+    assert run(p, grammar)[-1].serving_path == COLOCATED_PATH
+    with pytest.raises(EpdError, match="served on the colocated path only") as refused:
+        run(p, grammar, path=DISAGGREGATED_PATH)
+    assert refused.value.code is ErrorCode.INVALID_ARG
+    plain = GenerateRequest(req.prompt, req.images, True, {**req.sampling, "logprobs": 1}, True)
+    assert run(p, plain)[-1].serving_path == DISAGGREGATED_PATH

@@ -67,8 +67,8 @@ def nixl_scheduler(role: str, engine_id: str) -> Any:
 
 
 def _output(prompt: list[int], tokens: list[int], finished: bool, reason: str | None = None, **extra: Any) -> Any:
-    completion = NS(token_ids=tokens, text="".join(f"<{t}>" for t in tokens), finish_reason=reason)
-    fields = {"kv_transfer_params": None, "num_cached_tokens": 0, **extra}
+    completion = NS(token_ids=tokens, text="".join(f"<{t}>" for t in tokens), finish_reason=reason, logprobs=None)
+    fields = {"kv_transfer_params": None, "num_cached_tokens": 0, "prompt_logprobs": None, **extra}
     return NS(prompt_token_ids=prompt, outputs=[completion], finished=finished, **fields)
 
 
