@@ -47,6 +47,7 @@ def prepare(
     colocated_encodes: str | None = None,
     path_policy: str | None = None,
     vit_precision: str | None = None,
+    generation_config: str | None = None,
 ) -> Path:
     """Default model (or the given checkpoint) + generated repository; returns the model dir.
     ``cache``: a ``builders.repository.CachePolicy`` replacing the target's; ``kv_store_path``:
@@ -54,7 +55,8 @@ def prepare(
     server role's models (``builders/roles.py``); ``gpus``: the gpu target's number of GPUs;
     ``max_videos``: videos per request (None: the target's; 0: no model declares ``video``);
     ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default);
-    ``cpus``, ``colocated_encodes``, ``path_policy``, ``vit_precision``: as ``write_repository`` takes them."""
+    ``cpus``, ``colocated_encodes``, ``path_policy``, ``vit_precision``, ``generation_config``: as
+    ``write_repository`` takes them."""
     from builders.default_model import build_default_model, resolve_model
     from builders.repository import write_repository
 
@@ -63,6 +65,7 @@ def prepare(
         target, model_dir, repository, cache=cache, kv_store_path=kv_store_path, role=role, gpus=gpus,
         remote_encoders=remote_encoders, max_videos=max_videos, engine_threads=engine_threads, cpus=cpus,
         colocated_encodes=colocated_encodes, path_policy=path_policy, vit_precision=vit_precision,
+        generation_config=generation_config,
     )
     return model_dir
 
@@ -112,6 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         add_colocated_encodes_argument,
         add_cpus_argument,
         add_engine_threads_argument,
+        add_generation_config_argument,
         add_gpus_argument,
         add_max_videos_argument,
         add_vit_precision_argument,
@@ -124,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_cpus_argument(parser)
     add_colocated_encodes_argument(parser)
     add_vit_precision_argument(parser)
+    add_generation_config_argument(parser)
     # Two servers on one node share a store and KV folder unless given their own (tests do).
     parser.add_argument("--cache-path", type=Path, help="embedding store directory (default: the target's)")
     parser.add_argument("--kv-store-path", type=Path, help="prefill->decode KV folder (default: the target's)")
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
             role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "", max_videos=args.max_videos,
             engine_threads=args.engine_threads, cpus=args.cpus, colocated_encodes=args.colocated_encodes,
-            path_policy=args.path_policy, vit_precision=args.vit_precision,
+            path_policy=args.path_policy, vit_precision=args.vit_precision, generation_config=args.generation_config,
         )
     except KeyboardInterrupt:
         print("\ninterrupted while building; nothing was started", flush=True)

@@ -66,7 +66,7 @@ def llm_files(target: Target, model_dir: Path, facts: EncoderFacts) -> dict[str,
             "outputs": render_tensors(interface.outputs),
             "parameters": render_parameters(target.placed(contract.LLM_MODEL, {
                 **target.limits, **target.video_limits, **target.role_environment(contract.LLM_MODEL), **embeds,
-                **target.test_parameters(contract.LLM_MODEL),
+                contract.GENERATION_CONFIG: target.generation_config, **target.test_parameters(contract.LLM_MODEL),
             })),
         },
     )
@@ -100,6 +100,7 @@ def audio_llm_files(target: Target, model_dir: Path) -> dict[str, str]:
     audio = _audio_limits(target, model_dir)
     parameters = {
         **target.limits, contract.MAX_IMAGES: 0, contract.MAX_VIDEOS: 0, **audio,
+        contract.GENERATION_CONFIG: target.generation_config,
         **target.role_environment(contract.LLM_MODEL), **target.test_parameters(contract.LLM_MODEL),
     }
     config = render_template(
@@ -362,6 +363,8 @@ def epd_files(target: Target, model_dir: Path, media: PipelineMedia) -> dict[str
         contract.PATH_POLICY: target.pd.path_policy,
         contract.COLOCATED_ENCODES: target.pd.colocated_encodes,
         contract.SHARED_COMPUTE: not _engines_apart(target),
+        # Sampling defaults (the checkpoint's generation_config.json), applied before the path is chosen.
+        contract.GENERATION_CONFIG: target.generation_config,
         **target.role_environment(contract.EPD_MODEL),
         **media.limits,
         **_store_parameters(target, media.merge_size),

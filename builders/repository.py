@@ -54,6 +54,7 @@ from builders.targets import (
     add_cache_arguments,
     add_colocated_encodes_argument,
     add_engine_threads_argument,
+    add_generation_config_argument,
     add_gpus_argument,
     add_max_videos_argument,
     add_vit_precision_argument,
@@ -82,6 +83,7 @@ __all__ = [
     "add_vit_precision_argument",
     "add_cpus_argument",
     "add_engine_threads_argument",
+    "add_generation_config_argument",
     "add_gpus_argument",
     "add_max_videos_argument",
     "build_audio_plan_artifact",
@@ -144,6 +146,7 @@ def write_repository(
     cpus: Sequence[str] = (),
     colocated_encodes: str | None = None,
     vit_precision: str | None = None,
+    generation_config: str | None = None,
 ) -> list[Path]:
     """Build the artefacts (once) and write every generated file; returns the paths written.
     ``cache`` replaces the target's cache policy (e.g. per-instance caches for a benchmark),
@@ -162,7 +165,9 @@ def write_repository(
     ``engine_threads``: OpenMP threads per vLLM engine (None: the target's; 0: torch's default).
     ``cpus``: ``--cpus`` specs, the models' CPU sets (``builders/roles.py`` model_cpu_sets).
     ``colocated_encodes``: who encodes epd's colocated misses (``PdServing.colocated_encodes``).
-    ``vit_precision``: the cpu target's vision encoder precision (``EncodeServing.vit_precision``)."""
+    ``vit_precision``: the cpu target's vision encoder precision (``EncodeServing.vit_precision``).
+    ``generation_config``: ``llm``'s and ``epd``'s sampling defaults, ``auto``, ``vllm`` or a folder
+    (``Target.with_generation_config``; None: the target's, ``auto``)."""
     target = resolved_target(target_name, model_dir, cache, kv_store_path, gpus)
     if max_videos is not None:
         if max_videos < 0:
@@ -185,6 +190,8 @@ def write_repository(
         target = dataclasses.replace(target, pd=dataclasses.replace(target.pd, colocated_encodes=colocated_encodes))
     if vit_precision is not None:
         target = target.with_vit_precision(vit_precision)
+    if generation_config is not None:
+        target = target.with_generation_config(generation_config)
     if cpus:
         target = dataclasses.replace(target, cpu_sets=model_cpu_sets(target, cpus, role))
     model_dir = Path(model_dir).resolve()
@@ -301,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     add_cpus_argument(parser)
     add_colocated_encodes_argument(parser)
     add_vit_precision_argument(parser)
+    add_generation_config_argument(parser)
     args = parser.parse_args(argv)
     if args.gpus is not None and args.target != "gpu":
         parser.error("--gpus is for --target gpu")
@@ -311,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         args.target, args.model, args.out, cache=policy, role=args.role, gpus=args.gpus, path_policy=args.path_policy,
         max_videos=args.max_videos, engine_threads=args.engine_threads, cpus=args.cpus,
         colocated_encodes=args.colocated_encodes, vit_precision=args.vit_precision,
+        generation_config=args.generation_config,
     )
     for path in written:
         print(f"wrote {path}")

@@ -23,6 +23,7 @@ from python_backends import contract
 from python_backends.contract import CachePolicy
 from python_backends.engines.llm import ENGINE_GPUS_ENV as GPU_DEVICE_ENV
 from python_backends.engines.llm import OMP_THREADS_ENV
+from python_backends.request.generation_defaults import AUTO, VLLM, resolve_setting, sampling_defaults
 from python_backends.request.videos import GPU_CODECS
 from python_backends.runtime.cpus import parse_cpu_list
 
@@ -196,6 +197,9 @@ class Target:
     # Model name -> the CPU list its stub runs on (contract.CPUS; builders/roles.py model_cpu_sets).
     # Empty: every model runs wherever the server runs.
     cpu_sets: dict[str, str] = field(default_factory=dict)
+    # Sampling defaults of ``llm`` and ``epd`` (contract.GENERATION_CONFIG; vLLM's --generation-config):
+    # "auto" (the checkpoint's generation_config.json), "vllm" (vLLM's own) or an absolute folder.
+    generation_config: str = contract.default_of(contract.GENERATION_CONFIG)
 
     def placed(self, model: str, parameters: dict[str, Any]) -> dict[str, Any]:
         """``parameters`` of ``model`` on its CPU set, if it has one: the set, and the thread
@@ -252,6 +256,15 @@ class Target:
         if precision != "fp32" and self.encode.device == "gpu":
             raise ValueError("--vit-precision is for the cpu target; the gpu target's TensorRT plan is fp16 already")
         return dataclasses.replace(self, encode=dataclasses.replace(self.encode, vit_precision=precision))
+
+    def with_generation_config(self, setting: str) -> Target:
+        """``llm``'s and ``epd``'s sampling defaults from ``setting`` (``auto``, ``vllm`` or a folder,
+        made absolute; python_backends/request/generation_defaults.py). A folder is read here once,
+        so that one neither model could read fails the build, not the server's load."""
+        resolved = resolve_setting(setting)
+        if resolved not in (AUTO, VLLM):
+            sampling_defaults(resolved, Path(resolved))
+        return dataclasses.replace(self, generation_config=resolved)
 
     def fitted_to_checkpoint(self, model_dir: Path) -> Target:
         """gpu: the TensorRT profile derived from the checkpoint's pixel limits (the plan and its
@@ -402,6 +415,32 @@ def _threads(value: str) -> int:
     if count < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or more, not {count}")
     return count
+
+
+# vLLM 0.32's help of `vllm serve --generation-config` (ModelConfig.generation_config), with what
+# max_new_tokens does here.
+GENERATION_CONFIG_HELP = (
+    "The folder path to the generation config. Defaults to 'auto', the generation config will be loaded "
+    "from model path. If set to 'vllm', no generation config is loaded, vLLM defaults will be used. If set "
+    "to a folder path, the generation config will be loaded from the specified folder path. If "
+    "'max_new_tokens' is specified in generation config, then it sets a server-wide limit on the number of "
+    "output tokens for all requests (the max_tokens of a request that sets none; at most max_tokens_limit). "
+    "Applied by llm and epd to every request's sampling_parameters that do not set them."
+)
+
+
+def _generation_config(value: str) -> str:
+    try:
+        return resolve_setting(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_generation_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--generation-config", type=_generation_config, default=AUTO, metavar="auto|vllm|FOLDER",
+        help=GENERATION_CONFIG_HELP,
+    )  # fmt: skip
 
 
 def add_engine_threads_argument(parser: argparse.ArgumentParser) -> None:

@@ -56,12 +56,14 @@ class EpdServer:
         repository: Path,
         stages: StageClient,
         start_colocated: Callable[[], ColocatedEngine],
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> EpdServer:
+        """``sampling_defaults``: the checkpoint's (request/generation_defaults.py)."""
         videos = VideoInputLimits.from_params(params)
         audio = AudioInput.from_params(params)  # an audio checkpoint's epd
         limits = request_limits(
             params, accept_mm_hash=True, max_videos=videos.limits.max_videos if videos else 0,
-            max_audios=audio.max_audios if audio else 0,
+            max_audios=audio.max_audios if audio else 0, sampling_defaults=sampling_defaults,
         )  # fmt: skip
         store = EmbeddingStore(params.store_config())
         keys = params.key_config(repository, videos.sampling.loader_kwargs() if videos else None)

@@ -613,3 +613,96 @@ def test_vit_precision_reaches_the_encoder_and_every_content_key(
     assert {precision_of(m) for m in ("vit_encoder", "encoder_0", "epd")} == {"bf16"}
     with pytest.raises(ValueError, match="for the cpu target"):
         write_repository("gpu", model_dir, tmp_path / "gpu", stamps, vit_precision="bf16")
+
+
+def parameters_of(config: Config) -> dict[str, str]:
+    return {k: v.string_value for k, v in config.parameters.items()}
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_llm_and_epd_carry_the_generation_config_auto_by_default(target: str, model_dir: Path) -> None:
+    parsed = configs(target, model_dir)
+    for model in ("llm", "epd"):
+        assert parameters_of(parsed[model])[contract.GENERATION_CONFIG] == "auto", model
+    for model in ("prefill", "decode"):  # epd applies the defaults before it forwards a request
+        assert contract.GENERATION_CONFIG not in parameters_of(parsed[model]), model
+
+
+def test_generation_config_reaches_llm_and_epd(tmp_path: Path, model_dir: Path, fast_build: None) -> None:
+    out, stamps = tmp_path / "repo", tmp_path / "stamps"
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"temperature": 0.01, "top_k": 1}')
+
+    def setting_of(model: str) -> str:
+        return parameters_of(text_format.Parse((out / model / "config.pbtxt").read_text(), Config()))[
+            contract.GENERATION_CONFIG
+        ]
+
+    for setting, expected in (("vllm", "vllm"), (str(folder), str(folder.resolve())), (None, "auto")):
+        write_repository("cpu", model_dir, out, stamps, generation_config=setting)
+        assert {setting_of("llm"), setting_of("epd")} == {expected}, setting
+    with pytest.raises(ValueError, match="neither 'auto', 'vllm' nor a folder: pass 'auto'"):
+        write_repository("cpu", model_dir, out, stamps, generation_config="greedy")
+    (tmp_path / "empty").mkdir()  # a folder neither model could read fails the build, not the load
+    with pytest.raises(ValueError, match="holds neither generation_config.json nor config.json"):
+        write_repository("cpu", model_dir, out, stamps, generation_config=str(tmp_path / "empty"))
+
+
+def test_generation_config_option_of_the_launcher_and_the_builder_reaches_the_repository(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from builders import launcher
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(repository, "write_repository", lambda *a, **kw: calls.append(kw) or [])
+    (tmp_path / "generation").mkdir()
+    monkeypatch.chdir(tmp_path)  # a relative folder is made absolute
+    absolute = str((tmp_path / "generation").resolve())
+    repository.main(["--model", str(model_dir), "--out", str(tmp_path), "--generation-config", "vllm"])
+    repository.main(["--model", str(model_dir), "--out", str(tmp_path), "--generation-config", "generation"])
+    repository.main(["--model", str(model_dir), "--out", str(tmp_path)])
+    assert launcher.parse_args([]).generation_config == "auto"  # vllm serve's default
+    assert launcher.parse_args(["--generation-config", "generation"]).generation_config == absolute
+    launcher.prepare("cpu", model_dir, tmp_path, generation_config=absolute)
+    assert [call["generation_config"] for call in calls] == ["vllm", absolute, "auto", absolute]
+    for parse in (launcher.parse_args, lambda argv: repository.main(["--model", str(model_dir), *argv])):
+        with pytest.raises(SystemExit):
+            parse(["--generation-config", "greedy"])
+        assert "--generation-config: generation_config 'greedy' is neither 'auto', 'vllm' nor a folder: pass" in (
+            capsys.readouterr().err
+        )
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--help"])
+    assert "If set to 'vllm', no generation config is loaded, vLLM defaults will be used." in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+def test_main_of_the_launcher_passes_the_generation_config_to_prepare(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from builders import launcher
+
+    seen: dict[str, object] = {}
+
+    def fake_prepare(*args: object, **kwargs: object) -> Path:
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop before anything starts
+
+    monkeypatch.setattr(launcher, "prepare", fake_prepare)
+    monkeypatch.setattr(launcher, "install_stop_handlers", lambda: None)
+    assert launcher.main(["--generation-config", "vllm", "--model-repository", str(tmp_path)]) == 130
+    assert seen["generation_config"] == "vllm"
+
+
+def test_an_audio_checkpoints_llm_and_epd_carry_the_generation_config() -> None:
+    from builders.default_model import DEFAULT_AUDIO_MODEL_DIR, build_default_model
+    from builders.model_configs import audio_repository_files
+
+    audio_model = build_default_model(DEFAULT_AUDIO_MODEL_DIR, recipe="qwen2-audio")
+    target = TARGETS["cpu"].with_generation_config("vllm")
+    files = audio_repository_files(target, audio_model)
+    for model in ("llm", "epd"):
+        config = text_format.Parse(files[f"{model}/config.pbtxt"], Config())
+        assert parameters_of(config)[contract.GENERATION_CONFIG] == "vllm", model

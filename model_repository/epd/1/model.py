@@ -10,8 +10,9 @@ from contextlib import aclosing
 from pathlib import Path
 
 from python_backends import contract
-from python_backends.engines.llm import LlmEngine
+from python_backends.engines.llm import LlmEngine, load_engine_args
 from python_backends.epd.server import EpdServer
+from python_backends.request.generation_defaults import defaults_for_model
 from python_backends.triton_edge.bls import BlsStages
 from python_backends.triton_edge.decoupled import DecoupledModel
 from python_backends.triton_edge.metrics import CacheMetrics, PathMetrics
@@ -23,9 +24,14 @@ class TritonPythonModel(DecoupledModel):
 
     def setup(self, args):
         params = self.params
+        # The checkpoint's sampling defaults (generation_config parameter, as `vllm serve`): the
+        # checkpoint is the one of the colocated engine's args, written whatever the path policy.
+        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        defaults = defaults_for_model(params, Path(engine_args["model"]))
         self.engine = BlsStages(params.string(contract.PREFILL_MODEL_KEY), params.string(contract.DECODE_MODEL_KEY))
         start_colocated = functools.partial(self.start_engine, args, LlmEngine)
-        self.epd = EpdServer.build(params, Path(args["model_repository"]).parent, self.engine, start_colocated)
+        repository = Path(args["model_repository"]).parent
+        self.epd = EpdServer.build(params, repository, self.engine, start_colocated, sampling_defaults=defaults)
         self.store, self.pipeline = self.epd.store, self.epd.pipeline
         hits = "Images served from the embedding store without encoding"
         self.cache_hits = self.metrics.counter("epd_cache_hits", hits)

@@ -5,11 +5,14 @@ python_backends.engines.llm; the request/error/cancel policy is
 python_backends.triton_edge.decoupled's.
 """
 
+from pathlib import Path
+
 from python_backends import contract
-from python_backends.engines.llm import LlmEngine
+from python_backends.engines.llm import LlmEngine, load_engine_args
 from python_backends.engines.videos import VideoInputLimits, load_videos
 from python_backends.request.audios import AudioInput
 from python_backends.request.generate import parse_generate_request, request_limits
+from python_backends.request.generation_defaults import defaults_for_model
 from python_backends.request.image_embeds import EmbedsSpec
 from python_backends.request.images import decode_images
 from python_backends.triton_edge.decoupled import DecoupledModel
@@ -28,7 +31,13 @@ class TritonPythonModel(DecoupledModel):
         max_videos = self.videos.limits.max_videos if self.videos else 0
         self.audio = AudioInput.from_params(self.params)  # an audio checkpoint's llm only
         max_audios = self.audio.max_audios if self.audio else 0
-        self.limits = request_limits(self.params, embeds, max_videos=max_videos, max_audios=max_audios)
+        # The checkpoint's sampling defaults (generation_config parameter, as `vllm serve`), read
+        # before the engine starts: a bad setting fails the load at once.
+        engine_args = load_engine_args(Path(args["model_repository"]) / args["model_version"] / "engine_args.json")
+        defaults = defaults_for_model(self.params, Path(engine_args["model"]))
+        self.limits = request_limits(
+            self.params, embeds, max_videos=max_videos, max_audios=max_audios, sampling_defaults=defaults
+        )
         self.engine = self.start_engine(args, LlmEngine)
 
     def parse(self, inputs, request):
