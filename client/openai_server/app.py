@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from client.openai_server.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -103,8 +105,7 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        if body.n not in (None, 1):
-            raise bad_request("only n=1 is supported", "n")
+        body.check()
         state = await backend.model_state(body.model)
         if state is None:
             raise model_not_found(body.model, await backend.ready_models())
@@ -127,11 +128,12 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
             )
         )
         first = await _first_chunk(chunks)
+        shape = _Shape(body.n or 1, bool(body.return_token_ids), (body.top_logprobs or 0) if body.logprobs else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse(chunks, first, request_id, body.model, include_usage, bool(body.return_token_ids))
+            events = _sse(chunks, first, request_id, body.model, include_usage, shape=shape)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _whole(chunks, first, request_id, body.model, bool(body.return_token_ids))
+        return await _whole(chunks, first, request_id, body.model, shape)
 
     return app
 
@@ -146,49 +148,121 @@ async def _first_chunk(chunks: AsyncIterator[Chunk]) -> Chunk | None:
         raise
 
 
-class _Totals:
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
+@dataclass(frozen=True)
+class _Shape:
+    """What the answer holds: ``n`` choices, their ``token_ids`` or not, and their ``logprobs``
+    with ``top_logprobs`` alternatives each (None: no logprobs)."""
 
-    def add(self, chunk: Chunk) -> None:
+    n: int = 1
+    with_token_ids: bool = False
+    top_logprobs: int | None = None
+
+
+# vLLM's floor for a logprob (-inf is not JSON).
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(token_id: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """One entry in OpenAI's shape; a token without its text is ``token_id:<id>``, as vLLM names it."""
+    token = entry.get("decoded_token")
+    logprob = max(float(entry.get("logprob", MIN_LOGPROB)), MIN_LOGPROB)
+    if token is None:
+        return {"token": f"token_id:{token_id}", "logprob": logprob, "bytes": None}
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def _openai_logprobs(entries: list[Any] | None, token_ids: list[int], top: int) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` for one response's tokens: each sampled token (the entry
+    keyed by its id; the first entry when the ids are missing) and the ``top`` most likely
+    entries by rank."""
+    content = []
+    for position, entry in enumerate(entries or []):
+        if not entry:
+            continue
+        key = str(token_ids[position]) if position < len(token_ids) else ""
+        if key not in entry:
+            key = next(iter(entry))
+        by_rank = sorted(entry.items(), key=lambda item: item[1].get("rank") or float("inf"))
+        alternatives = [_logprob(token_id, alternative) for token_id, alternative in by_rank[:top]]
+        content.append({**_logprob(key, entry[key]), "top_logprobs": alternatives})
+    return content
+
+
+@dataclass
+class _Sequence:
+    """One of the ``n`` sequences so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class _Totals:
+    def __init__(self, shape: _Shape) -> None:
+        self.shape = shape
+        self.prompt_tokens = 0
+        self.prompt_logprobs: list[Any] | None = None
+        self.sequences = {index: _Sequence() for index in range(shape.n)}
+
+    def add(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """Takes ``chunk`` in; answers its tokens' logprobs in OpenAI's shape (empty if not asked)."""
+        sequence = self.sequences.setdefault(chunk.index, _Sequence())
         if chunk.num_input_tokens is not None:
             self.prompt_tokens = chunk.num_input_tokens
         if chunk.num_output_tokens is not None:
-            self.completion_tokens = chunk.num_output_tokens
-        self.finish_reason = chunk.finish_reason or self.finish_reason
+            sequence.completion_tokens = chunk.num_output_tokens
+        sequence.finish_reason = chunk.finish_reason or sequence.finish_reason
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        sequence.text.append(chunk.text)
+        sequence.token_ids.extend(chunk.token_ids)
+        if self.shape.top_logprobs is None:
+            return []
+        logprobs = _openai_logprobs(chunk.logprobs, chunk.token_ids, self.shape.top_logprobs)
+        sequence.logprobs.extend(logprobs)
+        return logprobs
 
     def usage(self) -> Usage:
+        completion_tokens = sum(sequence.completion_tokens for sequence in self.sequences.values())
         return Usage(
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.prompt_tokens + completion_tokens,
         )
 
 
 async def _whole(
-    chunks: AsyncIterator[Chunk], first: Chunk | None, request_id: str, model: str, with_token_ids: bool
+    chunks: AsyncIterator[Chunk], first: Chunk | None, request_id: str, model: str, shape: _Shape = _Shape()
 ) -> ChatCompletion:
-    totals, text, token_ids = _Totals(), [], []
+    totals = _Totals(shape)
     try:
         chunk = first
         while chunk is not None:
             totals.add(chunk)
-            text.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
             chunk = await anext(chunks, None)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
-    message = ResponseMessage(content="".join(text))
+    choices = [
+        Choice(
+            index=index,
+            message=ResponseMessage(content="".join(sequence.text)),
+            logprobs=None
+            if shape.top_logprobs is None
+            else ChoiceLogprobs.model_validate({"content": sequence.logprobs}),
+            finish_reason=sequence.finish_reason,
+            token_ids=sequence.token_ids if shape.with_token_ids else None,
+        )
+        for index, sequence in sorted(totals.sequences.items())
+    ]
     return ChatCompletion(
         id=request_id,
         created=int(time.time()),
         model=model,
-        choices=[
-            Choice(message=message, finish_reason=totals.finish_reason, token_ids=token_ids if with_token_ids else None)
-        ],
+        choices=choices,
         usage=totals.usage(),
+        prompt_logprobs=totals.prompt_logprobs,
     )
 
 
@@ -203,29 +277,49 @@ async def _sse(
     model: str,
     include_usage: bool,
     with_token_ids: bool = False,
+    shape: _Shape | None = None,
 ) -> AsyncIterator[str]:
-    """OpenAI's stream: a role delta, one delta per Triton response with text, the finish reason,
-    then (``include_usage``) a usage chunk with no choices, then ``[DONE]``. Closed early (the
-    client went away), it closes ``chunks``, which cancels the Triton request."""
+    """OpenAI's stream: a role delta per choice, one delta per Triton response with text (tagged
+    with its choice's index, with its tokens' logprobs when asked), a finish chunk per choice as
+    its sequence ends, then (``include_usage``) a usage chunk with no choices, then ``[DONE]``.
+    Closed early (the client went away), it closes ``chunks``, which cancels the Triton request."""
+    shape = shape or _Shape(with_token_ids=with_token_ids)
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def choice(delta: dict[str, Any], finish_reason: str | None = None, token_ids: list[int] | None = None) -> str:
-        entry: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        if with_token_ids and token_ids is not None:
+    def choice(
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        token_ids: list[int] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> str:
+        entry: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        if logprobs is not None:
+            entry["logprobs"] = {"content": logprobs}
+        if shape.with_token_ids and token_ids is not None:
             entry["token_ids"] = token_ids
         return _event({**base, "choices": [entry]})
 
-    totals = _Totals()
+    totals = _Totals(shape)
+    finished: set[int] = set()
     try:
-        yield choice({"role": "assistant", "content": ""})
+        for index in range(shape.n):
+            yield choice(index, {"role": "assistant", "content": ""})
         chunk = first
         while chunk is not None:
-            totals.add(chunk)
-            if chunk.text or (with_token_ids and chunk.token_ids):  # a token may end inside a character
-                yield choice({"content": chunk.text}, token_ids=chunk.token_ids)
+            logprobs = totals.add(chunk)
+            # a token may end inside a character: its delta has no text but its id and logprob
+            if chunk.text or (shape.with_token_ids and chunk.token_ids) or logprobs:
+                asked = logprobs if shape.top_logprobs is not None else None
+                yield choice(chunk.index, {"content": chunk.text}, token_ids=chunk.token_ids, logprobs=asked)
+            if chunk.finish_reason and chunk.index not in finished:
+                finished.add(chunk.index)
+                yield choice(chunk.index, {}, chunk.finish_reason)
             chunk = await anext(chunks, None)
-        yield choice({}, totals.finish_reason)
+        for index, sequence in sorted(totals.sequences.items()):
+            if index not in finished:
+                yield choice(index, {}, sequence.finish_reason)
         if include_usage:
             yield _event({**base, "choices": [], "usage": totals.usage().model_dump()})
     except OpenAIError as exc:

@@ -11,6 +11,7 @@ what it holds) only if the stream is still open after the grace. Never a cancel 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -44,13 +45,20 @@ class ChatRequest:
 
 @dataclass
 class Chunk:
-    """One Triton response: new text and, on the last one, the counts and the finish reason."""
+    """One Triton response: new text of sequence ``index`` (of the request's ``n``), the counts,
+    the finish reason once that sequence ends and, when asked, the log probabilities in
+    vllm_backend's layout: ``logprobs`` one entry per token of ``token_ids``, ``prompt_logprobs``
+    (the first response only) one per prompt token, each ``{"<token id>": {"logprob", "rank",
+    "decoded_token"}}``."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     finish_reason: str | None = None
+    index: int = 0
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 class ChatBackend(Protocol):
@@ -74,6 +82,11 @@ def _first(result: Any, name: str) -> Any:
     return None if array is None or array.size == 0 else array.reshape(-1)[0]
 
 
+def _json_list(result: Any, name: str) -> list[Any] | None:
+    text = _text(_first(result, name) or "")
+    return json.loads(text) if text else None
+
+
 def chunk_of(result: Any) -> tuple[Chunk, bool]:
     """(the chunk, whether it is the request's last response)."""
     response = result.get_response()
@@ -89,6 +102,12 @@ def chunk_of(result: Any) -> tuple[Chunk, bool]:
         chunk.num_output_tokens = int(_first(result, "num_output_tokens"))
     if "finish_reason" in names:
         chunk.finish_reason = _text(_first(result, "finish_reason")) or None
+    if "output_index" in names:
+        chunk.index = int(_first(result, "output_index"))
+    if "logprobs" in names:
+        chunk.logprobs = _json_list(result, "logprobs")
+    if "prompt_logprobs" in names:
+        chunk.prompt_logprobs = _json_list(result, "prompt_logprobs")
     final = response.parameters.get("triton_final_response")
     return chunk, bool(final is not None and final.bool_param)
 

@@ -28,16 +28,33 @@ from python_backends.request.generate import AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDE
 from tests.images import synthetic_image
 from tests.videos import ClipSpec, make_clip
 
+# What the fake answers for ``prompt_logprobs``: vllm_backend's layout, the first entry null.
+PROMPT_LOGPROBS = [None, {"9707": {"logprob": -2.5, "rank": 3, "decoded_token": "hi"}}]
+
+
+def fake_logprobs(token: int, text: str, top: int) -> dict[str, Any]:
+    """One token's entry as Triton answers it (vllm_backend's layout): the sampled token first
+    (rank 2, so outside a top-1 answer), then the alternatives of ranks 1..``top``."""
+    entry = {str(token): {"logprob": -0.5, "rank": 2, "decoded_token": text}}
+    for rank in range(1, top + 1):
+        if rank != 2:
+            entry[str(900 + rank)] = {"logprob": -0.1 * rank, "rank": rank, "decoded_token": f"alt{rank}"}
+    return entry
+
 
 @dataclass
 class FakeBackend:
     """Answers every chat with ``pieces`` (one Triton response each), counts on the last; or fails
-    with ``error`` (a Triton stream message) after ``fail_after`` responses."""
+    with ``error`` (a Triton stream message) after ``fail_after`` responses. With ``n`` > 1 in
+    the sampling parameters, sequence ``i`` answers each piece with ``i`` appended, the last
+    sequence first in each step, and counts ``len(pieces) + i`` tokens; with ``logprobs``, each
+    response carries its token's entry (:func:`fake_logprobs`)."""
 
     pieces: Sequence[str] = ("Hel", "lo", "!")
     ready: dict[str, bool] = field(default_factory=lambda: {"epd": True, "llm": True})
     error: str | None = None
     fail_after: int = 0
+    finish_reason: str = "length"
     calls: list[ChatRequest] = field(default_factory=list)
     finished: int = 0
     closed_early: int = 0
@@ -52,21 +69,28 @@ class FakeBackend:
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[Chunk]:
         self.calls.append(request)
+        n, top = int(request.sampling.get("n", 1)), request.sampling.get("logprobs")
         done = False
         try:
-            for index, piece in enumerate(self.pieces):
-                if self.error is not None and index == self.fail_after:
+            for step, piece in enumerate(self.pieces):
+                if self.error is not None and step == self.fail_after:
                     done = True
                     raise from_triton_message(self.error)
-                last = index == len(self.pieces) - 1
-                yield Chunk(
-                    text=piece,
-                    token_ids=[100 + index],
-                    num_input_tokens=40 if last else None,
-                    num_output_tokens=len(self.pieces) if last else None,
-                    finish_reason="length" if last else None,
-                )
-                await asyncio.sleep(0)
+                last = step == len(self.pieces) - 1
+                for index in reversed(range(n)):
+                    token, text = 100 + step + 10 * index, piece + (str(index) if index else "")
+                    first = step == 0 and index == n - 1
+                    yield Chunk(
+                        text=text,
+                        token_ids=[token],
+                        num_input_tokens=40 if last else None,
+                        num_output_tokens=len(self.pieces) + index if last else None,
+                        finish_reason=self.finish_reason if last else None,
+                        index=index,
+                        logprobs=None if top is None else [fake_logprobs(token, text, top)],
+                        prompt_logprobs=PROMPT_LOGPROBS if first and "prompt_logprobs" in request.sampling else None,
+                    )
+                    await asyncio.sleep(0)
             done = True
             self.finished += 1
         finally:
@@ -257,7 +281,7 @@ def chat(**fields: Any) -> dict[str, Any]:
         (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
         (chat(top_p=3), "top_p", "less than or equal to 1"),
         (chat(stream="maybe"), "stream", "valid boolean"),
-        (chat(n=2), "n", "only n=1"),
+        (chat(n=0), "n", "greater than or equal to 1"),
         (chat(seed=2**70), "seed", "less than or equal to"),
         (chat(messages=[{"role": "robot", "content": "hi"}]), "messages.0.role", "Input should be"),
         (chat(messages=[{"role": "user", "content": [{"type": "audio", "x": 1}]}]), "messages.0.content", ""),
