@@ -46,7 +46,7 @@ FINISH_REASON = "finish_reason"
 OUTPUT_INDEX = "output_index"
 # With ``logprobs`` / ``prompt_logprobs`` in sampling_parameters: JSON, vllm_backend's layout (a
 # list, one entry per token: {"<token id>": {"logprob", "rank", "decoded_token"}}); the prompt's
-# on the first response only, its first entry null.
+# on the first response only, its first entry null. JSON null where there are none.
 LOGPROBS = "logprobs"
 PROMPT_LOGPROBS = "prompt_logprobs"
 CACHE_HITS = "cache_hits"  # epd: images served from the embedding store

@@ -93,11 +93,11 @@ def chunk_tensors(chunk: GenerationChunk, declared: Collection[str] | None = Non
         tensor(contract.NUM_OUTPUT_TOKENS, [chunk.num_output_tokens], np.uint32),
         bytes_tensor(contract.FINISH_REASON, [chunk.finish_reason or ""]),
         tensor(contract.OUTPUT_INDEX, [chunk.index], np.uint32),
+        # JSON null when not asked (or, for the prompt's, after the first response): every response
+        # carries every output, or an ensemble that maps them holds its responses back for good.
+        bytes_tensor(contract.LOGPROBS, [json.dumps(chunk.logprobs)]),
+        bytes_tensor(contract.PROMPT_LOGPROBS, [json.dumps(chunk.prompt_logprobs)]),
     ]
-    if chunk.logprobs is not None:
-        tensors.append(bytes_tensor(contract.LOGPROBS, [json.dumps(chunk.logprobs)]))
-    if chunk.prompt_logprobs is not None:
-        tensors.append(bytes_tensor(contract.PROMPT_LOGPROBS, [json.dumps(chunk.prompt_logprobs)]))
     if chunk.transfer_params or declared is not None:
         tensors.append(bytes_tensor(contract.TRANSFER_PARAMS, [chunk.transfer_params]))
     if chunk.timings_ms:

@@ -15,6 +15,7 @@ import pytest
 
 from builders.tritonserver import Ports, ServerOptions, TritonServer, find_tritonserver
 from client.epd_client import GenerateResult, chat_prompt
+from python_backends.contract import GENERATE_OUTPUTS
 from python_backends.engines.generation import GenerationChunk, chunk_from_outputs
 from python_backends.engines.llm import load_engine_args
 from python_backends.errors import EpdError, ErrorCode
@@ -49,15 +50,8 @@ def test_chunk_response_has_every_output_with_its_dtype():
     assert outputs["num_input_tokens"].dtype == np.uint32 and outputs["num_output_tokens"][0] == 2
     assert outputs["finish_reason"][0] == b""
     assert outputs["output_index"].dtype == np.uint32 and outputs["output_index"][0] == 0
-    basic = {
-        "text_output",
-        "output_token_ids",
-        "num_input_tokens",
-        "num_output_tokens",
-        "finish_reason",
-        "output_index",
-    }
-    assert set(outputs) == basic  # logprobs only when asked
+    assert set(outputs) == {t.name for t in GENERATE_OUTPUTS}  # every one, every time: an ensemble waits for all
+    assert outputs["logprobs"][0] == b"null" and outputs["prompt_logprobs"][0] == b"null"  # none asked
 
 
 def test_logprobs_and_the_sequence_index_go_out_and_come_back():
