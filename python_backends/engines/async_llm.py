@@ -129,6 +129,7 @@ def sampling_params(sampling: Mapping[str, Any], **overrides: Any) -> Any:
     """``vllm.SamplingParams`` of a request's parsed ``sampling_parameters`` with ``overrides``
     (e.g. ``output_kind``, a split's ``max_tokens``); vLLM's own cross-field checks -> INVALID_ARG."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import StructuredOutputsParams
 
     fields = {**sampling, **overrides}
@@ -138,7 +139,7 @@ def sampling_params(sampling: Mapping[str, Any], **overrides: Any) -> Any:
         if fields.get("logit_bias") is not None:  # JSON keys are text; vLLM takes token ids
             fields["logit_bias"] = {int(token): float(bias) for token, bias in fields["logit_bias"].items()}
         return SamplingParams(**fields)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's validation error is not a ValueError
         raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
 
 

@@ -17,6 +17,7 @@ from python_backends import contract
 from python_backends.errors import invalid_arg
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's own default
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature samples greedily
 
 
 @dataclass(frozen=True)
@@ -209,4 +210,6 @@ def parse_sampling_parameters(
             raise invalid_arg(
                 f"sampling parameter '{name}' is {params[name]}, above this model's limit of {limit} ({key})"
             )
+    if params.get("n", 1) > 1 and params.get("temperature", 1.0) < GREEDY_BELOW:
+        raise invalid_arg("sampling parameter 'n' must be 1 when sampling greedily (temperature 0), as vLLM's")
     return params

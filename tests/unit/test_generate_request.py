@@ -204,6 +204,7 @@ def test_generation_features_pass_through(params):
         ({"logprobs": -1}, "'logprobs' must be >= 0"),
         ({"n": 17}, "'n' is 17, above this model's limit of 16 (max_n)"),
         ({"n": 0}, "'n' must be >= 1"),
+        ({"n": 2, "temperature": 0}, "'n' must be 1 when sampling greedily"),
         ({"logit_bias": {"x": 1}}, "'logit_bias' must be a object of token id -> number"),
         ({"logit_bias": {"5": 101}}, "within [-100, 100]"),
         ({"allowed_token_ids": []}, "'allowed_token_ids' must be non-empty"),
