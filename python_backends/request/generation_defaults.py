@@ -10,8 +10,8 @@ the two.
 
 Who calls it: the ``llm`` and ``epd`` models, once in ``initialize``
 (``model_repository/{llm,epd}/1/model.py``: :func:`defaults_for_model` with their config
-parameter ``generation_config`` and the checkpoint of their ``engine_args.json``), keeping the
-result as ``self.sampling_defaults``; their request parsing hands it to
+parameter ``generation_config`` and the checkpoint of their ``engine_args.json``), into their
+``RequestLimits.sampling_defaults``; their request parsing hands them to
 ``python_backends.request.sampling.parse_sampling_parameters`` (``defaults``): the request's own
 values win, then these, then vLLM's. ``epd`` applies them before its path is chosen, so its
 colocated engine and ``prefill``/``decode`` sample with the same values.

@@ -15,35 +15,16 @@ import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
-from builders.default_model import build_default_model
-from client.openai_server.app import _openai_logprobs, create_app
-from client.openai_server.prompt import ChatRenderer, MediaPolicy
+from client.openai_server.app import _openai_logprobs
 from client.openai_server.schemas import ChatCompletionRequest
 from client.openai_server.triton_backend import chunk_of
+from tests.unit import test_openai_app
 from tests.unit.test_openai_app import PROMPT_LOGPROBS, FakeBackend, chat
 
+# The app tests' fixtures: the app on a fake backend, its HTTP test client, the openai client on it.
+renderer, backend, http, client = (test_openai_app.renderer, test_openai_app.backend, test_openai_app.http,
+                                   test_openai_app.client)  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-
-
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer.from_checkpoint(build_default_model(), MediaPolicy())
-
-
-@pytest.fixture
-def backend() -> FakeBackend:
-    return FakeBackend()
-
-
-@pytest.fixture
-def http(backend: FakeBackend, renderer: ChatRenderer):
-    with TestClient(create_app(backend, renderer), raise_server_exceptions=False) as client:
-        yield client
-
-
-@pytest.fixture
-def client(http: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
 
 
 def _events(http: TestClient, body: dict[str, Any]) -> list[dict[str, Any]]:
