@@ -137,6 +137,22 @@ CASES: tuple[BadInput, ...] = (
     BadInput("max_tokens negative", BAD, "'max_tokens' must be >= 1", sampling=_sampling(max_tokens=-1)),
     BadInput("max_tokens zero", BAD, "'max_tokens' must be >= 1", sampling=_sampling(max_tokens=0)),
     BadInput("max_tokens above max_tokens_limit", BAD, "max_tokens_limit", sampling=_sampling(max_tokens=10**6)),
+    BadInput("logprobs above max_logprobs", BAD, "(max_logprobs)", sampling=_sampling(logprobs=21)),
+    BadInput("prompt_logprobs above max_logprobs", BAD, "(max_logprobs)", sampling=_sampling(prompt_logprobs=50)),
+    BadInput("n above max_n", BAD, "(max_n)", sampling=_sampling(n=17)),
+    BadInput("logit_bias out of range", BAD, "'logit_bias'", sampling=_sampling(logit_bias={"5": 200})),
+    BadInput(
+        "structured_outputs: an invalid JSON schema", BAD, "'structured_outputs.json' is not a valid JSON schema",
+        sampling=_sampling(structured_outputs={"json": {"type": "objekt"}}),
+    ),  # fmt: skip
+    BadInput(
+        "structured_outputs: an invalid regex", BAD, "'structured_outputs.regex' is not a valid regular expression",
+        sampling=_sampling(structured_outputs={"regex": "[a-"}),
+    ),  # fmt: skip
+    BadInput(
+        "structured_outputs: two constraints", BAD, "must set exactly one of",
+        sampling=_sampling(structured_outputs={"regex": "a", "choice": ["a"]}),
+    ),  # fmt: skip
     BadInput("max_tokens a string", BAD, "'max_tokens' must be a integer", sampling=_sampling(max_tokens="10")),
     BadInput("max_tokens a float", BAD, "'max_tokens' must be a integer", sampling=_sampling(max_tokens=1.5)),
     BadInput("temperature NaN", BAD, "'temperature'", sampling='{"temperature": NaN}'),

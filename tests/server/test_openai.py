@@ -12,18 +12,21 @@ requests get OpenAI-shaped errors with their status and the server keeps serving
 from __future__ import annotations
 
 import base64
+import json
 import re
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
+from bench.generation_features import whitespace_tokens
 from builders.processes import ProcessGroup, http_ok, wait_until_ready
 from builders.tritonserver import TritonServer, free_port
 from client.epd_client import GrpcClient, chat_prompt
@@ -217,7 +220,15 @@ BAD_REQUESTS = [
     ("remote image URL", _with_image("http://127.0.0.1:9/cat.jpg"), 400, "remote image URLs are not fetched"),
     ("corrupt video", _with_video(_video_uri(corrupt_clip(ClipSpec("vp8", 64, 64, 5, 1.0)))), 400, "cannot be opened"),
     ("remote video URL", _with_video("https://127.0.0.1:9/a.webm"), 400, "remote video URLs are not fetched"),
-    ("n=2", {"n": 2}, 400, "n=1"),
+    ("n above max_n", {"n": 17}, 400, "max_n"),
+    ("top_logprobs without logprobs", {"top_logprobs": 3}, 400, "top_logprobs"),
+    (
+        "invalid JSON schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+        400,
+        "not a valid JSON schema",
+    ),
+    ("invalid regex", {"structured_outputs": {"regex": "(a"}}, 400, "not a valid regular expression"),
 ]
 
 
@@ -267,3 +278,49 @@ def test_503_when_triton_is_not_reachable(model_dir: Path):
             assert response.json()["error"]["type"] == "service_unavailable"
     finally:
         app.stop(timeout_s=30)
+
+
+class Place(BaseModel):
+    """What ``chat.completions.parse`` asks for: the package sends its JSON schema as ``response_format``."""
+
+    name: str = Field(max_length=8)
+    kind: Literal["city", "lake", "hill"]
+
+
+@pytest.mark.parametrize("model", ["llm", "epd"])
+def test_the_openai_packages_response_format_logprobs_and_n_calls(client, llm, model_dir: Path, model: str):
+    images, text = IMAGE_SETS[1], "Where is this?"
+    messages = user_turn(text, images)
+    # response_format with a schema, parsed by the package (whitespace biased away: a random-weight
+    # model otherwise fills JSON with it until max_tokens)
+    bias = whitespace_tokens(model_dir)
+    closing = whitespace_tokens(model_dir, closing=True)
+    parsed = client.chat.completions.parse(
+        model=model, messages=messages, max_tokens=64, temperature=0, response_format=Place, logit_bias=bias
+    )
+    place = parsed.choices[0].message.parsed
+    assert isinstance(place, Place) and place.kind in ("city", "lake", "hill")
+    # json_object, then logprobs with 5 alternatives and 3 choices, whole and streamed
+    whole = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=64, temperature=0, response_format={"type": "json_object"},
+        logit_bias=closing,
+    )  # fmt: skip
+    assert isinstance(json.loads(whole.choices[0].message.content, strict=False), dict)
+    answer = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=3, logprobs=True, top_logprobs=5
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert answer.usage.completion_tokens == sum(len(c.logprobs.content) for c in answer.choices) == 18
+    for choice in answer.choices:
+        assert all(len(t.top_logprobs) == 5 and t.logprob <= 0 for t in choice.logprobs.content)
+    expected = llm.generate(chat_prompt(text, 1), images, {"max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 1})
+    assert answer.choices[0].message.content == expected.text  # choice 0 is llm's seeded sample
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=3, logprobs=True,
+            top_logprobs=5, stream=True,
+        )
+    )  # fmt: skip
+    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)}  # fmt: skip
+    assert streamed == {c.index: c.message.content for c in answer.choices}
