@@ -203,14 +203,14 @@ def send(client: Any, model: str, path: str | None, prompt: str, images: Sequenc
                 sample.text += "".join(t.decode() for t in text.reshape(-1))
             if (reason := result.as_numpy("finish_reason")) is not None:
                 sample.finish_reason = reason.reshape(-1)[0].decode() or sample.finish_reason
-            if (logprobs := result.as_numpy("logprobs")) is not None:
-                raw = logprobs.reshape(-1)[0]
-                sample.logprobs_bytes += len(raw)
-                sample.logprobs_positions += len(json.loads(raw))
-            if (prompt_logprobs := result.as_numpy("prompt_logprobs")) is not None:
-                raw = prompt_logprobs.reshape(-1)[0]
-                sample.logprobs_bytes += len(raw)
-                sample.prompt_logprobs_positions += len(json.loads(raw))
+            for name in ("logprobs", "prompt_logprobs"):  # JSON null when not asked
+                raw = result.as_numpy(name).reshape(-1)[0]
+                positions = len(json.loads(raw) or [])
+                sample.logprobs_bytes += len(raw) if positions else 0
+                if name == "logprobs":
+                    sample.logprobs_positions += positions
+                else:
+                    sample.prompt_logprobs_positions += positions
             if (served := result.as_numpy("serving_path")) is not None:
                 sample.serving_path = served.reshape(-1)[0].decode()
             final = result.get_response().parameters.get("triton_final_response")
