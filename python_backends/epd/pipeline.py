@@ -23,7 +23,9 @@ Per request:
    ``dominates``), with no probes: measured slower at 12 of 12 points on three workloads, by
    2-9% (4 images, 2-16 tokens) to 24-69% (long answers, reused images), and adaptive's probes
    and kept streaks cost 3-8% (docs/benchmarks/epd-pays.md).
-   A forced path this epd cannot serve is an error (UNAVAILABLE), never a silent switch.
+   A forced path this epd cannot serve is an error (UNAVAILABLE), never a silent switch. A request
+   the chosen path cannot serve as asked goes to one that can, with its reason (:meth:`serving`:
+   logprobs under a grammar take the colocated path), or is refused if it is bound to the split.
 4. **serve** on that path: ``epd/disaggregated.py`` (encoders -> prefill -> KV transfer ->
    decode; each missed image's encoder by the rule in ``epd/references.py``) or
    ``epd/colocated.py`` (epd's own engine, store hits as embeddings).
