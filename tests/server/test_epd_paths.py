@@ -70,7 +70,8 @@ def test_forcing_a_path_this_epd_does_not_serve_is_unavailable_not_a_switch(serv
         if entry != "epd":
             (repository / entry).symlink_to(source / entry)
     (repository / "epd" / "1").mkdir(parents=True)
-    (repository / "epd" / "1" / "model.py").symlink_to(source / "epd" / "1" / "model.py")
+    for name in ("model.py", "engine_args.json"):  # the engine args name the checkpoint (its generation_config)
+        (repository / "epd" / "1" / name).symlink_to(source / "epd" / "1" / name)
     config = (source / "epd" / "config.pbtxt").read_text()
     policy = re.compile(r'(key: "path_policy"\s*value: \{\s*string_value: )"adaptive"')
     assert policy.search(config), "the generated epd config has no path_policy"
