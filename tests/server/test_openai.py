@@ -306,21 +306,22 @@ def test_the_openai_packages_response_format_logprobs_and_n_calls(client, llm, m
         logit_bias=closing,
     )  # fmt: skip
     assert isinstance(json.loads(whole.choices[0].message.content, strict=False), dict)
-    answer = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=3, logprobs=True, top_logprobs=5
-    )
+    sampled = {"max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3, "logprobs": True, "top_logprobs": 5}
+    exactly = {"ignore_eos": True}  # 6 tokens each, whatever the random model samples
+    answer = client.chat.completions.create(model=model, messages=messages, **sampled, extra_body=exactly)
     assert [c.index for c in answer.choices] == [0, 1, 2]
     assert answer.usage.completion_tokens == sum(len(c.logprobs.content) for c in answer.choices) == 18
     for choice in answer.choices:
         assert all(len(t.top_logprobs) == 5 and t.logprob <= 0 for t in choice.logprobs.content)
-    expected = llm.generate(chat_prompt(text, 1), images, {"max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 1})
-    assert answer.choices[0].message.content == expected.text  # choice 0 is llm's seeded sample
-    chunks = list(
-        client.chat.completions.create(
-            model=model, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=3, logprobs=True,
-            top_logprobs=5, stream=True,
-        )
-    )  # fmt: skip
+    chunks = list(client.chat.completions.create(model=model, messages=messages, **sampled, extra_body=exactly,
+                                                 stream=True))  # fmt: skip
     streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
                 for i in range(3)}  # fmt: skip
-    assert streamed == {c.index: c.message.content for c in answer.choices}
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1, 2}
+    # llm: choice 0 is the seeded sample of n = 1, and the stream the same three. epd: its adaptive
+    # path may differ between two requests, and the split samples its own (docs/generation.md).
+    if model == "llm":
+        expected = llm.generate(chat_prompt(text, 1), images, {"max_tokens": 6, "temperature": 1.0, "seed": 3,
+                                                               "ignore_eos": True})  # fmt: skip
+        assert answer.choices[0].message.content == expected.text
+        assert streamed == {c.index: c.message.content for c in answer.choices}
