@@ -108,6 +108,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="gpu target: run the preflight checks (each failed "
                         "one with its fix) and exit; every gpu start runs them before tritonserver")
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible chat API on this port")
+    parser.add_argument("--openai-host", default="127.0.0.1", help="the OpenAI API's address (default 127.0.0.1: "
+                        "this machine only; 0.0.0.0: every interface, with --api-key or --api-keys-file)")
+    parser.add_argument("--api-key", action="extend", nargs="+", metavar="KEY", help="the OpenAI API requires "
+                        "'Authorization: Bearer KEY' (one or more, repeatable; default: $TRITON_EPD_API_KEY, else "
+                        "$VLLM_API_KEY)")
+    parser.add_argument("--api-keys-file", type=Path, metavar="PATH", help="the OpenAI API's keys with their "
+                        "tenants, 'KEY TENANT' lines (client/openai_server/auth.py), re-read when it changes")
     parser.add_argument("--path-policy", choices=contract.PATH_POLICIES,
                         help="epd's path policy (default: the target's, adaptive)")
     from builders.repository import (  # light, no torch
@@ -135,18 +142,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.gpus is not None and args.target != "gpu":
         parser.error("--gpus is for --target gpu")
+    if (args.api_key or args.api_keys_file) and args.openai_port is None:
+        parser.error("--api-key and --api-keys-file are for the OpenAI API (--openai-port)")
+    if any(not key or "," in key or any(c.isspace() for c in key) for key in args.api_key or ()):
+        parser.error("--api-key: a key has no whitespace or comma")
     return args
 
 
 def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) -> ProcessGroup | None:
     """The OpenAI-compatible API (``client/openai_server``) in front of ``server``, not started;
-    None without ``--openai-port``. Its log goes beside Triton's when there is one."""
+    None without ``--openai-port``. Its log goes beside Triton's when there is one. ``--api-key``
+    keys reach it in its environment (``TRITON_EPD_API_KEY``), not on its command line, which any
+    local user may read; ``--port`` stays last (``serve`` reads it there)."""
     if args.openai_port is None:
         return None
+    keys_file = ["--api-keys-file", str(args.api_keys_file.resolve())] if args.api_keys_file else []
     command = [sys.executable, "-m", "client.openai_server", "--triton-grpc-url", server.grpc_url,
-               "--model-dir", str(model_dir), "--host", "0.0.0.0", "--port", str(args.openai_port)]  # fmt: skip
+               "--model-dir", str(model_dir), *keys_file, "--host", args.openai_host,
+               "--port", str(args.openai_port)]  # fmt: skip
+    env = {"TRITON_EPD_API_KEY": ",".join(args.api_key)} if args.api_key else {}
     log_path = args.log_file.with_name("openai-server.log") if args.log_file else None
-    return ProcessGroup("openai-server", command, log_path=log_path)
+    return ProcessGroup("openai-server", command, env=env, log_path=log_path)
 
 
 def run_demo(server: TritonServer, openai_url: str | None = None) -> int:

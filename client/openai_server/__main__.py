@@ -4,13 +4,21 @@
 
 ``--model-dir`` is the checkpoint Triton serves (its tokenizer's chat template renders the prompts);
 ``--media-dir`` lets ``file://`` image, video and audio URLs read files under that folder (off by default).
+``--api-key KEY`` (repeatable; or ``TRITON_EPD_API_KEY``, else ``VLLM_API_KEY``) and ``--api-keys-file
+PATH`` (``KEY TENANT`` lines, re-read when it changes and on SIGHUP) make every route but ``/health``
+need ``Authorization: Bearer KEY`` (``auth.py``). It binds 127.0.0.1 unless ``--host`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
+import signal
+import sys
 from pathlib import Path
 
+from client.openai_server.auth import ApiKeys, KeysError, configured_keys
 from client.openai_server.prompt import MediaPolicy
 from client.openai_server.triton_backend import CHAT_MODELS
 
@@ -26,6 +34,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_image_bytes)
     parser.add_argument("--max-video-bytes", type=int, default=MediaPolicy.max_video_bytes)
     parser.add_argument("--max-audio-bytes", type=int, default=MediaPolicy.max_audio_bytes)
+    parser.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (one or more, repeatable, as "
+        "vllm serve takes them; default: "
+        "$TRITON_EPD_API_KEY, comma-separated, else $VLLM_API_KEY); these keys name no tenant",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        metavar="PATH",
+        help="keys with their tenants, one 'KEY TENANT' per line ('-': no tenant), mode 600; "
+        "re-read when it changes and on SIGHUP",
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -38,11 +62,46 @@ def main(argv: list[str] | None = None) -> int:
     from client.openai_server.prompt import ChatRenderer
     from client.openai_server.triton_backend import TritonChatBackend
 
+    api_keys = api_keys_from(args)
+    if api_keys is None:
+        return 2
     policy = MediaPolicy(args.media_dir, args.max_image_bytes, args.max_video_bytes, args.max_audio_bytes)
     renderer = ChatRenderer.from_checkpoint(args.model_dir, policy)
-    app = create_app(TritonChatBackend(args.triton_grpc_url, args.models), renderer)
+    app = create_app(TritonChatBackend(args.triton_grpc_url, args.models), renderer, api_keys)
+    if api_keys.keys_file is not None:
+        signal.signal(signal.SIGHUP, api_keys.handle_sighup)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def api_keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ApiKeys | None:
+    """The keys the command line and environment configure (printed: how many, never which), or
+    None after printing why the server cannot start with them."""
+    try:
+        keys = configured_keys(args.api_key, os.environ if environ is None else environ)
+        api_keys = ApiKeys(keys, args.api_keys_file)
+    except KeysError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return None
+    static, in_file = api_keys.counts
+    if api_keys.enabled:
+        where = f" + {in_file} from {args.api_keys_file}" if args.api_keys_file is not None else ""
+        print(f"API keys: {static}{where}; every route but /health needs one", file=sys.stderr, flush=True)
+    elif not is_loopback(args.host):
+        print(
+            f"warning: serving on {args.host} with no API key: anyone who reaches it may use it and name "
+            "any tenant (--api-key / --api-keys-file)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return api_keys
 
 
 if __name__ == "__main__":

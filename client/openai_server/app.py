@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from client.openai_server.auth import ApiKeyMiddleware, ApiKeys, caller_of
 from client.openai_server.errors import OpenAIError, bad_request, internal, model_not_found, not_ready
 from client.openai_server.prompt import ChatRenderer
 from client.openai_server.schemas import (
@@ -39,7 +40,12 @@ from client.openai_server.triton_backend import ChatBackend, ChatRequest, Chunk
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
-    for status, text in ((400, "bad request"), (404, "unknown model"), (503, "Triton not ready"))
+    for status, text in (
+        (400, "bad request"),
+        (401, "no or an incorrect API key"),
+        (404, "unknown model"),
+        (503, "Triton not ready"),
+    )
 }
 
 
@@ -59,7 +65,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 # The tenant (Triton request parameter ``tenant``: it scopes the embedding cache, README "Tenants").
-# A gateway in front sets the header; without it, OpenAI's ``user`` (the end user's id) is the tenant.
+# With API keys configured it is the key's (``auth.py``: header and ``user`` ignored). Without keys,
+# a gateway in front sets the header; without it, OpenAI's ``user`` (the end user's id) is the tenant.
 TENANT_HEADER = "X-Tenant"
 
 
@@ -69,7 +76,11 @@ def request_tenant(header: str | None, user: str | None) -> str | None:
     return header or user or None
 
 
-def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
+def create_app(backend: ChatBackend, renderer: ChatRenderer, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The app; with ``api_keys`` configured, every route but ``/health`` needs one of them and
+    the tenant is the key's."""
+    keys_required = api_keys is not None and api_keys.enabled
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -77,6 +88,8 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
 
     app = FastAPI(title="triton-epd OpenAI-compatible API", version="0.1.0", lifespan=lifespan)
     started = int(time.time())
+    if keys_required and api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
@@ -96,7 +109,7 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
         ready = await backend.ready_models()
         return JSONResponse({"ready_models": ready}, status_code=200 if ready else 503)
 
-    @app.get("/v1/models", response_model=ModelList, responses={503: ERRORS[503]})
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401], 503: ERRORS[503]})
     async def models() -> ModelList:
         ready = await backend.ready_models()
         if not ready:
@@ -113,7 +126,11 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer) -> FastAPI:
             raise not_ready(f"model '{body.model}' is not ready on Triton")
         chat = renderer.render(body.messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tenant = request_tenant(request.headers.get(TENANT_HEADER), body.user)
+        if keys_required:  # the key's tenant; a header or ``user`` cannot name another's space
+            caller = caller_of(request.scope)
+            tenant = caller.tenant if caller is not None else None
+        else:
+            tenant = request_tenant(request.headers.get(TENANT_HEADER), body.user)
         parameters = {"tenant": tenant} if tenant else None
         chunks = backend.generate(
             ChatRequest(

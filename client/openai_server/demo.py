@@ -2,13 +2,16 @@
 
     python -m client.openai_server.demo --base-url http://127.0.0.1:9000/v1 [--model epd]
 
-The image goes inline as a ``data:`` URL, as an application would send it.
+The image goes inline as a ``data:`` URL, as an application would send it. The key it sends:
+``--api-key``, else the server's own variables (``TRITON_EPD_API_KEY``'s first key, ``VLLM_API_KEY``),
+else ``OPENAI_API_KEY``; none of them: a placeholder (a server without keys checks none).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,13 +29,24 @@ def chat_messages(prompt: str, image: bytes) -> list[dict[str, Any]]:
     ]}]  # fmt: skip
 
 
+def default_api_key(environ: dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    first_key = env.get("TRITON_EPD_API_KEY", "").split(",")[0].strip()
+    return first_key or env.get("VLLM_API_KEY") or env.get("OPENAI_API_KEY") or "unused"
+
+
 def run(
-    base_url: str, model: str = "epd", image: Path = SAMPLE_IMAGE, max_tokens: int = 24, expected: str | None = None
+    base_url: str,
+    model: str = "epd",
+    image: Path = SAMPLE_IMAGE,
+    max_tokens: int = 24,
+    expected: str | None = None,
+    api_key: str | None = None,
 ) -> int:
     """``expected``: the text the answer must be (``make demo`` passes ``llm``'s greedy answer)."""
     from openai import OpenAI, OpenAIError
 
-    client = OpenAI(base_url=base_url, api_key="unused")  # the server checks no key
+    client = OpenAI(base_url=base_url, api_key=api_key or default_api_key())
     print(f"\n>>> openai client: {base_url} model={model}: {SAMPLE_PROMPT!r} + image {image.name}")
     print(">>> answer: ", end="", flush=True)
     try:
@@ -72,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", default="http://127.0.0.1:9000/v1")
     parser.add_argument("--model", default="epd")
     parser.add_argument("--image", type=Path, default=SAMPLE_IMAGE)
+    parser.add_argument("--api-key", help="the key to send (default: see above)")
     args = parser.parse_args(argv)
-    return run(args.base_url, args.model, args.image)
+    return run(args.base_url, args.model, args.image, api_key=args.api_key)
 
 
 if __name__ == "__main__":

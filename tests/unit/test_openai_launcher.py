@@ -29,7 +29,7 @@ def test_the_openai_app_serves_the_checkpoint_in_front_of_tritons_grpc_port(tmp_
     assert options == {
         "--triton-grpc-url": "127.0.0.1:18001",
         "--model-dir": str(tmp_path / "model"),
-        "--host": "0.0.0.0",
+        "--host": "127.0.0.1",  # this machine only unless --openai-host says otherwise
         "--port": "19000",
     }
     assert app.log_path == tmp_path / "openai-server.log"  # beside Triton's log when there is one
