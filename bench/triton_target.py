@@ -42,9 +42,14 @@ class TritonGrpcTarget:
         import tritonclient.grpc as grpcclient  # keep `--help` fast
         import tritonclient.grpc.aio as grpcaio
 
+        from builders.access import AdminKeyHeader, local_admin_key
+
         self.url = url
         self._grpc = grpcclient
         self.client = grpcaio.InferenceServerClient(url)
+        admin_key = local_admin_key()
+        if admin_key is not None:  # a triton-epd-serve keeps model configs behind it (builders/access.py)
+            self.client.register_plugin(AdminKeyHeader(admin_key))
         # Each stream ends by client/grpc_streams.py's rule: read to the server's close; a request
         # past its timeout is aborted in-band where the model takes it, drained in the background
         # and cancelled only if still open after the grace (never at once: Triton 2.51's leak).

@@ -20,12 +20,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from builders.access import (
+    ADMIN_CATEGORIES,
+    ADMIN_HEADER,
+    PEER_HEADER,
+    PEER_KEY_FILE_ENV,
+    Access,
+    KeyFileError,
+    default_admin_key_file,
+    load_or_create_key,
+    read_key,
+    redacted,
+)
 from builders.processes import ProcessGroup, StartError, StartTimeout, http_ok, wait_until_ready
 from builders.roles import ROLES, Role, load_model_args, server_cpus
 from builders.stage_watch import HUNG_AFTER_S, StageWatch
 from builders.targets import target_named
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from python_backends import contract
+from python_backends.request.tenants import TENANT_SECRET_FILE_ENV, TenantSecretError, read_tenant_secret
 from python_backends.runtime.heartbeat import HEARTBEAT_DIR_ENV
 
 SAMPLE_IMAGE = REPO_ROOT / "client" / "samples" / "sample.jpg"
@@ -94,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "and store path share embeddings by reference")
     parser.add_argument("--remote-encoders", metavar="SPEC", help="pd role: epd's encoder servers, as "
                         "HOST:PORT,... or dns:NAME:PORT (re-resolved every few seconds) or file:PATH (re-read)")
+    parser.add_argument("--host", default="127.0.0.1", help="tritonserver's HTTP, gRPC and metrics address "
+                        "(default 127.0.0.1: this machine only; 0.0.0.0: every interface, e.g. in a container)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -115,6 +130,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "$VLLM_API_KEY)")
     parser.add_argument("--api-keys-file", type=Path, metavar="PATH", help="the OpenAI API's keys with their "
                         "tenants, 'KEY TENANT' lines (client/openai_server/auth.py), re-read when it changes")
+    parser.add_argument("--admin-key-file", type=Path, metavar="PATH", help="the key that opens Triton's admin "
+                        f"APIs ({', '.join(ADMIN_CATEGORIES)}; header '{ADMIN_HEADER}'), generated there (0600) when "
+                        "missing (default: $XDG_CONFIG_HOME/triton-epd/admin-key, else ~/.config/triton-epd/admin-key)")
+    parser.add_argument("--open-admin-apis", nargs="*", choices=ADMIN_CATEGORIES, metavar="CATEGORY",
+                        help="leave these admin categories (none named: all) open to every client that reaches the "
+                        "ports, as Triton does by default; perf_analyzer 2.41 sends no header over gRPC and reads "
+                        "model-config (add shared-memory for --shared-memory)")
+    parser.add_argument("--peer-key-file", type=Path, metavar="PATH", help="encoder role: callers must send this "
+                        f"key (header '{PEER_HEADER}'; every inference and the model configs); pd role: the key "
+                        "sent to the encoder servers")
+    parser.add_argument("--tenant-secret-file", type=Path, metavar="PATH", help="the 'tenant' request parameter "
+                        "must be a token signed with this secret (python_backends/request/tenants.py); the OpenAI "
+                        "API signs the tenants it sends")
     parser.add_argument("--path-policy", choices=contract.PATH_POLICIES,
                         help="epd's path policy (default: the target's, adaptive)")
     from builders.repository import (  # light, no torch
@@ -144,6 +172,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--gpus is for --target gpu")
     if (args.api_key or args.api_keys_file) and args.openai_port is None:
         parser.error("--api-key and --api-keys-file are for the OpenAI API (--openai-port)")
+    if args.peer_key_file is not None and args.role == "all":
+        parser.error("--peer-key-file is for --role encoder (the key it requires) and --role pd (the key it sends)")
     if any(not key or "," in key or any(c.isspace() for c in key) for key in args.api_key or ()):
         parser.error("--api-key: a key has no whitespace or comma")
     return args
@@ -153,7 +183,7 @@ def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) 
     """The OpenAI-compatible API (``client/openai_server``) in front of ``server``, not started;
     None without ``--openai-port``. Its log goes beside Triton's when there is one. ``--api-key``
     keys reach it in its environment (``TRITON_EPD_API_KEY``), not on its command line, which any
-    local user may read; ``--port`` stays last (``serve`` reads it there)."""
+    local user may read; ``--host HOST --port PORT`` stay last (``serve`` reads them there)."""
     if args.openai_port is None:
         return None
     keys_file = ["--api-keys-file", str(args.api_keys_file.resolve())] if args.api_keys_file else []
@@ -161,11 +191,24 @@ def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) 
                "--model-dir", str(model_dir), *keys_file, "--host", args.openai_host,
                "--port", str(args.openai_port)]  # fmt: skip
     env = {"TRITON_EPD_API_KEY": ",".join(args.api_key)} if args.api_key else {}
+    if args.tenant_secret_file is not None:
+        env[TENANT_SECRET_FILE_ENV] = str(args.tenant_secret_file.resolve())
     log_path = args.log_file.with_name("openai-server.log") if args.log_file else None
     return ProcessGroup("openai-server", command, env=env, log_path=log_path)
 
 
-def run_demo(server: TritonServer, openai_url: str | None = None) -> int:
+def demo_api_key(args: argparse.Namespace) -> str | None:
+    """A key the OpenAI API accepts, for ``--demo``: the first ``--api-key``, else the keys file's first."""
+    from client.openai_server.auth import parse_keys_file
+
+    if args.api_key:
+        return str(args.api_key[0])
+    if args.api_keys_file is not None:
+        return next(iter(parse_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))), None)
+    return None
+
+
+def run_demo(server: TritonServer, openai_url: str | None = None, api_key: str | None = None) -> int:
     """The sample request, greedy, to ``llm`` (one engine, raw image in) and to ``epd`` (encoder,
     store, its path): both must answer the same tokens."""
     from client.epd_client import ClientError, GenerateResult, GrpcClient, chat_prompt
@@ -198,7 +241,7 @@ def run_demo(server: TritonServer, openai_url: str | None = None) -> int:
     if openai_url is not None:  # the same question through the OpenAI API, with the official client
         from client.openai_server.demo import run as openai_demo
 
-        return openai_demo(openai_url, expected=llm.text)
+        return openai_demo(openai_url, expected=llm.text, api_key=api_key)
     return 0
 
 
@@ -236,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         report = check_for_launch(args.target, args.model, args.model_repository, cache_policy(args), args.gpus)
         return 0 if print_report(report) else 1
     try:
+        access, access_env = server_access(args)
+    except (KeyFileError, TenantSecretError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
+    try:
         model_dir = prepare(
             args.target, args.model, args.model_repository, cache_policy(args), kv_store_path,
             role=args.role, gpus=args.gpus, remote_encoders=args.remote_encoders or "", max_videos=args.max_videos,
@@ -257,23 +305,57 @@ def main(argv: list[str] | None = None) -> int:
     # Each stub beats in this folder (python_backends/runtime/heartbeat.py); the stage watch reads it.
     heartbeats = tempfile.mkdtemp(prefix="triton-epd-heartbeats-")
     options = ServerOptions(
-        args.model_repository, ports, extra_args=role_args, exit_timeout_s=args.exit_timeout_s,
-        extra_env={HEARTBEAT_DIR_ENV: heartbeats}, cpus=server_cpus(args.cpus),
+        args.model_repository, ports, extra_args=(*role_args, *access.tritonserver_args()),
+        exit_timeout_s=args.exit_timeout_s, extra_env={HEARTBEAT_DIR_ENV: heartbeats, **access_env},
+        cpus=server_cpus(args.cpus), host=args.host,
     )
     try:
-        return run_server(args, options, model_dir, started)
+        return run_server(args, options, model_dir, started, access)
     finally:
         shutil.rmtree(heartbeats, ignore_errors=True)
 
 
-def run_server(args: argparse.Namespace, options: ServerOptions, model_dir: Path, started: float) -> int:
+def server_access(args: argparse.Namespace) -> tuple[Access, dict[str, str]]:
+    """The server's :class:`~builders.access.Access` and the environment that hands its stubs the
+    peer key (pd role) and the tenant secret, as file paths. Says where the admin key is, and the
+    key itself once, when it was just generated. Raises ``KeyFileError``, ``TenantSecretError``."""
+    env: dict[str, str] = {}
+    admin_key = peer_key = None
+    opened = set(ADMIN_CATEGORIES if args.open_admin_apis == [] else args.open_admin_apis or ())
+    closed = tuple(category for category in ADMIN_CATEGORIES if category not in opened)
+    if closed:
+        path = (args.admin_key_file or default_admin_key_file()).resolve()
+        admin_key, created = load_or_create_key(path)
+        if created:
+            print(f"admin key (shown once): {admin_key}\n  kept in {path} (0600); Triton's admin APIs "
+                  f"({', '.join(closed)}) want it as header '{ADMIN_HEADER}'", flush=True)
+        else:
+            print(f"admin APIs ({', '.join(closed)}) closed: header '{ADMIN_HEADER}' with the key in {path}",
+                  flush=True)
+    if args.peer_key_file is not None:
+        path = args.peer_key_file.resolve()
+        if args.role == "encoder":
+            peer_key = read_key(path)
+        else:
+            read_key(path)  # refuse a bad file here, not at the first encode
+            env[PEER_KEY_FILE_ENV] = str(path)
+    if args.tenant_secret_file is not None:
+        read_tenant_secret(args.tenant_secret_file)  # refuse a bad file now, not at the model's load
+        env[TENANT_SECRET_FILE_ENV] = str(args.tenant_secret_file.resolve())
+    return Access(admin_key, peer_key, args.role, closed), env
+
+
+def run_server(
+    args: argparse.Namespace, options: ServerOptions, model_dir: Path, started: float, access: Access
+) -> int:
     """Serve (``serve``), then stop and say how the server stopped; the launcher's exit code."""
     server = TritonServer(options, args.log_file)
     print(f"model: {model_dir}\nrole: {args.role} (node {args.node_id or 'local'})", flush=True)
-    print(f"starting: {' '.join(server.command())}", flush=True)
+    print(f"starting: {' '.join(redacted(server.command(), access))}", flush=True)
     openai = openai_app(args, model_dir, server)
     try:
-        code = serve(server, args.demo, started, openai, hung_stage_s=args.hung_stage_s)
+        code = serve(server, args.demo, started, openai, hung_stage_s=args.hung_stage_s,
+                     api_key=demo_api_key(args) if args.demo else None)
     except (StartError, StartTimeout) as exc:  # serve stopped it; the reason (with the log's tail), no traceback
         print(f"tritonserver did not start: {exc}", flush=True)
         return 1
@@ -289,7 +371,7 @@ def run_server(args: argparse.Namespace, options: ServerOptions, model_dir: Path
 
 def serve(
     server: TritonServer, demo: bool, started: float, openai: ProcessGroup | None = None,
-    hung_stage_s: float = HUNG_AFTER_S,
+    hung_stage_s: float = HUNG_AFTER_S, api_key: str | None = None,
 ) -> int:
     """Start, wait until ready, then the demo or serve until interrupted; the caller stops."""
     try:
@@ -304,12 +386,13 @@ def serve(
         openai_url = None
         if openai is not None:
             openai.start()
-            port = openai.command[-1]
-            wait_until_ready(lambda: http_ok(f"http://127.0.0.1:{port}/health"), [openai], 120, "the OpenAI API")
-            openai_url = f"http://127.0.0.1:{port}/v1"
+            host, port = openai.command[-3], openai.command[-1]
+            host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+            wait_until_ready(lambda: http_ok(f"http://{host}:{port}/health"), [openai], 120, "the OpenAI API")
+            openai_url = f"http://{host}:{port}/v1"
             print(f"  OpenAI  {openai_url}", flush=True)
         if demo:
-            return run_demo(server, openai_url)
+            return run_demo(server, openai_url, api_key)
         print("serving; Ctrl-C to stop", flush=True)
         return watch_stages(server, hung_stage_s)
     except KeyboardInterrupt:

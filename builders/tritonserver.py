@@ -154,6 +154,8 @@ class ServerOptions:
     auto_complete_config: bool = False
     # The CPUs tritonserver, its frontends and every stub run on (``--cpus LIST``); None: any.
     cpus: frozenset[int] | None = None
+    # The HTTP, gRPC and metrics address; None: Triton's default, every interface.
+    host: str | None = None
 
     @property
     def stop_timeout_s(self) -> float:
@@ -220,16 +222,22 @@ class TritonServer:
         return self.group.process
 
     @property
+    def client_host(self) -> str:
+        """Where this machine's clients reach the server: its address, or loopback when it listens
+        on every interface."""
+        return "127.0.0.1" if self.options.host in (None, "0.0.0.0", "::") else str(self.options.host)
+
+    @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.options.ports.http}"
+        return f"{self.client_host}:{self.options.ports.http}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.options.ports.grpc}"
+        return f"{self.client_host}:{self.options.ports.grpc}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.options.ports.metrics}/metrics"
+        return f"http://{self.client_host}:{self.options.ports.metrics}/metrics"
 
     def command(self) -> list[str]:
         opts = self.options
@@ -240,6 +248,7 @@ class TritonServer:
             f"--http-port={opts.ports.http}",
             f"--grpc-port={opts.ports.grpc}",
             f"--metrics-port={opts.ports.metrics}",
+            *([] if opts.host is None else [f"--{api}-address={opts.host}" for api in ("http", "grpc", "metrics")]),
             f"--log-verbose={opts.log_verbose}",
             # A failing model must fail the server start, not leave it half-ready.
             "--exit-on-error=true",

@@ -40,7 +40,7 @@ class InBandAbort:
     """The in-band abort of a model that takes one: the request carries a ``request_id`` input,
     and a control request (``abort`` = true, the same ``request_id``) on a stream of its own stops
     it; the model answers the control request with one empty final response. Whether a model takes
-    it is read from its config once (both inputs declared)."""
+    it is read from its metadata once (both inputs declared)."""
 
     ABORT, REQUEST_ID = "abort", "request_id"
 
@@ -52,8 +52,9 @@ class InBandAbort:
     async def supported(self, model: str) -> bool:
         if model not in self._models:
             try:
-                config = await self.client.get_model_config(model, as_json=True, client_timeout=10)
-                names = {item.get("name") for item in config.get("config", config).get("input", [])}
+                # Metadata, not the config: a triton-epd-serve keeps model configs behind its admin key.
+                metadata = await self.client.get_model_metadata(model, as_json=True, client_timeout=10)
+                names = {item.get("name") for item in metadata.get("inputs", [])}
             except Exception as exc:  # unknown for now: no abort, ask again next time
                 log.warning("inputs of '%s' unknown: %s", model, exc)
                 return False

@@ -80,6 +80,7 @@ class Membership:
         self.servers: dict[str, EncoderServer] = {}  # admitted, by address
         self.unreachable: dict[str, str] = {}  # address -> why it is not admitted yet (tried each refresh)
         self.refused_until: dict[str, float] = {}  # a refused address is checked again after refused_retry_s
+        self.refused_why: dict[str, str] = {}
 
     async def admit(self, address: str) -> EncoderServer | None:
         """A checked server, or None while it is not ready; raises :class:`EncoderRefused`."""
@@ -94,6 +95,11 @@ class Membership:
             await client.close()
             if wire.status(exc) == "NOT_FOUND" or "unknown model" in str(exc):
                 raise EncoderRefused(f"serves no {wire.ENCODER_MODEL}: not an encoder-role server ({exc})") from None
+            if "is restricted" in str(exc):  # Triton's restricted protocol (builders/access.py)
+                raise EncoderRefused(
+                    f"it wants the encoder servers' key, which this server "
+                    f"{'sends and it refused' if wire.peer_key() else 'was not given (--peer-key-file)'}"
+                ) from None
             # Not reachable now (refused, no such host, timed out): tried again at the next refresh.
             self.unreachable[address] = f"not reachable ({' '.join(str(exc).split())[:200]})"
             return None
@@ -126,6 +132,7 @@ class Membership:
             del self.unreachable[address]
         for address in [a for a in self.refused_until if a not in addresses]:
             del self.refused_until[address]
+            self.refused_why.pop(address, None)
         for address in addresses:
             server = self.servers.get(address)
             if server is not None:
@@ -139,6 +146,7 @@ class Membership:
             except EncoderRefused as exc:
                 self.stats.refused[address] = self.stats.refused.get(address, 0) + 1
                 self.refused_until[address] = time.monotonic() + self.refused_retry_s
+                self.refused_why[address] = str(exc)
                 log.error("encoder %s refused: %s (checked again in %g s)", address, exc, self.refused_retry_s)
                 continue
             if admitted is None:
@@ -165,7 +173,8 @@ class Membership:
         not admitted yet and why, and why the endpoint source found none."""
         parts = [self.router.describe()] if self.router.encoders else []
         parts += [f"{address}: {why}" for address, why in self.unreachable.items()]
-        parts += [f"{address}: refused (another key config or not an encoder)" for address in self.refused_until]
+        parts += [f"{address}: refused ({self.refused_why.get(address, 'another key config or not an encoder')})"
+                  for address in self.refused_until]
         if self.source.problem:
             parts.append(self.source.problem)
         return "; ".join(parts) or self.router.describe()

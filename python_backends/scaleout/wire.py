@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,7 +44,41 @@ def connect(address: str) -> Any:
         ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
-    return grpc_aio.InferenceServerClient(address, channel_args=options)
+    client = grpc_aio.InferenceServerClient(address, channel_args=options)
+    key = peer_key()
+    if key is not None:
+        client.register_plugin(PeerKey(key))
+    return client
+
+
+# The encoder servers' key (builders/access.py, ``--peer-key-file``): its file's path, in the
+# environment tritonserver hands its stubs.
+PEER_KEY_FILE_ENV = "TRITON_EPD_PEER_KEY_FILE"
+PEER_HEADER = "triton-epd-peer-key"
+# gRPC clients send a restricted-protocol header under Triton's prefix (kRestrictedProtocolHeaderTemplate).
+PEER_KEY_METADATA = "triton-grpc-protocol-" + PEER_HEADER
+
+
+def peer_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The key to send to encoder servers, read from its file each time an encoder is admitted (a
+    rotated Secret is sent from the next admission on); None without one."""
+    path = (os.environ if environ is None else environ).get(PEER_KEY_FILE_ENV)
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as exc:
+        raise EpdError(f"cannot read the encoder servers' key file: {exc.strerror}", ErrorCode.UNAVAILABLE) from None
+
+
+class PeerKey:
+    """A tritonclient plugin: every call carries the encoder servers' key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, request: Any) -> None:
+        request.headers[PEER_KEY_METADATA] = self.key
 
 
 def status(exc: BaseException) -> str:

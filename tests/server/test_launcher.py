@@ -7,11 +7,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
+from builders.access import ADMIN_HEADER
 from builders.tritonserver import PROBLEM_MARKERS, REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import GrpcClient, chat_prompt
 from tests.server.conftest import LAUNCHER_REPOSITORY, LOG_DIR, TEST_EXIT_TIMEOUT_S
@@ -25,8 +28,11 @@ def _ignore_sigint() -> None:
 
 
 @pytest.mark.parametrize("sigint_at_start", ["default", "ignored"])
-def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, node_dir: Path, sigint_at_start: str):
+def test_serve_answers_then_stops_cleanly_on_ctrl_c(
+    model_dir: Path, node_dir: Path, sigint_at_start: str, tmp_path: Path
+):
     ports = Ports.free()
+    admin_key_file = tmp_path / "admin-key"
     log = LOG_DIR / f"launcher-sigint-{sigint_at_start}.log"
     # Its own repository, store and KV folder: the session server's stay untouched.
     process = subprocess.Popen(
@@ -34,7 +40,7 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, node_dir: P
          "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics), "--log-file", str(log),
          "--model-repository", str(LAUNCHER_REPOSITORY),
          "--cache-path", str(node_dir / "launcher-embeddings"), "--kv-store-path", str(node_dir / "launcher-kv"),
-         "--exit-timeout-s", str(TEST_EXIT_TIMEOUT_S)],
+         "--exit-timeout-s", str(TEST_EXIT_TIMEOUT_S), "--admin-key-file", str(admin_key_file)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=_ignore_sigint if sigint_at_start == "ignored" else None,
     )
@@ -54,6 +60,14 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(model_dir: Path, node_dir: P
         client = GrpcClient(f"127.0.0.1:{ports.grpc}", "llm")
         assert client.generate(chat_prompt("hi", 0), [], {"max_tokens": 4, "temperature": 0}).num_output_tokens == 4
         client.close()
+        # Triton's admin APIs are closed by default (builders/access.py; every category:
+        # tests/server/test_access.py): a model's config opens with the generated key only.
+        config_url = f"http://127.0.0.1:{ports.http}/v2/models/llm/config"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(config_url, timeout=10)
+        assert refused.value.code == 403
+        opened = urllib.request.Request(config_url, headers={ADMIN_HEADER: admin_key_file.read_text().strip()})
+        assert json.loads(urllib.request.urlopen(opened, timeout=10).read())["name"] == "llm"
         process.send_signal(signal.SIGINT)  # kill -INT
         code = process.wait(timeout=TEST_EXIT_TIMEOUT_S + 60)
         rest = process.stdout.read()

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +73,9 @@ class Launcher:
         return ports + ([self.openai_port] if self.openai_port is not None else [])
 
 
-def launch(role: str, ports: Ports, openai_port: int | None, node_dir: Path, tag: str) -> Launcher:
+def launch(
+    role: str, ports: Ports, openai_port: int | None, node_dir: Path, tag: str, extra: Sequence[str] = ()
+) -> Launcher:
     """``triton-epd-serve`` as a user runs it, with its own store and KV folder. The repository is
     test_launcher's: each launcher writes its role's configs there, and a second folder would mean
     a second encoder export (~30 s)."""
@@ -89,6 +91,7 @@ def launch(role: str, ports: Ports, openai_port: int | None, node_dir: Path, tag
         command += ["--remote-encoders", f"127.0.0.1:{free_port()}"]
     if openai_port is not None:
         command += ["--openai-port", str(openai_port)]
+    command += extra
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str | None] = queue.Queue()
     output: list[str] = []

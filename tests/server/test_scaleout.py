@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from builders.access import PEER_HEADER, Access, grpc_header, read_key
 from builders.default_model import DEFAULT_MODEL_DIR, build_default_model
 from builders.launcher import prepare
 from builders.repository import TARGETS
@@ -40,6 +41,7 @@ from builders.roles import load_model_args
 from builders.tritonserver import REPO_ROOT, Ports, ServerOptions, TritonServer
 from client.epd_client import chat_prompt
 from python_backends import contract
+from python_backends.scaleout import wire
 from python_backends.scaleout.endpoints import StaticEndpoints
 from python_backends.scaleout.remote import RemoteEncoders
 from python_backends.scaleout.routing import rendezvous_order
@@ -78,13 +80,28 @@ class Topology:
         return [f"127.0.0.1:{server.options.ports.grpc}" for server in (self.encoder_a, self.encoder_b)]
 
 
+def _peer_key_file() -> Path:
+    """The encoder servers' key (issue 51): every encoder here requires it, the PD servers send it."""
+    path = SLOTS_DIR / "scaleout-peer-key"
+    if not path.exists():
+        SLOTS_DIR.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(32))
+        path.chmod(0o600)
+    return path
+
+
 def _server(name: str, node_dir: Path, model_dir: Path, role: str, node: str, store: str, **extra) -> ServerOptions:
     repository = SLOTS_DIR / f"scaleout-{name}-{node_dir.name}"
     cache = dataclasses.replace(TARGETS["cpu"].cache, path=store, node_id=node)
     prepare("cpu", model_dir, repository, cache=cache, kv_store_path=str(node_dir / f"scaleout-kv-{name}"),
             role=role, **extra)  # fmt: skip
     args = load_model_args(dataclasses.replace(TARGETS["cpu"], cache=cache), role)  # type: ignore[arg-type]
-    return ServerOptions(repository, Ports.free(), extra_args=args, exit_timeout_s=TEST_EXIT_TIMEOUT_S)
+    # As triton-epd-serve --peer-key-file runs them (builders/launcher.py server_access).
+    peer = _peer_key_file()
+    access = Access(peer_key=read_key(peer), role=role).tritonserver_args()
+    env = {wire.PEER_KEY_FILE_ENV: str(peer)} if role == "pd" else {}
+    return ServerOptions(repository, Ports.free(), extra_args=(*args, *access), extra_env=env,
+                         exit_timeout_s=TEST_EXIT_TIMEOUT_S)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +388,36 @@ def _text(server: TritonServer) -> str:
     return urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
 
 
-def test_an_encoder_with_another_preprocessing_config_is_refused(topology: Topology, tmp_path: Path) -> None:
+def test_an_encoder_refuses_a_caller_without_the_peer_key_while_the_pd_server_serves_through_it(
+    topology: Topology,
+) -> None:
+    """Issue 51: encoder A requires the peer key for every inference; a caller without it, or with
+    another, is refused by Triton's restricted protocol, and the PD server (which sends it to every
+    encoder) keeps encoding through them."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    encoder = topology.encoder_a
+    image = with_note(synthetic_image(96, 80, 9511, "PNG"), secrets.token_bytes(8))
+    client = grpcclient.InferenceServerClient(encoder.grpc_url)
+    try:
+        for headers in (None, {grpc_header(PEER_HEADER): "not-the-peer-key-0123456789"}):
+            with pytest.raises(InferenceServerException, match="restricted") as refused:
+                client.infer("vit_encoder", [], headers=headers)
+            assert refused.value.status() == "StatusCode.UNAVAILABLE"
+        assert client.is_server_ready()  # health stays open
+    finally:
+        client.close()
+    before = _encodes(topology)
+    answer = stream_generate(topology.pd.grpc_url, "epd", chat_prompt("What is this?", 1), [image],
+                             {"max_tokens": 2, "temperature": 0.0})  # fmt: skip
+    assert answer.error is None, answer.error
+    assert _wait_for(lambda: _encodes(topology) == before + 1, 10), "the PD server's encode went elsewhere"
+
+
+def test_an_encoder_with_another_preprocessing_config_is_refused(
+    topology: Topology, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     repository = SLOTS_DIR / f"scaleout-b-{Path(topology.pd_store).parent.name}"
     config = next(repository.glob("encoder_0/config.pbtxt")).read_text()
     preprocessor = Path(config.split('key: "preprocessor_config"')[1].split('string_value: "')[1].split('"')[0])
@@ -381,6 +427,7 @@ def test_an_encoder_with_another_preprocessing_config_is_refused(topology: Topol
     keys = KeyConfig.from_files(changed, repository / "vit_encoder" / "1" / "model.onnx")
     store = EmbeddingStore(StoreConfig(path=str(tmp_path / "store"), merge_size=2))
     address = f"127.0.0.1:{topology.encoder_b.options.ports.grpc}"
+    monkeypatch.setenv(wire.PEER_KEY_FILE_ENV, str(_peer_key_file()))  # refused for its config, not the key
     remote = RemoteEncoders(StaticEndpoints([address]), store, keys, node_id="node-c", store_path="x", merge_size=2)
 
     async def one_round() -> None:

@@ -173,10 +173,10 @@ class FakeAioClient:
         self.sent: list[dict[str, Any]] = []
         self.config_calls = 0
 
-    async def get_model_config(self, model: str, as_json: bool, client_timeout: float) -> dict[str, Any]:
+    async def get_model_metadata(self, model: str, as_json: bool, client_timeout: float) -> dict[str, Any]:
         self.config_calls += 1
         names = ["text_input", *(("request_id", "abort") if model == "decode" else ())]
-        return {"config": {"input": [{"name": n} for n in names]}}
+        return {"name": model, "inputs": [{"name": n} for n in names]}
 
     def stream_infer(self, requests: Any) -> FakeCall:
         async def take() -> None:
