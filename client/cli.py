@@ -1,4 +1,8 @@
-"""``triton-epd-client``: send a prompt, images and audio files to a running triton-epd server."""
+"""``triton-epd-client``: send a prompt, images and audio files to a running triton-epd server.
+
+``triton-epd-client sign-tenant --secret-file PATH TENANT`` prints the token that names TENANT to a
+deployment with that tenant secret (the ``tenant`` request parameter it then requires; Python code
+calls ``python_backends.request.tenants.sign_tenant``)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import sys
 from pathlib import Path
 
 from client.epd_client import DEFAULT_MODEL, ClientError, GrpcClient, HttpClient, chat_prompt
+from python_backends.request.tenants import TenantSecretError, read_tenant_secret, sign_tenant
+
+SIGN_TENANT = "sign-tenant"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -27,7 +34,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def sign_tenant_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"triton-epd-client {SIGN_TENANT}", description="print a signed tenant token")
+    parser.add_argument("--secret-file", type=Path, required=True, help="the deployment's tenant secret (mode 600)")
+    parser.add_argument("tenant")
+    args = parser.parse_args(argv)
+    try:
+        print(sign_tenant(read_tenant_secret(args.secret_file), args.tenant))
+    except TenantSecretError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [SIGN_TENANT]:
+        return sign_tenant_main(argv[1:])
     args = parse_args(argv)
     try:
         images = [path.read_bytes() for path in args.image]

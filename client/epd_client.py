@@ -274,7 +274,8 @@ class GrpcClient:
         """Pre-encode ``images`` into the server's embedding cache through an encoder model;
         returns each image's ``mm_hash``, to send later as ``b"mm_hash:" + hash`` instead of
         the bytes (``epd`` answers NOT_FOUND once an entry is evicted: send the bytes then).
-        ``tenant``: pre-encode for that tenant; its requests must name the same tenant."""
+        ``tenant``: pre-encode for that tenant; its requests must name the same tenant (a server
+        with a tenant secret takes the signed token: ``triton-epd-client sign-tenant``)."""
         image = self._module.InferInput("image", [len(images)], "BYTES")
         image.set_data_from_numpy(np.array(list(images), dtype=np.object_))
         responses = self._start_stream()

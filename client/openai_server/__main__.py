@@ -6,7 +6,9 @@
 ``--media-dir`` lets ``file://`` image, video and audio URLs read files under that folder (off by default).
 ``--api-key KEY`` (repeatable; or ``TRITON_EPD_API_KEY``, else ``VLLM_API_KEY``) and ``--api-keys-file
 PATH`` (``KEY TENANT`` lines, re-read when it changes and on SIGHUP) make every route but ``/health``
-need ``Authorization: Bearer KEY`` (``auth.py``). It binds 127.0.0.1 unless ``--host`` says otherwise.
+need ``Authorization: Bearer KEY`` (``auth.py``). ``--tenant-secret-file PATH`` (or
+``TRITON_EPD_TENANT_SECRET_FILE``): the deployment's tenant secret; the tenant is then sent to Triton
+signed (``python_backends/request/tenants.py``). It binds 127.0.0.1 unless ``--host`` says otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from client.openai_server.auth import ApiKeys, KeysError, configured_keys
 from client.openai_server.prompt import MediaPolicy
 from client.openai_server.triton_backend import CHAT_MODELS
+from python_backends.request.tenants import TENANT_SECRET_FILE_ENV, TenantSecretError, read_tenant_secret
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keys with their tenants, one 'KEY TENANT' per line ('-': no tenant), mode 600; "
         "re-read when it changes and on SIGHUP",
     )
+    parser.add_argument(
+        "--tenant-secret-file",
+        type=Path,
+        metavar="PATH",
+        help="the deployment's tenant secret (mode 600, the file Triton's models read): sign the tenant sent "
+        f"to Triton with it (default: ${TENANT_SECRET_FILE_ENV}; none: the tenant is sent as a plain name)",
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -65,9 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     api_keys = api_keys_from(args)
     if api_keys is None:
         return 2
+    try:
+        tenant_secret = tenant_secret_from(args)
+    except TenantSecretError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     policy = MediaPolicy(args.media_dir, args.max_image_bytes, args.max_video_bytes, args.max_audio_bytes)
     renderer = ChatRenderer.from_checkpoint(args.model_dir, policy)
-    app = create_app(TritonChatBackend(args.triton_grpc_url, args.models), renderer, api_keys)
+    app = create_app(TritonChatBackend(args.triton_grpc_url, args.models), renderer, api_keys, tenant_secret)
     if api_keys.keys_file is not None:
         signal.signal(signal.SIGHUP, api_keys.handle_sighup)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -79,6 +94,19 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def tenant_secret_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> bytes | None:
+    """The secret of ``--tenant-secret-file``, else of ``$TRITON_EPD_TENANT_SECRET_FILE``; None
+    when neither names a file. TenantSecretError when the file cannot be used."""
+    path = args.tenant_secret_file or (os.environ if environ is None else environ).get(TENANT_SECRET_FILE_ENV)
+    if path is None:
+        return None
+    if not str(path):  # set but empty: refuse rather than send unsigned tenants
+        raise TenantSecretError(f"{TENANT_SECRET_FILE_ENV} is set but names no file")
+    secret = read_tenant_secret(path)
+    print("tenant secret read: tenants are sent to Triton signed", file=sys.stderr, flush=True)
+    return secret
 
 
 def api_keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ApiKeys | None:

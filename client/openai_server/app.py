@@ -37,6 +37,7 @@ from client.openai_server.schemas import (
     Usage,
 )
 from client.openai_server.triton_backend import ChatBackend, ChatRequest, Chunk
+from python_backends.request.tenants import sign_tenant
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
@@ -76,9 +77,12 @@ def request_tenant(header: str | None, user: str | None) -> str | None:
     return header or user or None
 
 
-def create_app(backend: ChatBackend, renderer: ChatRenderer, api_keys: ApiKeys | None = None) -> FastAPI:
+def create_app(
+    backend: ChatBackend, renderer: ChatRenderer, api_keys: ApiKeys | None = None, tenant_secret: bytes | None = None
+) -> FastAPI:
     """The app; with ``api_keys`` configured, every route but ``/health`` needs one of them and
-    the tenant is the key's."""
+    the tenant is the key's. With ``tenant_secret`` (the deployment's, ``--tenant-secret-file``)
+    the tenant goes to Triton signed, as a Triton with that secret requires."""
     keys_required = api_keys is not None and api_keys.enabled
 
     @asynccontextmanager
@@ -131,6 +135,8 @@ def create_app(backend: ChatBackend, renderer: ChatRenderer, api_keys: ApiKeys |
             tenant = caller.tenant if caller is not None else None
         else:
             tenant = request_tenant(request.headers.get(TENANT_HEADER), body.user)
+        if tenant and tenant_secret is not None:
+            tenant = sign_tenant(tenant_secret, tenant)
         parameters = {"tenant": tenant} if tenant else None
         chunks = backend.generate(
             ChatRequest(

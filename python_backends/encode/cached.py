@@ -43,7 +43,7 @@ from python_backends.encode.vit_onnx import embedding_counts
 from python_backends.errors import EpdError, ErrorCode, invalid_arg, item_renamed
 from python_backends.request.audios import audio_bytes
 from python_backends.request.images import image_bytes
-from python_backends.request.tenants import key_space
+from python_backends.request.tenants import key_space, tenant_secret
 from python_backends.request.videos import VideoLimits, sized_video_bytes
 from python_backends.store import (
     Claim,
@@ -224,6 +224,7 @@ class CachedEncoder:
         self.keys = keys
         self.namespace = namespace
         key_space(None, tenant_policy)  # an unknown policy fails at load
+        tenant_secret()  # so does a tenant secret file it cannot use (read once per process)
         self.tenant_policy = tenant_policy
         self._encoders: dict[str, EncodeFn] = {"image": encode}
         if encode_video is not None:

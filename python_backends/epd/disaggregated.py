@@ -45,8 +45,9 @@ class StageClient(Protocol):
         """One image (or video: ``modality``) through encoder model ``encoder``: its reference
         (leased for the process ``lease_owner``) and whether the store already had it (or
         another request made it). ``encoder`` is None only for an unpinned image sent to a
-        client that routes images itself. ``tenant``: the request's tenant, passed on as the
-        encoder's request parameter."""
+        client that routes images itself. ``tenant``: the request's checked tenant, passed on as
+        the encoder's request parameter (re-signed where there is a tenant secret:
+        ``request.tenants.tenant_parameter``)."""
         ...
 
     async def prefill(

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from python_backends.engines.generation import GenerationChunk, ms_since
 from python_backends.errors import EpdError, ErrorCode, item_renamed, stage_error
 from python_backends.request.generate import CachedImage
-from python_backends.request.tenants import key_space
+from python_backends.request.tenants import key_space, tenant_secret
 from python_backends.scaleout.routing import home
 from python_backends.store import EmbeddingStore, KeyConfig, Reference, tenant_key
 
@@ -104,6 +104,7 @@ class ImageReferences:
         # every image then goes to its encoder, which is what that setting is for.
         self.node_cache = node_cache
         key_space(None, tenant_policy)  # an unknown policy fails here, at load
+        tenant_secret()  # so does a tenant secret file it cannot use (read once per process)
         self.tenant_policy = tenant_policy
 
     def encoder_for(self, key: str, pinned: str | None = None) -> str:

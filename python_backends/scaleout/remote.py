@@ -45,6 +45,7 @@ from python_backends.encode.cached import CachedEncoder, EncodedImage
 from python_backends.encode.digest import embedding_digest
 from python_backends.engines.generation import GenerationChunk
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.request.tenants import tenant_parameter
 from python_backends.runtime.grpc_streams import StreamEnds
 from python_backends.scaleout import wire
 from python_backends.scaleout.endpoints import EndpointSource
@@ -225,7 +226,8 @@ class RemoteEncoders:
     async def _encode_on(
         self, server: EncoderServer, image: bytes, lease_owner: int, tenant: str | None, timeout_s: float
     ) -> tuple[bytes, bool]:
-        parameters = {} if tenant is None else {contract.TENANT: tenant}
+        # Re-signed: with a tenant secret the encoder server checks the token as epd did.
+        parameters = {} if tenant is None else {contract.TENANT: tenant_parameter(tenant)}
         if server.shares_store:  # it writes this store and answers a reference leased for us
             inputs = [wire.image_input(image), wire.lease_input(lease_owner), wire.errors_as_outputs()]
             result = await _call(server, inputs, parameters, timeout_s, self.stream_ends)

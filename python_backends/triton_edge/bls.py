@@ -34,6 +34,7 @@ from python_backends import contract
 from python_backends.encode.cached import EncodedImage, split_encoded
 from python_backends.engines.generation import GenerationChunk, chunk_from_outputs, int_of, text_of
 from python_backends.errors import EpdError, ErrorCode
+from python_backends.request.tenants import tenant_parameter
 from python_backends.runtime.model_params import ModelParameters
 from python_backends.triton_edge.responses import bytes_tensor, error_from_output, tensor
 
@@ -345,7 +346,8 @@ class BlsStages(BlsCaller):
     ) -> tuple[bytes, bool]:
         # Modalities are named as the encoders' inputs: image, video, audio.
         inputs = [bytes_tensor(modality, [image]), tensor(contract.LEASE_OWNER, [lease_owner], np.int64)]
-        out = await self._last(encoder, inputs, None if tenant is None else {contract.TENANT: tenant})
+        # Re-signed: with a tenant secret the encoder model checks the token as epd did.
+        out = await self._last(encoder, inputs, None if tenant is None else {contract.TENANT: tenant_parameter(tenant)})
         return bytes(out[contract.REFERENCES].reshape(-1)[0]), bool(out[contract.CACHE_HIT].reshape(-1)[0])
 
     async def prefill(self, prompt: str, references: Sequence[bytes], sampling: Mapping[str, Any]) -> GenerationChunk:
