@@ -186,13 +186,13 @@ def openai_app(args: argparse.Namespace, model_dir: Path, server: TritonServer) 
     local user may read; ``--host HOST --port PORT`` stay last (``serve`` reads them there)."""
     if args.openai_port is None:
         return None
-    keys_file = ["--api-keys-file", str(args.api_keys_file.resolve())] if args.api_keys_file else []
+    keys_file = ["--api-keys-file", str(args.api_keys_file.absolute())] if args.api_keys_file else []
     command = [sys.executable, "-m", "client.openai_server", "--triton-grpc-url", server.grpc_url,
                "--model-dir", str(model_dir), *keys_file, "--host", args.openai_host,
                "--port", str(args.openai_port)]  # fmt: skip
     env = {"TRITON_EPD_API_KEY": ",".join(args.api_key)} if args.api_key else {}
     if args.tenant_secret_file is not None:
-        env[TENANT_SECRET_FILE_ENV] = str(args.tenant_secret_file.resolve())
+        env[TENANT_SECRET_FILE_ENV] = str(args.tenant_secret_file.absolute())
     log_path = args.log_file.with_name("openai-server.log") if args.log_file else None
     return ProcessGroup("openai-server", command, env=env, log_path=log_path)
 
@@ -324,7 +324,7 @@ def server_access(args: argparse.Namespace) -> tuple[Access, dict[str, str]]:
     opened = set(ADMIN_CATEGORIES if args.open_admin_apis == [] else args.open_admin_apis or ())
     closed = tuple(category for category in ADMIN_CATEGORIES if category not in opened)
     if closed:
-        path = (args.admin_key_file or default_admin_key_file()).resolve()
+        path = (args.admin_key_file or default_admin_key_file()).absolute()
         admin_key, created = load_or_create_key(path)
         if created:
             print(f"admin key (shown once): {admin_key}\n  kept in {path} (0600); Triton's admin APIs "
@@ -333,7 +333,7 @@ def server_access(args: argparse.Namespace) -> tuple[Access, dict[str, str]]:
             print(f"admin APIs ({', '.join(closed)}) closed: header '{ADMIN_HEADER}' with the key in {path}",
                   flush=True)
     if args.peer_key_file is not None:
-        path = args.peer_key_file.resolve()
+        path = args.peer_key_file.absolute()
         if args.role == "encoder":
             peer_key = read_key(path)
         else:
@@ -341,7 +341,7 @@ def server_access(args: argparse.Namespace) -> tuple[Access, dict[str, str]]:
             env[PEER_KEY_FILE_ENV] = str(path)
     if args.tenant_secret_file is not None:
         read_tenant_secret(args.tenant_secret_file)  # refuse a bad file now, not at the model's load
-        env[TENANT_SECRET_FILE_ENV] = str(args.tenant_secret_file.resolve())
+        env[TENANT_SECRET_FILE_ENV] = str(args.tenant_secret_file.absolute())
     return Access(admin_key, peer_key, args.role, closed), env
 
 
