@@ -12,7 +12,8 @@ requests run takes 20-45 % of the homes, counted per image on the encoders' own 
 topology: an encoder with another checkpoint or preprocessing config is refused at admission
 (log line + metric), an unreachable address and an unresolvable name are logged and skipped, and a
 pd server given ``dns:NAME:PORT`` for a name that resolves to nothing answers one UNAVAILABLE error
-per request at once (unit-tested too: tests/unit/test_remote_encoders.py).
+per request at once (unit-tested too: tests/unit/test_remote_encoders.py). Every encoder requires
+the peer key, which the PD server sends (issue 51): a caller without it is refused.
 """
 
 from __future__ import annotations
