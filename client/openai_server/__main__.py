@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from client.openai_server.auth import ApiKeys, KeysError, configured_keys
+from client.openai_server.limits import add_limit_arguments, serve, server_limits
 from client.openai_server.prompt import MediaPolicy
 from client.openai_server.triton_backend import CHAT_MODELS
 from python_backends.request.tenants import TENANT_SECRET_FILE_ENV, TenantSecretError, read_tenant_secret
@@ -61,12 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"to Triton with it (default: ${TENANT_SECRET_FILE_ENV}; none: the tenant is sent as a plain name)",
     )
     parser.add_argument("--log-level", default="info")
+    add_limit_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import uvicorn
 
     from client.openai_server.app import create_app
     from client.openai_server.prompt import ChatRenderer
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(TritonChatBackend(args.triton_grpc_url, args.models), renderer, api_keys, tenant_secret)
     if api_keys.keys_file is not None:
         signal.signal(signal.SIGHUP, api_keys.handle_sighup)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(app, args.host, args.port, args.log_level, server_limits(args, policy))
     return 0
 
 

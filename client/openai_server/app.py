@@ -105,8 +105,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+        kind = {503: "service_unavailable"}.get(exc.status_code, "invalid_request_error" if exc.status_code < 500
+                                                 else "internal_error")  # fmt: skip
+        # limits.BodyRefused names its code (request_too_large, server_busy)
+        return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind, code=getattr(exc, "code", None)))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from client.openai_server.errors import OpenAIError, bad_request
+from client.openai_server.media_files import FileRefused, FileTooLarge, read_media_file
 from client.openai_server.schemas import InputAudio, InputAudioPart, MediaPart, Message, TextPart
 from python_backends import contract
 
@@ -96,22 +97,17 @@ def decode_data_uri(url: str, param: str, kind: MediaKind, max_bytes: int) -> by
 
 
 def read_file_url(url: str, param: str, kind: MediaKind, policy: MediaPolicy) -> bytes:
+    """A ``file://`` URL's bytes: only a regular file under the media folder (``media_files.py``)."""
     if policy.file_root is None:
         raise bad_request(f"file:// {kind} URLs are off (the server was started without a media folder)", param)
-    parsed = urllib.parse.urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise bad_request("a file:// URL must name a local file", param, f"invalid_{kind}_url")
-    root = policy.file_root.resolve()
-    path = Path(urllib.parse.unquote(parsed.path)).resolve()  # symlinks and '..' resolved first
-    if not path.is_relative_to(root):
-        raise bad_request(f"file:// URLs may only read files under {root}", param, f"invalid_{kind}_url")
+    max_bytes = policy.max_bytes(kind)
     try:
-        size = path.stat().st_size
-        if size > policy.max_bytes(kind):
-            raise _too_large(kind, size, policy.max_bytes(kind), param)
-        return path.read_bytes()
-    except OSError as exc:
-        raise bad_request(f"cannot read {path}: {exc.strerror}", param, f"invalid_{kind}_url") from None
+        data = read_media_file(url, policy.file_root, max_bytes)
+    except FileTooLarge as exc:
+        raise _too_large(kind, exc.size, max_bytes, param) from None
+    except FileRefused as exc:
+        raise bad_request(str(exc), param, f"invalid_{kind}_url") from None
+    return _sized(data, param, kind, max_bytes, f"invalid_{kind}_url")
 
 
 def load_media(url: str, param: str, kind: MediaKind, policy: MediaPolicy) -> bytes:
