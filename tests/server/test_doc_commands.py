@@ -533,6 +533,28 @@ def run_generate_curl(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
     assert answer["model_name"] == "llm" and answer["text_output"], answer
 
 
+def run_admin_key(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Filled: ~/.config/triton-epd/admin-key -> the key file of an encoder-role triton-epd-serve the
+    test starts (ready in seconds; its admin APIs are closed as every role's); port 8000 -> its HTTP port."""
+    from tests.server.test_launcher_death import launch
+
+    request.getfixturevalue("model_dir")
+    key_file = tmp_path / "admin-key"
+    launcher = launch("encoder", Ports.free(), None, request.getfixturevalue("node_dir"), "doc-admin-key",
+                      extra=["--admin-key-file", str(key_file)])  # fmt: skip
+    try:
+        launcher.wait_serving()
+        text = block.text.replace("~/.config/triton-epd/admin-key", str(key_file))
+        output = run_block(substitute_ports(text, {8000: launcher.ports.http}), log_path(block), 120)
+    finally:
+        launcher.process.send_signal(signal.SIGINT)
+        launcher.process.wait(timeout=120)
+    refused, index, logging = output.splitlines()
+    assert refused == "403", output
+    assert "encoder_0" in {model["name"] for model in json.loads(index)}, output
+    assert json.loads(logging)["log_verbose_level"] == 0, output
+
+
 def run_bench_url(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """Filled: localhost:8001 -> the session server's gRPC port; ``--metrics-url`` with its /metrics
     (the text names none: with --url the harness reads HOST:8002, another server's or nothing)."""
@@ -577,6 +599,17 @@ def run_build_repository(block: Block, request: pytest.FixtureRequest, tmp_path:
     assert "tiny-qwen2-vl" in output, output
     for model in ("llm", "epd", "encoder_0", "prefill", "decode"):
         assert (REPO_ROOT / "model_repository" / model / "config.pbtxt").is_file()
+
+
+def run_sign_tenant(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Filled: /run/secrets/tenant-secret -> a 0600 secret file of the test's."""
+    from python_backends.request.tenants import verify_tenant
+
+    secret = tmp_path / "tenant-secret"
+    secret.write_text(secrets.token_urlsafe(32))
+    secret.chmod(0o600)
+    output = run_block(block.text.replace("/run/secrets/tenant-secret", str(secret)), log_path(block), 120)
+    assert verify_tenant(secret.read_text().strip().encode(), output.strip()) == "acme", output
 
 
 def run_advise(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
@@ -669,9 +702,11 @@ RUNNERS: dict[str, Runner] = {
     "client-cli": run_client_cli,
     "openai-curl": run_openai_curl,
     "generate-curl": run_generate_curl,
+    "admin-key": run_admin_key,
     "bench-url": run_bench_url,
     "perf-analyzer": run_perf_analyzer,
     "build-repository": run_build_repository,
+    "sign-tenant": run_sign_tenant,
     "advise": run_advise,
     "bench-compare": run_bench_compare,
     "audio-parity": run_audio_parity,
