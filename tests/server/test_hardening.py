@@ -141,6 +141,25 @@ async def _answer(reader: asyncio.StreamReader, until_eof: bool) -> bytes:
     return b""
 
 
+@contextlib.asynccontextmanager
+async def _probe(
+    port: int, until_eof: bool = False
+) -> AsyncIterator[tuple[asyncio.StreamWriter, asyncio.Future[bytes]] | None]:
+    """A connection and the future of the server's first answer (:func:`_answer`); None when it
+    cannot connect. Both are dropped on exit."""
+    opened = await _open(port)
+    if opened is None:
+        yield None
+        return
+    reader, writer = opened
+    answer = asyncio.ensure_future(_answer(reader, until_eof))
+    try:
+        yield writer, answer
+    finally:
+        answer.cancel()
+        writer.close()
+
+
 async def dribble(
     port: int, head: bytes, cap_s: float, interval: float = 1.0, pattern: bytes = b"a", repeat: bool = True,
     until_eof: bool = False,
@@ -148,15 +167,12 @@ async def dribble(
     """Sends ``head``, then the bytes of ``pattern`` one every ``interval`` s (over and over, or
     once and then nothing), until the server answers or closes (or ``cap_s`` passes)."""
     started = time.monotonic()
-    opened = await _open(port)
-    if opened is None:
-        return Outcome("connect failed", time.monotonic() - started)
-    reader, writer = opened
-    answer = asyncio.ensure_future(_answer(reader, until_eof))
-    sent = 0
-    try:
+    async with _probe(port, until_eof) as probe:
+        if probe is None:
+            return Outcome("connect failed", time.monotonic() - started)
+        writer, answer = probe
         writer.write(head)
-        sent += len(head)
+        sent = len(head)
         tick = 0
         while time.monotonic() - started < cap_s:
             done, _ = await asyncio.wait({answer}, timeout=interval)
@@ -173,9 +189,6 @@ async def dribble(
                 await asyncio.wait({answer}, timeout=5)
                 break
         return Outcome(_result(answer), time.monotonic() - started, sent)
-    finally:
-        answer.cancel()
-        writer.close()
 
 
 async def push(
@@ -186,14 +199,12 @@ async def push(
     ``chunked``, or header fields) as fast as the server takes them, then ``trailer``, stopping
     at the server's answer, close or reset."""
     started = time.monotonic()
-    opened = await _open(port)
-    if opened is None:
-        return Outcome("connect failed", time.monotonic() - started)
-    reader, writer = opened
-    answer = asyncio.ensure_future(reader.read(65536))
     sent = 0
     block = filler * ((1 << 20) // len(filler))
-    try:
+    async with _probe(port) as probe:
+        if probe is None:
+            return Outcome("connect failed", time.monotonic() - started)
+        writer, answer = probe
         writer.write(head)
         await writer.drain()
         while sent < total and not answer.done() and time.monotonic() - started < cap_s:
@@ -209,25 +220,16 @@ async def push(
                 writer.write(b"0\r\n\r\n" if chunked else trailer)
         await asyncio.wait({answer}, timeout=max(5.0, cap_s - (time.monotonic() - started)))
         return Outcome(_result(answer), time.monotonic() - started, sent)
-    finally:
-        answer.cancel()
-        writer.close()
 
 
 async def idle(port: int, cap_s: float, until_eof: bool = False) -> Outcome:
     """Connects and sends nothing; ends when the server answers or closes (or at ``cap_s``)."""
     started = time.monotonic()
-    opened = await _open(port)
-    if opened is None:
-        return Outcome("connect failed", time.monotonic() - started)
-    reader, writer = opened
-    answer = asyncio.ensure_future(_answer(reader, until_eof))
-    try:
-        await asyncio.wait({answer}, timeout=cap_s)
-        return Outcome(_result(answer), time.monotonic() - started)
-    finally:
-        answer.cancel()
-        writer.close()
+    async with _probe(port, until_eof) as probe:
+        if probe is None:
+            return Outcome("connect failed", time.monotonic() - started)
+        await asyncio.wait({probe[1]}, timeout=cap_s)
+        return Outcome(_result(probe[1]), time.monotonic() - started)
 
 
 async def _peek(reader: asyncio.StreamReader, timeout_s: float) -> str | None:
